@@ -1,0 +1,43 @@
+# Two commands for a fresh machine: `make run` and `make test`. Both install what is missing first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.gemrec-installed
+PROTOS := $(wildcard proto/gemrec/v1/*.proto)
+APT_PACKAGES := redis-server chromium chromium-driver
+DATA ?= $(firstword $(wildcard $(GEMREC_DATA_DIR)/movielens-latest-small ../shared/data/movielens-latest-small))
+
+.PHONY: setup run test lint proto system-deps clean
+
+setup: $(STAMP) proto
+
+$(STAMP): requirements.txt requirements-nodeps.txt pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	@touch $@
+
+proto: $(STAMP) $(patsubst %.proto,%_pb2.py,$(PROTOS))
+
+proto/gemrec/v1/%_pb2.py: proto/gemrec/v1/%.proto proto/build.py
+	$(PY) proto/build.py
+
+system-deps:
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "installing:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
+
+run: setup
+	$(VENV)/bin/gemrec pipeline run --recipe movielens $(if $(DATA),--data $(DATA))
+
+test: setup system-deps
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf $(VENV) runs mlruns.db mlartifacts proto/gemrec/v1/*_pb2*.py*

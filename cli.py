@@ -1,0 +1,68 @@
+"""The `gemrec` command. Each package registers its own subcommands; heavy imports stay inside handlers."""
+
+import argparse
+import importlib
+import logging
+import sys
+
+GROUPS = {
+    "data": "prepare, synthesize and inspect datasets",
+    "serve": "run the gRPC feature and data services",
+    "train": None,  # a single command, registered directly by the trainer
+    "pipeline": "run, compile and submit the Kubeflow pipeline",
+    "bench": "benchmarks (numbers go to docs/benchmarks.md)",
+    "ui": None,  # a single command, registered directly by the pipelines package
+}
+
+# Modules with `register(groups: dict[str, argparse._SubParsersAction]) -> None`.
+REGISTRARS = [
+    "gemrec.components.data_service.cli",
+    "gemrec.components.feature_service.cli",
+    "gemrec.components.trainer.cli",
+    "gemrec.kernels.cli",
+    "gemrec.pipelines.cli",
+]
+
+
+class CLIError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gemrec", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {"_top": top}
+    for name, help_text in GROUPS.items():
+        if help_text is None:
+            continue
+        sub = top.add_parser(name, help=help_text)
+        groups[name] = sub.add_subparsers(dest=f"{name}_command", metavar="SUBCOMMAND", required=True)
+    for module in REGISTRARS:
+        try:
+            registrar = importlib.import_module(module)
+        except ModuleNotFoundError as err:
+            if err.name != module:
+                raise
+            continue
+        registrar.register(groups)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as err:
+        print(f"gemrec {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

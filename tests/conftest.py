@@ -1,0 +1,31 @@
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def movielens_raw_dir() -> Path | None:
+    candidates = []
+    if os.environ.get("GEMREC_DATA_DIR"):
+        candidates.append(Path(os.environ["GEMREC_DATA_DIR"]) / "movielens-latest-small")
+    candidates.append(REPO_ROOT.parent / "shared" / "data" / "movielens-latest-small")
+    return next((p for p in candidates if (p / "ratings.csv").exists()), None)
+
+
+@pytest.fixture(scope="session")
+def movielens_raw() -> Path:
+    """The raw ml-latest-small folder (read-only: never write into it)."""
+    path = movielens_raw_dir()
+    if path is None:
+        pytest.skip("ml-latest-small not found (set GEMREC_DATA_DIR or place ../shared/data)")
+    return path
+
+
+@pytest.fixture
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
