@@ -27,6 +27,7 @@ proto/gemrec/v1/%_pb2.py: proto/gemrec/v1/%.proto proto/build.py
 
 system-deps:
 	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	command -v kubectl >/dev/null || missing="$$missing kubernetes-client"; \
 	if [ -n "$$missing" ]; then echo "installing:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
