@@ -1,0 +1,24 @@
+"""The GEM model in plain PyTorch (no process groups, no device choices). See docs/contracts.md."""
+
+from gemrec.model.attention import attention
+from gemrec.model.config import FeatureSchema, ModelConfig, SparseFeature
+from gemrec.model.gem import DLRMModel, GEMModel, build_model, loss, model_flops
+from gemrec.model.inputs import JaggedFeatures, ModelInput, ModelOutput
+from gemrec.model.moe import GroupedExperts, MoEFeedForward
+
+__all__ = [
+    "DLRMModel",
+    "FeatureSchema",
+    "GEMModel",
+    "GroupedExperts",
+    "JaggedFeatures",
+    "ModelConfig",
+    "ModelInput",
+    "ModelOutput",
+    "MoEFeedForward",
+    "SparseFeature",
+    "attention",
+    "build_model",
+    "loss",
+    "model_flops",
+]

@@ -1,0 +1,152 @@
+"""The one attention dispatch point of the model, over jagged sequences.
+
+Layout (the same as `gemrec.kernels` and FlashAttention varlen): q `(total_q, heads, head_dim)`,
+k and v `(total_kv, heads, head_dim)`; sequence i owns query rows `q_offsets[i]:q_offsets[i+1]` and
+key/value rows `kv_offsets[i]:kv_offsets[i+1]`; `max_q_len`/`max_kv_len` are host ints. Empty and
+length-1 sequences are legal; a query whose sequence has no keys gets a zero output.
+
+Semantics, per sequence, with s_ij = scale * q_i . k_j and `scale` defaulting to head_dim ** -0.5:
+- kind="softmax": out_i = sum_j softmax_j(s_ij) v_j
+- kind="silu":    out_i = sum_j silu(s_ij) v_j / n_kv   (n_kv: that sequence's key count; pointwise, HSTU-style)
+- causal=True: query i sees keys j <= i (positions counted from each sequence's start).
+
+`attention` runs the pure-PyTorch reference `jagged_attention_reference` everywhere; this is where the
+Triton kernels of `gemrec.kernels` plug in for CUDA tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+KINDS = ("softmax", "silu")
+
+# The reference pads sequences of similar length to a common length and runs them as one batch. A group
+# admits a sequence when its lengths are within this fraction of the group's longest; 0 groups equal
+# lengths only, so the matmuls do exactly the jagged work (what FLOP-count tests use).
+REFERENCE_MAX_PADDING = 0.125
+# Largest score tensor (batch x heads x q_len x kv_len elements) one reference group materialises.
+REFERENCE_MAX_SCORES = 1 << 25
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    *,
+    kind: str = "softmax",
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Jagged multi-head attention; returns `(total_q, heads, v_head_dim)`. See the module docstring."""
+    _check(q, k, v, q_offsets, kv_offsets, kind)
+    return jagged_attention_reference(
+        q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, kind=kind, causal=causal, scale=scale
+    )
+
+
+def _check(q, k, v, q_offsets, kv_offsets, kind):
+    if kind not in KINDS:
+        raise ValueError(f"attention: kind must be one of {KINDS}, got {kind!r}")
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(
+            f"attention: q, k, v must be (tokens, heads, head_dim), got {tuple(q.shape)}, {tuple(k.shape)}, "
+            f"{tuple(v.shape)}"
+        )
+    if k.shape[:2] != v.shape[:2] or q.shape[1:] != k.shape[1:]:
+        raise ValueError(
+            f"attention: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if q_offsets.shape != kv_offsets.shape or q_offsets.dim() != 1:
+        raise ValueError(
+            f"attention: q_offsets and kv_offsets must both be (B+1,), got {tuple(q_offsets.shape)} and "
+            f"{tuple(kv_offsets.shape)}"
+        )
+
+
+def _length_groups(q_len: list[int], kv_len: list[int], heads: int, max_padding: float) -> list[list[int]]:
+    """Sequences (non-empty) grouped so that padding to each group's longest wastes little."""
+    order = sorted(
+        (i for i in range(len(q_len)) if q_len[i] and kv_len[i]), key=lambda i: (-kv_len[i], -q_len[i])
+    )
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            head = groups[-1][0]
+            fits = (
+                kv_len[i] >= (1 - max_padding) * kv_len[head]
+                and (1 - max_padding) * q_len[head] <= q_len[i] <= q_len[head]
+                and (len(groups[-1]) + 1) * heads * q_len[head] * kv_len[head] <= REFERENCE_MAX_SCORES
+            )
+            if fits:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def jagged_attention_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    *,
+    kind: str = "softmax",
+    causal: bool = False,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Pure-PyTorch jagged attention: length groups padded only to their own longest member.
+
+    Never pads the whole batch to (B, max_len, max_len); reads the lengths on the host (one sync).
+    """
+    _check(q, k, v, q_offsets, kv_offsets, kind)
+    heads, head_dim = q.shape[1], q.shape[2]
+    scale = head_dim**-0.5 if scale is None else scale
+    q_off = q_offsets.detach().to("cpu", torch.long)
+    kv_off = kv_offsets.detach().to("cpu", torch.long)
+    q_len = (q_off[1:] - q_off[:-1]).tolist()
+    kv_len = (kv_off[1:] - kv_off[:-1]).tolist()
+    if max(q_len, default=0) > max_q_len or max(kv_len, default=0) > max_kv_len:
+        raise ValueError(
+            f"attention: a sequence is longer than max_q_len={max_q_len} / max_kv_len={max_kv_len} "
+            f"(longest: {max(q_len, default=0)} / {max(kv_len, default=0)})"
+        )
+    rows, outs = [], []
+    for group in _length_groups(q_len, kv_len, heads, REFERENCE_MAX_PADDING):
+        members = torch.tensor(group)
+        lq, lkv = q_len[group[0]], kv_len[group[0]]
+        q_pos, kv_pos = torch.arange(lq), torch.arange(lkv)
+        q_valid = q_pos[None, :] < torch.tensor([q_len[i] for i in group])[:, None]  # (b, lq)
+        kv_lens = torch.tensor([kv_len[i] for i in group])
+        kv_valid = kv_pos[None, :] < kv_lens[:, None]  # (b, lkv)
+        q_rows = torch.where(q_valid, q_off[members][:, None] + q_pos, 0)
+        kv_rows = torch.where(kv_valid, kv_off[members][:, None] + kv_pos, 0)
+        device = q.device
+        qg = q[q_rows.to(device)].transpose(1, 2)  # (b, H, lq, D)
+        kg = k[kv_rows.to(device)].transpose(1, 2)
+        vg = v[kv_rows.to(device)].transpose(1, 2)
+        scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # (b, H, lq, lkv)
+        allowed = kv_valid[:, None, None, :]
+        if causal:
+            allowed = allowed & (kv_pos[None, :] <= q_pos[:, None])[None, None]
+        allowed = allowed.to(device)
+        if kind == "softmax":
+            probs = scores.float().masked_fill(~allowed, float("-inf")).softmax(-1).to(v.dtype)
+        else:
+            norm = (1.0 / kv_lens.to(device=device, dtype=scores.dtype))[:, None, None, None]
+            probs = F.silu(scores).masked_fill(~allowed, 0.0) * norm
+        out = torch.matmul(probs, vg).transpose(1, 2)  # (b, lq, H, Dv)
+        valid = q_valid.to(device)
+        outs.append(out[valid])
+        rows.append(q_rows.to(device)[valid])
+    result = q.new_zeros(q.shape[0], heads, v.shape[2])
+    if outs:
+        result = result.index_copy(0, torch.cat(rows), torch.cat(outs).to(result.dtype))
+    return result

@@ -1,0 +1,173 @@
+"""`FeatureSchema` (what the data holds, from the dataset manifest) and `ModelConfig` (what to build)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SparseFeature:
+    name: str
+    num_embeddings: int
+    multi_valued: bool = False
+    source: str = "user"  # "user" | "item" | "context"
+    hashed: bool = False
+
+
+@dataclass(frozen=True)
+class FeatureSchema:
+    sparse_features: tuple[SparseFeature, ...]
+    seq_item_features: tuple[str, ...] = ()
+    dense_features: tuple[str, ...] = ()
+    labels: tuple[str, ...] = ("label",)
+    actions: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        names = [f.name for f in self.sparse_features]
+        if len(set(names)) != len(names):
+            raise ValueError(f"feature schema: duplicate sparse feature names in {names}")
+        for required in ("user_id", "item_id"):
+            if required not in names:
+                raise ValueError(f"feature schema: sparse feature {required!r} is required (have {names})")
+        by_name = {f.name: f for f in self.sparse_features}
+        for name in self.seq_item_features:
+            if name not in by_name:
+                raise ValueError(f"feature schema: seq_item_features names unknown sparse feature {name!r}")
+            if by_name[name].source != "item":
+                raise ValueError(f"feature schema: seq item feature {name!r} must have source 'item'")
+        for f in self.sparse_features:
+            if f.num_embeddings < 1:
+                raise ValueError(
+                    f"feature schema: {f.name!r} needs num_embeddings >= 1, got {f.num_embeddings}"
+                )
+        if not self.labels:
+            raise ValueError("feature schema: at least one label is required")
+
+    @classmethod
+    def from_manifest(cls, manifest: dict[str, Any]) -> FeatureSchema:
+        """Build from a dataset `manifest.json` dict (see docs/contracts.md)."""
+        missing = [k for k in ("sparse_features", "labels") if k not in manifest]
+        if missing:
+            raise ValueError(f"manifest lacks {missing}")
+        try:
+            sparse = tuple(
+                SparseFeature(
+                    name=str(f["name"]),
+                    num_embeddings=int(f["num_embeddings"]),
+                    multi_valued=bool(f.get("multi_valued", False)),
+                    source=str(f.get("source", "user")),
+                    hashed=bool(f.get("hashed", False)),
+                )
+                for f in manifest["sparse_features"]
+            )
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"manifest sparse_features entry is malformed: {err!r}") from err
+        return cls(
+            sparse_features=sparse,
+            seq_item_features=tuple(manifest.get("seq_item_features", ())),
+            dense_features=tuple(manifest.get("dense_features", ())),
+            labels=tuple(manifest["labels"]),
+            actions=tuple(manifest.get("actions", ())),
+        )
+
+    @property
+    def feature_names(self) -> list[str]:
+        return [f.name for f in self.sparse_features]
+
+    @property
+    def num_tasks(self) -> int:
+        return len(self.labels)
+
+    @property
+    def num_dense(self) -> int:
+        return len(self.dense_features)
+
+    @property
+    def num_actions(self) -> int:
+        return len(self.actions)
+
+    def feature(self, name: str) -> SparseFeature:
+        for f in self.sparse_features:
+            if f.name == name:
+                return f
+        raise KeyError(f"feature schema has no sparse feature {name!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Every knob of the model; the defaults build a small model that runs on a CPU."""
+
+    arch: str = "gem"  # "gem" | "dlrm"
+    embedding_backend: str = "torchrec"  # "torchrec" (EmbeddingBagCollection) | "torch" (no torchrec import)
+    embedding_dim: int = 32  # every table's row size
+    d_model: int = 64  # token width inside the towers
+    num_heads: int = 4
+    mlp_ratio: float = 4.0
+    # Sequence tower over the jagged history.
+    seq_layers: int = 2
+    seq_attention: str = "softmax"  # "softmax" | "silu" (pointwise SiLU, normalised by the key count)
+    seq_causal: bool = True
+    rotary: bool = True
+    rotary_base: float = 10000.0
+    time_encoding: str = "log_bucket"  # "log_bucket" | "continuous" (of time since the target event)
+    num_time_buckets: int = 64
+    # PMA: K learned seed queries -> K summary tokens per sequence.
+    pma_seeds: int = 4
+    # Non-sequence tower: self-attention among feature tokens, then cross-attention into the sequence.
+    nonseq_layers: int = 1
+    # Interaction stack over [feature tokens, PMA summaries]; FFNs are MoE on every `moe_every`-th layer.
+    interaction_layers: int = 2
+    moe_every: int = 2  # layer i uses MoE when (i + 1) % moe_every == 0; 0 = no MoE
+    moe_num_experts: int = 4
+    moe_top_k: int = 2
+    moe_hidden: int = 128
+    moe_aux_loss_weight: float = 0.01
+    # Task heads.
+    head_hidden: int = 128
+    # DLRM baseline.
+    dlrm_bottom_mlp: tuple[int, ...] = (64,)
+    dlrm_top_mlp: tuple[int, ...] = (128, 64)
+    init_std: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes carried with the config
+
+    def __post_init__(self):
+        choices = {
+            "arch": ("gem", "dlrm"),
+            "embedding_backend": ("torchrec", "torch"),
+            "seq_attention": ("softmax", "silu"),
+            "time_encoding": ("log_bucket", "continuous"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"model config: {name} must be one of {allowed}, got {getattr(self, name)!r}"
+                )
+        if self.d_model % self.num_heads:
+            raise ValueError(
+                f"model config: d_model {self.d_model} is not divisible by num_heads {self.num_heads}"
+            )
+        if self.rotary and (self.d_model // self.num_heads) % 2:
+            raise ValueError("model config: rotary positions need an even head dim")
+        if self.moe_every and not 1 <= self.moe_top_k <= self.moe_num_experts:
+            raise ValueError(
+                f"model config: moe_top_k {self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]"
+            )
+        positive = ("embedding_dim", "d_model", "num_heads", "pma_seeds", "num_time_buckets", "head_hidden")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("seq_layers", "nonseq_layers", "interaction_layers", "moe_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"model config: {name} must be >= 0, got {getattr(self, name)}")
+        self.dlrm_bottom_mlp = tuple(self.dlrm_bottom_mlp)
+        self.dlrm_top_mlp = tuple(self.dlrm_top_mlp)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
+        """Build from a recipe's `model` table; unknown keys are an error naming them."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"model config: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**values)

@@ -1,0 +1,183 @@
+"""Sparse embeddings: the non-sequence features of each example and the history tokens, in ONE lookup.
+
+History tokens share the tables of the target item (`item_id` plus the schema's `seq_item_features`).
+Both go through one keyed jagged batch of `B + T` rows per key: rows `[0, B)` hold the examples' ids,
+rows `[B, B + T)` the history tokens' ids (empty for user/context features). One lookup keeps the
+table collection shardable as a unit (torchrec) and the whole path free of host syncs (torch backend).
+
+Backends: "torchrec" (`EmbeddingBagCollection`, imported only here, lazily) and "torch" (one fused
+`F.embedding_bag` over all tables stacked row-wise; needs no torchrec).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from gemrec.model.config import FeatureSchema, ModelConfig
+from torch import nn
+
+
+def _key_rows(features, key: str, stride: int, what: str) -> int:
+    keys = list(features.keys())
+    if features.stride() != stride:
+        raise ValueError(f"{what}: stride {features.stride()} does not match the {stride} rows expected")
+    return keys.index(key) * stride
+
+
+def _check_keys(features, expected: list[str], what: str) -> None:
+    keys = list(features.keys())
+    if sorted(keys) != sorted(expected):
+        raise ValueError(f"{what}: keys {keys} must be exactly the schema's {expected}")
+
+
+class TorchTables(nn.Module):
+    """All tables as one `(sum of rows, dim)` weight; one fused `embedding_bag` per forward, no host sync."""
+
+    def __init__(self, schema: FeatureSchema, dim: int):
+        super().__init__()
+        sizes = [f.num_embeddings for f in schema.sparse_features]
+        self.weight = nn.Parameter(torch.empty(sum(sizes), dim))
+        starts = torch.tensor([0] + sizes[:-1]).cumsum(0)
+        self.register_buffer("row_starts", starts, persistent=False)
+        self.register_buffer(
+            "mean_pooled", torch.tensor([f.multi_valued for f in schema.sparse_features]), persistent=False
+        )
+        self.num_features, self.dim = len(sizes), dim
+        self.sizes = sizes
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        # The same per-table init as torchrec: uniform(+-sqrt(1 / rows)).
+        with torch.no_grad():
+            for start, size in zip(self.row_starts.tolist(), self.sizes):
+                bound = (1.0 / size) ** 0.5
+                self.weight[start : start + size].uniform_(-bound, bound)
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, rows: int) -> torch.Tensor:
+        device = self.weight.device
+        key_of_row = torch.arange(self.num_features, device=device).repeat_interleave(rows)
+        key_of_value = torch.repeat_interleave(key_of_row, lengths, output_size=values.numel())
+        ids = values + self.row_starts[key_of_value]
+        lengths_per_value = torch.repeat_interleave(lengths, lengths, output_size=values.numel())
+        weights = torch.where(
+            self.mean_pooled[key_of_value], 1.0 / lengths_per_value.clamp(min=1).to(self.weight.dtype), 1.0
+        ).to(self.weight.dtype)
+        offsets = F.pad(torch.cumsum(lengths, 0), (1, 0))
+        pooled = F.embedding_bag(
+            ids, self.weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
+        )
+        return pooled.view(self.num_features, rows, self.dim).transpose(0, 1)
+
+
+class TorchrecTables(nn.Module):
+    """torchrec `EmbeddingBagCollection`, one table per feature (mean pooling for multi-valued ones)."""
+
+    def __init__(self, schema: FeatureSchema, dim: int):
+        super().__init__()
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+        tables = [
+            EmbeddingBagConfig(
+                name=f"t_{f.name}",
+                embedding_dim=dim,
+                num_embeddings=f.num_embeddings,
+                feature_names=[f.name],
+                pooling=PoolingType.MEAN if f.multi_valued else PoolingType.SUM,
+            )
+            for f in schema.sparse_features
+        ]
+        self.ebc = EmbeddingBagCollection(tables=tables)
+        self.keys = schema.feature_names
+        self.num_features, self.dim = len(tables), dim
+
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, rows: int) -> torch.Tensor:
+        from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+        kjt = KeyedJaggedTensor(keys=self.keys, values=values, lengths=lengths, stride=rows)
+        pooled = self.ebc(kjt).values()  # (rows, F * dim), features in table order
+        return pooled.view(rows, self.num_features, self.dim)
+
+
+class SparseEmbeddings(nn.Module):
+    """`forward(sparse_features, seq_item_ids, seq_item_features)` -> `(example_emb, token_emb)`.
+
+    example_emb: (B, num_features, dim) in schema order. token_emb: (T, 1 + num_seq_features, dim), the
+    item_id embedding first, or None when no history is given (the dlrm arch).
+    """
+
+    def __init__(self, schema: FeatureSchema, config: ModelConfig):
+        super().__init__()
+        self.schema = schema
+        self.features = schema.feature_names
+        self.token_features = ["item_id", *schema.seq_item_features]
+        self.token_columns = [self.features.index(name) for name in self.token_features]
+        tables = TorchrecTables if config.embedding_backend == "torchrec" else TorchTables
+        self.tables = tables(schema, config.embedding_dim)
+
+    def forward(
+        self, sparse_features, seq_item_ids=None, seq_item_features=None, batch_size: int | None = None
+    ):
+        batch = sparse_features.stride() if batch_size is None else batch_size
+        _check_keys(sparse_features, self.features, "sparse_features")
+        if seq_item_ids is None:
+            values, lengths = self._reorder(sparse_features, batch)
+            return self.tables(values, lengths, batch), None
+        values, lengths = self._merge(sparse_features, seq_item_ids, seq_item_features, batch)
+        tokens = seq_item_ids.numel()
+        pooled = self.tables(values, lengths, batch + tokens)
+        return pooled[:batch], pooled[batch:, self.token_columns]
+
+    def _reorder(self, features, batch: int):
+        """The features' rows in schema key order (a no-op gather when already in order)."""
+        device = features.values().device
+        perm = torch.cat(
+            [
+                torch.arange(start, start + batch, device=device)
+                for start in (_key_rows(features, name, batch, "sparse_features") for name in self.features)
+            ]
+        )
+        return _permute_rows(features.values(), features.lengths(), perm, features.values().numel())
+
+    def _merge(self, sparse_features, seq_item_ids, seq_item_features, batch: int):
+        """One (values, lengths) batch of `batch + T` rows per key (see the module docstring)."""
+        device = seq_item_ids.device
+        tokens = seq_item_ids.numel()
+        seq_names = list(self.schema.seq_item_features)
+        if seq_names:
+            if seq_item_features is None:
+                raise ValueError(f"seq_item_features is None but the schema expects {seq_names}")
+            _check_keys(seq_item_features, seq_names, "seq_item_features")
+        parts_values = [sparse_features.values(), seq_item_ids]
+        parts_lengths = [sparse_features.lengths(), torch.ones(tokens, dtype=torch.long, device=device)]
+        item_rows = sparse_features.lengths().numel()
+        seq_rows = item_rows + tokens
+        if seq_names:
+            parts_values.append(seq_item_features.values())
+            parts_lengths.append(seq_item_features.lengths())
+        empty_row = seq_rows + (seq_item_features.lengths().numel() if seq_names else 0)
+        parts_lengths.append(torch.zeros(1, dtype=torch.long, device=device))  # the shared empty row
+        perm = []
+        for name in self.features:
+            start = _key_rows(sparse_features, name, batch, "sparse_features")
+            perm.append(torch.arange(start, start + batch, device=device))
+            if name == "item_id":
+                perm.append(torch.arange(item_rows, item_rows + tokens, device=device))
+            elif name in seq_names:
+                start = seq_rows + _key_rows(seq_item_features, name, tokens, "seq_item_features")
+                perm.append(torch.arange(start, start + tokens, device=device))
+            else:
+                perm.append(torch.full((tokens,), empty_row, dtype=torch.long, device=device))
+        total = sum(v.numel() for v in parts_values)
+        values = torch.cat([v.long() for v in parts_values])
+        return _permute_rows(values, torch.cat([x.long() for x in parts_lengths]), torch.cat(perm), total)
+
+
+def _permute_rows(values: torch.Tensor, lengths: torch.Tensor, perm: torch.Tensor, total: int):
+    """Rows `perm` of a jagged (values, lengths); `total` (host int) is the output's value count."""
+    lengths = lengths.long()
+    starts = torch.cumsum(lengths, 0) - lengths
+    out_lengths = lengths[perm]
+    out_starts = torch.cumsum(out_lengths, 0) - out_lengths
+    shift = torch.repeat_interleave(starts[perm] - out_starts, out_lengths, output_size=total)
+    return values.long()[shift + torch.arange(total, device=values.device)], out_lengths

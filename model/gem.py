@@ -1,0 +1,341 @@
+"""The two architectures: `gem` (sequence + non-sequence towers, PMA, MoE interaction) and `dlrm`.
+
+gem, per batch of B examples with T history tokens in total:
+
+    embeddings      one sparse lookup: example features (B, F, E) and history tokens (T, 1 + S, E)
+    seq_input       token = proj(item + side-feature embeddings) + action encoding + time-since-target
+    seq_tower       N pre-norm layers of jagged self-attention (softmax or SiLU, causal or not, rotary) + MLP
+    pma             K learned seeds attend over each sequence -> (B, K, d) summary tokens
+    feature_input   one token per sparse feature plus one for the dense features -> (B, F', d)
+    nonseq_tower    self-attention among feature tokens, cross-attention from them into the sequence, MLP
+    interaction     layers over [feature tokens, summaries]; every `moe_every`-th FFN is a mixture of experts
+    heads           shared trunk over the flattened tokens, one small tower and logit per task
+
+dlrm: embeddings + bottom MLP for dense features, pairwise dot interaction, top MLP, the same heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from gemrec.model.config import FeatureSchema, ModelConfig
+from gemrec.model.embeddings import SparseEmbeddings
+from gemrec.model.inputs import ModelInput, ModelOutput
+from gemrec.model.layers import PMA, Jagged, Rotary, SeqLayer, TokenLayer, add, linear_flops
+from gemrec.model.moe import MoEFeedForward
+from torch import nn
+
+
+def _check_input(inp: ModelInput, schema: FeatureSchema, with_sequence: bool) -> None:
+    batch = inp.batch_size
+    if inp.dense_features.dim() != 2 or tuple(inp.dense_features.shape) != (batch, schema.num_dense):
+        raise ValueError(
+            f"dense_features must be ({batch}, {schema.num_dense}) for dense features "
+            f"{list(schema.dense_features)}, got {tuple(inp.dense_features.shape)}"
+        )
+    if inp.sparse_features.stride() != batch:
+        raise ValueError(
+            f"sparse_features has stride {inp.sparse_features.stride()}, expected batch size {batch}"
+        )
+    if not with_sequence:
+        return
+    tokens = inp.num_tokens
+    if tuple(inp.seq_offsets.shape) != (batch + 1,):
+        raise ValueError(f"seq_offsets must be ({batch + 1},), got {tuple(inp.seq_offsets.shape)}")
+    if tuple(inp.seq_timestamps.shape) != (tokens,):
+        raise ValueError(
+            f"seq_timestamps must be ({tokens},) like seq_item_ids, got {tuple(inp.seq_timestamps.shape)}"
+        )
+    if inp.seq_actions.dim() != 2 or tuple(inp.seq_actions.shape) != (tokens, schema.num_actions):
+        raise ValueError(
+            f"seq_actions must be ({tokens}, {schema.num_actions}) for actions {list(schema.actions)}, "
+            f"got {tuple(inp.seq_actions.shape)}"
+        )
+
+
+class TaskHeads(nn.Module):
+    """Shared trunk, then one tower and one logit per task."""
+
+    def __init__(self, in_dim: int, hidden: int, num_tasks: int):
+        super().__init__()
+        self.trunk = nn.Linear(in_dim, hidden)
+        tower = max(hidden // 2, 1)
+        self.towers = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, tower), nn.GELU(), nn.Linear(tower, 1)) for _ in range(num_tasks)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.trunk(x))
+        return torch.cat([tower(h) for tower in self.towers], dim=1)
+
+    def flops(self, batch: int) -> tuple[int, int]:
+        parts = [linear_flops(batch, self.trunk.in_features, self.trunk.out_features)]
+        for tower in self.towers:
+            parts += [
+                linear_flops(batch, m.in_features, m.out_features) for m in tower if isinstance(m, nn.Linear)
+            ]
+        return add(*parts)
+
+
+class TimeEncoding(nn.Module):
+    """Encodes seconds between a history event and the target event (log buckets or continuous)."""
+
+    def __init__(self, kind: str, dim: int, buckets: int):
+        super().__init__()
+        self.kind = kind
+        if kind == "log_bucket":
+            self.buckets = buckets
+            self.table = nn.Embedding(buckets, dim)
+            nn.init.normal_(self.table.weight, std=0.02)
+        else:
+            self.register_buffer(
+                "freqs", torch.exp(torch.linspace(0.0, math.log(64.0), dim // 2)), persistent=False
+            )
+            self.proj = nn.Linear(2 * (dim // 2), dim)
+
+    def forward(self, seconds: torch.Tensor) -> torch.Tensor:
+        log_dt = torch.log1p(seconds.clamp(min=0).float())
+        if self.kind == "log_bucket":
+            # Half-octave buckets: bucket b covers dt in [2^(b/2) - 1, 2^((b+1)/2) - 1) seconds.
+            bucket = (2.0 * log_dt / math.log(2.0)).long().clamp(max=self.buckets - 1)
+            return self.table(bucket)
+        angles = (log_dt / 25.0)[:, None] * self.freqs
+        return self.proj(torch.cat([angles.sin(), angles.cos()], dim=-1))
+
+    def flops(self, tokens: int) -> tuple[int, int]:
+        if self.kind == "log_bucket":
+            return 0, 0
+        return linear_flops(tokens, self.proj.in_features, self.proj.out_features, input_grad=False)
+
+
+class SeqInput(nn.Module):
+    """History token vectors: item and side-feature embeddings, action and time encodings."""
+
+    def __init__(self, schema: FeatureSchema, config: ModelConfig):
+        super().__init__()
+        width = (1 + len(schema.seq_item_features)) * config.embedding_dim
+        self.token_proj = nn.Linear(width, config.d_model)
+        self.action_proj = (
+            nn.Linear(schema.num_actions, config.d_model, bias=False) if schema.num_actions else None
+        )
+        self.time = TimeEncoding(config.time_encoding, config.d_model, config.num_time_buckets)
+
+    def forward(self, token_emb, seq_actions, seconds_before_target):
+        x = self.token_proj(token_emb.flatten(1))
+        if self.action_proj is not None:
+            x = x + self.action_proj(seq_actions.to(x.dtype))
+        return x + self.time(seconds_before_target)
+
+    def flops(self, tokens: int) -> tuple[int, int]:
+        parts = [
+            linear_flops(tokens, self.token_proj.in_features, self.token_proj.out_features),
+            self.time.flops(tokens),
+        ]
+        if self.action_proj is not None:
+            parts.append(
+                linear_flops(tokens, self.action_proj.in_features, self.action_proj.out_features, False)
+            )
+        return add(*parts)
+
+
+class FeatureTokens(nn.Module):
+    """One d_model token per sparse feature (a projection per feature) plus one for the dense features."""
+
+    def __init__(self, schema: FeatureSchema, config: ModelConfig):
+        super().__init__()
+        num, emb, d = len(schema.sparse_features), config.embedding_dim, config.d_model
+        self.weight = nn.Parameter(torch.empty(num, emb, d))
+        self.bias = nn.Parameter(torch.zeros(num, d))
+        nn.init.normal_(self.weight, std=emb**-0.5)
+        self.dense_proj = nn.Linear(schema.num_dense, d) if schema.num_dense else None
+        self.num_tokens = num + (1 if schema.num_dense else 0)
+
+    def forward(self, example_emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        tokens = torch.einsum("bfe,fed->bfd", example_emb, self.weight.to(example_emb.dtype)) + self.bias
+        if self.dense_proj is not None:
+            tokens = torch.cat([tokens, self.dense_proj(dense.to(tokens.dtype)).unsqueeze(1)], dim=1)
+        return tokens
+
+    def flops(self, batch: int) -> tuple[int, int]:
+        num, emb, d = self.weight.shape
+        parts = [linear_flops(batch * num, emb, d)]
+        if self.dense_proj is not None:
+            parts.append(linear_flops(batch, self.dense_proj.in_features, d, input_grad=False))
+        return add(*parts)
+
+
+class GEMModel(nn.Module):
+    def __init__(self, config: ModelConfig, schema: FeatureSchema):
+        super().__init__()
+        self.config, self.schema = config, schema
+        d, heads = config.d_model, config.num_heads
+        hidden = int(config.mlp_ratio * d)
+        self.embeddings = SparseEmbeddings(schema, config)
+        self.seq_input = SeqInput(schema, config)
+        rotary = Rotary(d // heads, config.rotary_base) if config.rotary else None
+        self.seq_tower = nn.ModuleList(
+            SeqLayer(d, heads, hidden, config.seq_attention, config.seq_causal, rotary)
+            for _ in range(config.seq_layers)
+        )
+        self.seq_norm = nn.LayerNorm(d)
+        self.pma = PMA(d, heads, hidden, config.pma_seeds, config.seq_attention, config.init_std)
+        self.feature_input = FeatureTokens(schema, config)
+        self.nonseq_tower = nn.ModuleList(
+            TokenLayer(d, heads, hidden, cross=True, kind="softmax", moe=None)
+            for _ in range(config.nonseq_layers)
+        )
+        self.interaction = nn.ModuleList(
+            TokenLayer(d, heads, hidden, cross=False, kind="softmax", moe=self._moe(i))
+            for i in range(config.interaction_layers)
+        )
+        self.num_tokens = self.feature_input.num_tokens + config.pma_seeds
+        self.final_norm = nn.LayerNorm(d)
+        self.heads = TaskHeads(self.num_tokens * d, config.head_hidden, schema.num_tasks)
+
+    def _moe(self, layer: int) -> MoEFeedForward | None:
+        c = self.config
+        if not c.moe_every or (layer + 1) % c.moe_every:
+            return None
+        return MoEFeedForward(c.d_model, c.moe_hidden, c.moe_num_experts, c.moe_top_k, c.init_std)
+
+    def forward(self, inp: ModelInput) -> ModelOutput:
+        _check_input(inp, self.schema, with_sequence=True)
+        batch, tokens = inp.batch_size, inp.num_tokens
+        offsets, max_len = inp.seq_offsets, inp.max_seq_len
+        device = offsets.device
+        example_emb, token_emb = self.embeddings(
+            inp.sparse_features, inp.seq_item_ids, inp.seq_item_features, batch_size=batch
+        )
+        token_example = torch.repeat_interleave(
+            torch.arange(batch, device=device), inp.seq_lengths(), output_size=tokens
+        )
+        positions = torch.arange(tokens, device=device) - offsets[token_example]
+        seconds = inp.timestamps[token_example] - inp.seq_timestamps
+        seq = self.seq_input(token_emb, inp.seq_actions, seconds)
+        for layer in self.seq_tower:
+            seq = layer(seq, offsets, max_len, positions)
+        seq = self.seq_norm(seq)
+        summaries = self.pma(seq, offsets, max_len, batch)
+        x = self.feature_input(example_emb, inp.dense_features)
+        for layer in self.nonseq_tower:
+            x, _ = layer(x, seq, offsets, max_len)
+        z = torch.cat([x, summaries.to(x.dtype)], dim=1)
+        aux = torch.zeros((), device=device)
+        for layer in self.interaction:
+            z, layer_aux = layer(z)
+            if layer_aux is not None:
+                aux = aux + self.config.moe_aux_loss_weight * layer_aux
+        logits = self.heads(self.final_norm(z).flatten(1))
+        return ModelOutput(logits=logits.float(), aux_loss=aux)
+
+    def flops(self, inp: ModelInput) -> dict[str, tuple[int, int]]:
+        batch = inp.batch_size
+        seq = Jagged(inp.seq_lengths().tolist())
+        counts = {"seq_input": self.seq_input.flops(seq.tokens)}
+        for i, layer in enumerate(self.seq_tower):
+            counts[f"seq_tower.{i}"] = layer.flops(seq)
+        counts["pma"] = self.pma.flops(seq)
+        counts["feature_input"] = self.feature_input.flops(batch)
+        for i, layer in enumerate(self.nonseq_tower):
+            counts[f"nonseq_tower.{i}"] = layer.flops(batch, self.feature_input.num_tokens, seq)
+        for i, layer in enumerate(self.interaction):
+            counts[f"interaction.{i}"] = layer.flops(batch, self.num_tokens, None)
+        counts["heads"] = self.heads.flops(batch)
+        return counts
+
+
+def _mlp(sizes: list[int]) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+        layers += [nn.Linear(fan_in, fan_out), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _mlp_flops(mlp: nn.Sequential, rows: int, input_grad: bool) -> tuple[int, int]:
+    linears = [m for m in mlp if isinstance(m, nn.Linear)]
+    return add(
+        *[
+            linear_flops(rows, m.in_features, m.out_features, input_grad or i > 0)
+            for i, m in enumerate(linears)
+        ]
+    )
+
+
+class DLRMModel(nn.Module):
+    """DLRM baseline: embeddings, bottom MLP on dense features, pairwise dot interaction, top MLP."""
+
+    def __init__(self, config: ModelConfig, schema: FeatureSchema):
+        super().__init__()
+        self.config, self.schema = config, schema
+        emb = config.embedding_dim
+        self.embeddings = SparseEmbeddings(schema, config)
+        self.bottom_mlp = _mlp([schema.num_dense, *config.dlrm_bottom_mlp, emb]) if schema.num_dense else None
+        self.num_vectors = len(schema.sparse_features) + (1 if schema.num_dense else 0)
+        n = self.num_vectors
+        rows, cols = torch.triu_indices(n, n, offset=1)
+        self.register_buffer("pair_rows", rows, persistent=False)
+        self.register_buffer("pair_cols", cols, persistent=False)
+        top_in = n * (n - 1) // 2 + n * emb
+        self.top_mlp = _mlp([top_in, *config.dlrm_top_mlp])
+        self.heads = TaskHeads(
+            config.dlrm_top_mlp[-1] if config.dlrm_top_mlp else top_in, config.head_hidden, schema.num_tasks
+        )
+
+    def forward(self, inp: ModelInput) -> ModelOutput:
+        _check_input(inp, self.schema, with_sequence=False)
+        vectors, _ = self.embeddings(inp.sparse_features, batch_size=inp.batch_size)
+        if self.bottom_mlp is not None:
+            dense = self.bottom_mlp(inp.dense_features.to(vectors.dtype))
+            vectors = torch.cat([dense.unsqueeze(1), vectors], dim=1)
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
+        top = self.top_mlp(torch.cat([dots, vectors.flatten(1)], dim=1))
+        logits = self.heads(top)
+        return ModelOutput(logits=logits.float(), aux_loss=torch.zeros((), device=logits.device))
+
+    def flops(self, inp: ModelInput) -> dict[str, tuple[int, int]]:
+        batch, n, emb = inp.batch_size, self.num_vectors, self.config.embedding_dim
+        counts = {}
+        if self.bottom_mlp is not None:
+            counts["bottom_mlp"] = _mlp_flops(self.bottom_mlp, batch, input_grad=False)
+        dot = 2 * batch * n * n * emb
+        counts["interaction"] = (dot, 2 * dot)
+        counts["top_mlp"] = _mlp_flops(self.top_mlp, batch, input_grad=True)
+        counts["heads"] = self.heads.flops(batch)
+        return counts
+
+
+def build_model(config: ModelConfig, schema: FeatureSchema) -> nn.Module:
+    """The model named by `config.arch`, on the default device; parameters drawn from torch's RNG."""
+    if config.arch == "gem":
+        return GEMModel(config, schema)
+    if config.arch == "dlrm":
+        return DLRMModel(config, schema)
+    raise ValueError(f"unknown model arch {config.arch!r} (choose gem or dlrm)")
+
+
+def model_flops(model: nn.Module, inp: ModelInput) -> dict[str, tuple[int, int]]:
+    """Matmul FLOPs per layer `{module name: (forward, backward)}` for this input's real jagged lengths."""
+    if not hasattr(model, "flops"):
+        raise TypeError(
+            f"model_flops needs a gemrec model (GEMModel or DLRMModel), got {type(model).__name__}"
+        )
+    return model.flops(inp)
+
+
+def loss(output: ModelOutput, labels: torch.Tensor, task_weights=None) -> torch.Tensor:
+    """Weighted sum over tasks of the mean binary cross-entropy, plus the model's auxiliary loss."""
+    logits = output.logits
+    if labels.shape != logits.shape:
+        raise ValueError(
+            f"labels must have the logits' shape {tuple(logits.shape)}, got {tuple(labels.shape)}"
+        )
+    per_task = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(0)
+    if task_weights is None:
+        weights = torch.ones_like(per_task)
+    else:
+        weights = torch.as_tensor(task_weights, dtype=per_task.dtype, device=per_task.device)
+        if weights.shape != per_task.shape:
+            raise ValueError(f"task_weights must have {per_task.numel()} entries, got {tuple(weights.shape)}")
+    return (per_task * weights).sum() + output.aux_loss

@@ -1,0 +1,222 @@
+"""Building blocks over jagged tokens: attention (through the one dispatch), MLPs, rotary positions, PMA.
+
+Every block that does matmuls has `flops(...) -> (forward, backward)` counting the matmul FLOPs of the
+real jagged lengths it sees (2 per multiply-add; backward = the input- and weight-gradient matmuls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from gemrec.model.attention import attention
+from gemrec.model.moe import MoEFeedForward
+from torch import nn
+
+
+@dataclass
+class Jagged:
+    """Host-side facts about a jagged batch, enough to count FLOPs exactly."""
+
+    lengths: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def uniform(cls, batch: int, length: int) -> Jagged:
+        return cls([length] * batch)
+
+
+def attention_pairs(q: Jagged, kv: Jagged, causal: bool) -> int:
+    """Number of (query, key) pairs attention computes: causal counts only j <= i."""
+    if not causal:
+        return sum(lq * lk for lq, lk in zip(q.lengths, kv.lengths))
+    total = 0
+    for lq, lk in zip(q.lengths, kv.lengths):
+        inside = min(lq, lk)  # query i < lk sees i + 1 keys; later queries see all lk
+        total += inside * (inside + 1) // 2 + (lq - inside) * lk
+    return total
+
+
+def linear_flops(rows: int, fan_in: int, fan_out: int, input_grad: bool = True) -> tuple[int, int]:
+    fwd = 2 * rows * fan_in * fan_out
+    return fwd, fwd * (2 if input_grad else 1)
+
+
+def add(*pairs: tuple[int, int]) -> tuple[int, int]:
+    return sum(p[0] for p in pairs), sum(p[1] for p in pairs)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding on (tokens, heads, head_dim) with one position per token."""
+
+    def __init__(self, head_dim: int, base: float):
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        angles = positions.float()[:, None] * self.inv_freq  # (tokens, head_dim / 2)
+        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+
+
+class Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+    def flops(self, tokens: int) -> tuple[int, int]:
+        return add(
+            linear_flops(tokens, self.fc1.in_features, self.fc1.out_features),
+            linear_flops(tokens, self.fc2.in_features, self.fc2.out_features),
+        )
+
+
+class JaggedAttention(nn.Module):
+    """Multi-head attention from query tokens to key/value tokens, jagged on both sides."""
+
+    def __init__(
+        self, dim: int, heads: int, kind: str = "softmax", causal: bool = False, rotary: Rotary | None = None
+    ):
+        super().__init__()
+        self.dim, self.heads, self.kind, self.causal, self.rotary = dim, heads, kind, causal, rotary
+        self.wq, self.wkv, self.wo = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
+
+    def forward(self, xq, xkv, q_offsets, kv_offsets, max_q_len, max_kv_len, q_pos=None, kv_pos=None):
+        h = self.heads
+        q = self.wq(xq).view(xq.shape[0], h, -1)
+        k, v = self.wkv(xkv).view(xkv.shape[0], 2, h, -1).unbind(1)
+        if self.rotary is not None:
+            q, k = self.rotary(q, q_pos), self.rotary(k, kv_pos)
+        out = attention(
+            q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, kind=self.kind, causal=self.causal
+        )
+        return self.wo(out.reshape(xq.shape[0], self.dim))
+
+    def flops(self, q: Jagged, kv: Jagged, query_proj_grad: bool = True) -> tuple[int, int]:
+        d = self.dim
+        pairs = attention_pairs(q, kv, self.causal)
+        core = 2 * 2 * pairs * d  # scores q.k and the weighted sum of v, over all heads
+        return add(
+            linear_flops(q.tokens, d, d, input_grad=query_proj_grad),
+            linear_flops(kv.tokens, d, 2 * d),
+            (core, 2 * core),
+            linear_flops(q.tokens, d, d),
+        )
+
+
+class SeqLayer(nn.Module):
+    """Pre-norm self-attention + MLP over the jagged history tokens."""
+
+    def __init__(self, dim: int, heads: int, hidden: int, kind: str, causal: bool, rotary: Rotary | None):
+        super().__init__()
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = JaggedAttention(dim, heads, kind, causal, rotary)
+        self.mlp = Mlp(dim, hidden)
+
+    def forward(self, x, offsets, max_len, positions):
+        y = self.norm1(x)
+        x = x + self.attn(y, y, offsets, offsets, max_len, max_len, positions, positions)
+        return x + self.mlp(self.norm2(x))
+
+    def flops(self, seq: Jagged) -> tuple[int, int]:
+        return add(self.attn.flops(seq, seq), self.mlp.flops(seq.tokens))
+
+
+class PMA(nn.Module):
+    """Pooling by multihead attention: K learned seeds (shared by all sequences) -> K tokens per sequence."""
+
+    def __init__(self, dim: int, heads: int, hidden: int, seeds: int, kind: str, init_std: float):
+        super().__init__()
+        self.num_seeds = seeds
+        self.seeds = nn.Parameter(torch.empty(seeds, dim))
+        nn.init.trunc_normal_(self.seeds, std=init_std)
+        self.norm_kv, self.norm_out = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = JaggedAttention(dim, heads, kind)
+        self.mlp = Mlp(dim, hidden)
+
+    def forward(self, seq, seq_offsets, max_len, batch: int) -> torch.Tensor:
+        k = self.num_seeds
+        dim, heads = self.seeds.shape[1], self.attn.heads
+        kv = self.norm_kv(seq)
+        # The K seed queries are projected once and shared by every sequence (expanded, not copied per B).
+        q = self.attn.wq(self.seeds).view(1, k, heads, -1).expand(batch, k, heads, dim // heads)
+        keys, values = self.attn.wkv(kv).view(kv.shape[0], 2, heads, -1).unbind(1)
+        q_offsets = torch.arange(batch + 1, device=seq.device) * k
+        out = attention(
+            q.reshape(batch * k, heads, -1),
+            keys,
+            values,
+            q_offsets,
+            seq_offsets,
+            k,
+            max_len,
+            kind=self.attn.kind,
+        )
+        x = self.seeds.unsqueeze(0) + self.attn.wo(out.reshape(batch, k, dim))
+        return x + self.mlp(self.norm_out(x))
+
+    def flops(self, seq: Jagged) -> tuple[int, int]:
+        d, k = self.seeds.shape[1], self.num_seeds
+        pairs = attention_pairs(Jagged.uniform(seq.batch, k), seq, False)
+        core = 2 * 2 * pairs * d
+        return add(
+            linear_flops(k, d, d),
+            linear_flops(seq.tokens, d, 2 * d),
+            (core, 2 * core),
+            linear_flops(seq.batch * k, d, d),
+            self.mlp.flops(seq.batch * k),
+        )
+
+
+class TokenLayer(nn.Module):
+    """Pre-norm layer over a fixed number of tokens per example, (B, n, dim).
+
+    Self-attention among the tokens, optional cross-attention from them to the jagged sequence, then a
+    feed-forward that is an MLP or a mixture of experts. `forward` returns (x, aux_loss or None).
+    """
+
+    def __init__(self, dim: int, heads: int, hidden: int, cross: bool, kind: str, moe: MoEFeedForward | None):
+        super().__init__()
+        self.norm_self, self.norm_ffn = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.self_attn = JaggedAttention(dim, heads, kind)
+        self.cross = cross
+        if cross:
+            self.norm_cross_q, self.norm_cross_kv = nn.LayerNorm(dim), nn.LayerNorm(dim)
+            self.cross_attn = JaggedAttention(dim, heads, kind)
+        self.ffn = moe if moe is not None else Mlp(dim, hidden)
+
+    def forward(self, x, seq=None, seq_offsets=None, max_seq_len=0):
+        batch, n, dim = x.shape
+        flat = x.reshape(batch * n, dim)
+        offsets = torch.arange(batch + 1, device=x.device) * n
+        y = self.norm_self(flat)
+        flat = flat + self.self_attn(y, y, offsets, offsets, n, n)
+        if self.cross:
+            kv = self.norm_cross_kv(seq)
+            flat = flat + self.cross_attn(self.norm_cross_q(flat), kv, offsets, seq_offsets, n, max_seq_len)
+        aux = None
+        if isinstance(self.ffn, MoEFeedForward):
+            out, aux = self.ffn(self.norm_ffn(flat))
+        else:
+            out = self.ffn(self.norm_ffn(flat))
+        return (flat + out).view(batch, n, dim), aux
+
+    def flops(self, batch: int, n: int, seq: Jagged | None) -> tuple[int, int]:
+        tokens = Jagged.uniform(batch, n)
+        parts = [self.self_attn.flops(tokens, tokens), self.ffn.flops(batch * n)]
+        if self.cross:
+            parts.append(self.cross_attn.flops(tokens, seq))
+        return add(*parts)
