@@ -17,6 +17,7 @@ GROUPS = {
 # Modules with `register(groups: dict[str, argparse._SubParsersAction]) -> None`.
 REGISTRARS = [
     "gemrec.components.data_service.cli",
+    "gemrec.components.data_service.serve_cli",
     "gemrec.components.feature_service.cli",
     "gemrec.components.trainer.cli",
     "gemrec.kernels.cli",
