@@ -1,0 +1,212 @@
+"""Training recipes: TOML files loaded into dataclasses whose defaults run, overridable with `key=value`.
+
+A recipe names sections that mirror the dataclasses below; `[model]` is handed to
+`gemrec.model.ModelConfig` as keyword arguments (the model package validates it). Built-in recipes live
+in `recipes/*.toml` beside this file; `--recipe` also takes a path to a TOML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be found or does not fit the config dataclasses."""
+
+
+@dataclass
+class DataConfig:
+    batch_size: int = 256  # examples per rank per step
+    max_seq_len: int = 128  # most recent history tokens kept per example
+    eval_batch_size: int = 1024
+    eval_max_examples: int = 0  # 0 = the whole eval split
+    prefetch: int = 2  # batches collated ahead in a background thread (0 = inline)
+
+
+@dataclass
+class OptimConfig:
+    dense_lr: float = 1e-3  # AdamW over every non-embedding parameter
+    weight_decay: float = 0.01
+    betas: tuple[float, float] = (0.9, 0.98)
+    eps: float = 1e-8
+    sparse_lr: float = 0.05  # row-wise Adagrad over embedding tables, applied in backward
+    sparse_eps: float = 1e-8
+    warmup_steps: int = 100
+    decay: str = "cosine"  # cosine | linear | constant, from the end of warmup to the last step
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # max global L2 norm of the dense gradients; 0 = off
+
+
+@dataclass
+class LoopConfig:
+    steps: int = 0  # 0 = derive from epochs
+    epochs: float = 1.0
+    seed: int = 0
+    deterministic: bool = False  # deterministic algorithms, fixed threads: bit-identical reruns and resumes
+    compile: bool = False  # torch.compile the model
+    precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
+    log_every: int = 20
+    eval_every: int = 0  # 0 = only at the end
+    local_mfu: bool = True  # measure per-layer local MFU (each layer alone) at the end
+    local_mfu_repeats: int = 3
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 200  # steps between checkpoints; 0 = none
+    keep: int = 2  # newest checkpoints kept
+
+
+@dataclass
+class TrainConfig:
+    recipe: str = "custom"
+    model: dict[str, Any] = field(default_factory=lambda: {"arch": "gem"})
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: LoopConfig = field(default_factory=LoopConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    @property
+    def arch(self) -> str:
+        return str(self.model.get("arch", "gem"))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def flat(self) -> dict[str, Any]:
+        """`section.key -> value` for every setting (MLflow params)."""
+        out: dict[str, Any] = {}
+        for section, values in self.to_dict().items():
+            if isinstance(values, dict):
+                for key, value in values.items():
+                    out[f"{section}.{key}"] = value
+            else:
+                out[section] = values
+        return out
+
+
+SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": LoopConfig, "checkpoint": CheckpointConfig}
+
+
+def available_recipes() -> list[str]:
+    return sorted(p.stem for p in RECIPES_DIR.glob("*.toml"))
+
+
+def recipe_path(name: str) -> Path:
+    """A built-in recipe name or a path to a TOML file."""
+    builtin = RECIPES_DIR / f"{name}.toml"
+    if builtin.exists():
+        return builtin
+    path = Path(name)
+    if path.suffix == ".toml" and path.is_file():
+        return path
+    raise RecipeError(f"unknown recipe {name!r}: built-in recipes are {', '.join(available_recipes())}, "
+                      "or pass a path to a .toml file")
+
+
+def _coerce(value: Any, template: Any, where: str) -> Any:
+    """Check a TOML value against the type of the dataclass default it replaces."""
+    if isinstance(template, bool):
+        if not isinstance(value, bool):
+            raise RecipeError(f"{where} must be true or false, got {value!r}")
+        return value
+    if isinstance(template, int) and not isinstance(template, bool):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise RecipeError(f"{where} must be an integer, got {value!r}")
+        return value
+    if isinstance(template, float):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise RecipeError(f"{where} must be a number, got {value!r}")
+        return float(value)
+    if isinstance(template, str):
+        if not isinstance(value, str):
+            raise RecipeError(f"{where} must be a string, got {value!r}")
+        return value
+    if isinstance(template, tuple):
+        if not isinstance(value, (list, tuple)) or len(value) != len(template):
+            raise RecipeError(f"{where} must be a list of {len(template)} values, got {value!r}")
+        return tuple(_coerce(v, t, where) for v, t in zip(value, template))
+    return value
+
+
+def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
+    if not isinstance(values, dict):
+        raise RecipeError(f"[{section}] must be a table")
+    defaults = cls()
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise RecipeError(f"unknown setting(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
+                          f"[{section}] takes {', '.join(sorted(known))}")
+    kwargs = {k: _coerce(v, getattr(defaults, k), f"{section}.{k}") for k, v in values.items()}
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`section.key=value`; the value is read as a TOML literal, else kept as a string."""
+    if "=" not in text:
+        raise RecipeError(f"override {text!r} is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise RecipeError(f"override key {key!r} must be section.key (e.g. train.steps)")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return parts, value
+
+
+def build_config(raw: dict[str, Any], recipe: str = "custom", overrides: list[str] = ()) -> TrainConfig:
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    for text in overrides:
+        (section, key), value = parse_override(text)
+        raw.setdefault(section, {})[key] = value
+    unknown = sorted(set(raw) - set(SECTIONS) - {"model"})
+    if unknown:
+        raise RecipeError(f"unknown section(s) {', '.join(unknown)}; recipes take "
+                          f"{', '.join(['model', *SECTIONS])}")
+    model = dict(raw.get("model", {}))
+    model.setdefault("arch", "gem")
+    if model["arch"] not in ("gem", "dlrm"):
+        raise RecipeError(f"model.arch must be 'gem' or 'dlrm', got {model['arch']!r}")
+    sections = {name: _build_section(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
+    config = TrainConfig(recipe=recipe, model=model, **sections)
+    validate(config)
+    return config
+
+
+def validate(config: TrainConfig) -> None:
+    checks = [
+        (config.data.batch_size > 0, "data.batch_size must be > 0"),
+        (config.data.max_seq_len > 0, "data.max_seq_len must be > 0"),
+        (config.data.eval_batch_size > 0, "data.eval_batch_size must be > 0"),
+        (config.train.steps > 0 or config.train.epochs > 0, "train.steps or train.epochs must be > 0"),
+        (config.train.log_every > 0, "train.log_every must be > 0"),
+        (config.train.precision in ("auto", "bf16", "fp32"), "train.precision must be auto, bf16 or fp32"),
+        (config.optim.decay in ("cosine", "linear", "constant"), "optim.decay must be cosine, linear or constant"),
+        (config.optim.dense_lr >= 0 and config.optim.sparse_lr >= 0, "learning rates must be >= 0"),
+        (0.0 <= config.optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]"),
+        (config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise RecipeError(message)
+
+
+def load_recipe(name: str, overrides: list[str] = (), arch: str | None = None) -> TrainConfig:
+    path = recipe_path(name)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as err:
+        raise RecipeError(f"recipe {path} is not valid TOML: {err}") from err
+    overrides = list(overrides)
+    if arch is not None:
+        overrides.append(f'model.arch="{arch}"')
+    return build_config(raw, recipe=path.stem, overrides=overrides)

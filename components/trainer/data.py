@@ -1,0 +1,151 @@
+"""Where training batches come from, and the adapter from the data layer's `Batch` to `ModelInput`.
+
+- `DatasetStream`: in-process from a dataset directory. Deterministic shuffled epochs: the global batch
+  g is a slice of the permutation of epoch g // batches_per_epoch (seeded by (seed, epoch)); rank r takes
+  its block of every global batch. The cursor is the number of global batches consumed, so a resumed
+  run continues exactly where the checkpoint stopped.
+- `RemoteStream`: batches from the gRPC data service (`--data-addr`); the cursor is the opaque
+  `Batch.cursor` of the last batch consumed, handed back to the service on resume.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable, Iterator
+
+import numpy as np
+from gemrec.components.data_service.batch import Batch
+from gemrec.model import ModelInput
+
+TRAIN_SPLIT = "train"
+EVAL_SPLIT = "eval"
+
+
+def to_model_input(batch: Batch) -> ModelInput:
+    return ModelInput(
+        sparse_features=batch.sparse_features,
+        dense_features=batch.dense_features,
+        seq_offsets=batch.seq_offsets,
+        seq_item_ids=batch.seq_item_ids,
+        seq_timestamps=batch.seq_timestamps,
+        seq_actions=batch.seq_actions,
+        seq_item_features=batch.seq_item_features,
+        max_seq_len=batch.max_seq_len,
+        timestamps=batch.timestamps,
+    )
+
+
+class Prefetcher:
+    """Runs `produce(i)` for i = start, start+1, ... in a background thread, `depth` ahead."""
+
+    def __init__(self, produce: Callable[[int], object], start: int, depth: int):
+        self.produce = produce
+        self.next_index = start
+        self.depth = depth
+        if depth > 0:
+            self.queue: queue.Queue = queue.Queue(maxsize=depth)
+            self.stop = threading.Event()
+            self.thread = threading.Thread(target=self._run, args=(start,), daemon=True)
+            self.thread.start()
+
+    def _run(self, index: int) -> None:
+        while not self.stop.is_set():
+            try:
+                item = (index, self.produce(index), None)
+            except Exception as err:  # noqa: BLE001 - handed to the consumer, re-raised there
+                item = (index, None, err)
+            while not self.stop.is_set():
+                try:
+                    self.queue.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item[2] is not None:
+                return
+            index += 1
+
+    def get(self):
+        if self.depth == 0:
+            value = self.produce(self.next_index)
+        else:
+            index, value, err = self.queue.get()
+            if err is not None:
+                raise err
+            assert index == self.next_index
+        self.next_index += 1
+        return value
+
+    def close(self) -> None:
+        if self.depth > 0:
+            self.stop.set()
+            self.thread.join(timeout=5)
+
+
+class DatasetStream:
+    """Training batches of one rank from a `Dataset`, resumable at a global batch index."""
+
+    kind = "dataset"
+
+    def __init__(self, dataset, batch_size: int, max_seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
+                 prefetch: int = 2, split: str = TRAIN_SPLIT):
+        self.dataset = dataset
+        self.split = split
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.prefetch = prefetch
+        self.num_examples = dataset.num_examples(split)
+        self.global_batch = batch_size * world_size
+        self.batches_per_epoch = self.num_examples // self.global_batch
+        if self.batches_per_epoch == 0:
+            raise ValueError(f"split {split!r} has {self.num_examples} examples, fewer than one global batch "
+                             f"({batch_size} x {world_size} ranks)")
+        self.position = 0
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+        self._prefetcher: Prefetcher | None = None
+
+    def rows(self, global_batch: int) -> np.ndarray:
+        epoch, index = divmod(global_batch, self.batches_per_epoch)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
+            self._perm_epoch = epoch
+        start = index * self.global_batch + self.rank * self.batch_size
+        return self._perm[start : start + self.batch_size]
+
+    def _collate(self, global_batch: int) -> Batch:
+        return self.dataset.collate(self.split, self.rows(global_batch), self.max_seq_len)
+
+    def __iter__(self) -> Iterator[Batch]:
+        self._prefetcher = Prefetcher(self._collate, self.position, self.prefetch)
+        try:
+            while True:
+                batch = self._prefetcher.get()
+                self.position += 1
+                yield batch
+        finally:
+            self._prefetcher.close()
+
+    def state(self) -> dict:
+        return {"kind": self.kind, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        if state.get("kind") != self.kind:
+            raise ValueError(f"checkpoint data cursor is for a {state.get('kind')!r} stream, not {self.kind!r}")
+        self.position = int(state["position"])
+
+
+def eval_row_chunks(num_examples: int, max_examples: int, batch_size: int, rank: int, world_size: int):
+    """This rank's eval rows in batches; every rank gets the same number of batches."""
+    if 0 < max_examples < num_examples:  # a fixed random subset, not the first users only
+        n = max_examples
+        rows = np.sort(np.random.default_rng(0).choice(num_examples, n, replace=False)).astype(np.int64)
+    else:
+        n = num_examples
+        rows = np.arange(n, dtype=np.int64)
+    num_batches = max(1, -(-n // (batch_size * world_size)))
+    chunks = np.array_split(rows, num_batches * world_size)
+    return [c for i, c in enumerate(chunks) if i % world_size == rank]

@@ -1,0 +1,142 @@
+"""Optimizers: row-wise Adagrad on embedding tables fused into backward, AdamW on the dense rest.
+
+The sparse optimizer is attached with `torch.distributed.optim._apply_optimizer_in_backward` (what
+torchrec's `apply_optimizer_in_backward` forwards to): each table updates as soon as its gradient is
+ready and its gradient is freed, and torchrec's sharder turns the same annotation into a fused FBGEMM
+kernel (`EmbOptimType.EXACT_ROWWISE_ADAGRAD`) when the parallelism layer shards the tables. The
+optimizer class is `torchrec.optim.RowWiseAdagrad`; where torchrec is absent (the GPU benchmark
+machine) it falls back to `torch.optim.Adagrad` (element-wise) and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from gemrec.components.trainer.config import OptimConfig
+from torch import nn
+from torch.distributed.optim import _apply_optimizer_in_backward
+
+log = logging.getLogger(__name__)
+
+
+def sparse_optimizer_class() -> tuple[type[torch.optim.Optimizer], str]:
+    try:
+        from torchrec.optim import RowWiseAdagrad
+    except ImportError:
+        return torch.optim.Adagrad, "torch.optim.Adagrad (torchrec not installed)"
+    return RowWiseAdagrad, "torchrec.optim.RowWiseAdagrad"
+
+
+def embedding_parameter_names(model: nn.Module) -> list[str]:
+    """Names of the embedding-table weights: every parameter of an Embedding/EmbeddingBag/torchrec table."""
+    names = []
+    table_types: tuple[type, ...] = (nn.Embedding, nn.EmbeddingBag)
+    for module_name, module in model.named_modules():
+        if isinstance(module, table_types) or type(module).__name__ in (
+            "EmbeddingBagCollection", "EmbeddingCollection"
+        ):
+            for param_name, _ in module.named_parameters(recurse=True):
+                names.append(f"{module_name}.{param_name}" if module_name else param_name)
+    return sorted(set(names))
+
+
+def apply_sparse_optimizer(model: nn.Module, config: OptimConfig) -> str:
+    """Attach row-wise Adagrad to every embedding table, run in backward; call before parallelizing."""
+    params = dict(model.named_parameters())
+    tables = [params[n] for n in embedding_parameter_names(model) if params[n].requires_grad]
+    sparse_cls, kind = sparse_optimizer_class()
+    if tables:
+        _apply_optimizer_in_backward(sparse_cls, tables, {"lr": config.sparse_lr, "eps": config.sparse_eps})
+    return kind
+
+
+class Optimizers:
+    """AdamW + LR schedule over the dense parameters, and the in-backward sparse optimizers already
+    attached by `apply_sparse_optimizer`; saved and loaded together."""
+
+    def __init__(self, model: nn.Module, config: OptimConfig, total_steps: int):
+        self.config = config
+        self.total_steps = max(1, total_steps)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.sparse_params = {n: p for n, p in named if hasattr(p, "_in_backward_optimizers")}
+        self.dense_named = [(n, p) for n, p in named if n not in self.sparse_params]
+        decay = [p for n, p in self.dense_named if p.ndim >= 2]
+        no_decay = [p for n, p in self.dense_named if p.ndim < 2]
+        self.dense = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=config.dense_lr, betas=tuple(config.betas), eps=config.eps,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.dense, self.lr_factor)
+        self.set_sparse_lr(self.lr_factor(0))
+        log.info("optimizers: AdamW over %d dense tensors, in-backward sparse optimizer over %d tables",
+                 len(self.dense_named), len(self.sparse_params))
+
+    def lr_factor(self, step: int) -> float:
+        """Linear warmup to 1, then cosine/linear decay to min_lr_ratio at the last step."""
+        c = self.config
+        if c.warmup_steps > 0 and step < c.warmup_steps:
+            return (step + 1) / c.warmup_steps
+        if c.decay == "constant":
+            return 1.0
+        span = max(1, self.total_steps - c.warmup_steps)
+        progress = min(1.0, (step - c.warmup_steps) / span)
+        shape = 0.5 * (1 + math.cos(math.pi * progress)) if c.decay == "cosine" else 1.0 - progress
+        return c.min_lr_ratio + (1 - c.min_lr_ratio) * shape
+
+    def sparse_optimizers(self) -> dict[str, torch.optim.Optimizer]:
+        return {name: p._in_backward_optimizers[0] for name, p in self.sparse_params.items()}
+
+    def set_sparse_lr(self, factor: float) -> None:
+        for opt in self.sparse_optimizers().values():
+            for group in opt.param_groups:
+                group["lr"] = self.config.sparse_lr * factor
+
+    def clip_and_step(self) -> float:
+        """Clip dense grads, step AdamW and the schedule; returns the pre-clip dense grad norm."""
+        grads = [p for _, p in self.dense_named if p.grad is not None]
+        if self.config.grad_clip > 0 and grads:
+            norm = torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip, foreach=True)
+        elif grads:
+            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.grad) for g in grads]))
+        else:
+            norm = torch.zeros(())
+        self.dense.step()
+        self.dense.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.set_sparse_lr(self.lr_factor(self.scheduler.last_epoch))
+        return norm
+
+    # Checkpoint state: string keys all the way down (DCP flattens nested dicts).
+    def state_dict(self) -> dict:
+        dense_names = {id(p): n for n, p in self.dense_named}
+        dense_state = {dense_names[id(p)]: dict(s) for p, s in self.dense.state.items()}
+        sparse_state = {name: dict(opt.state[self.sparse_params[name]])
+                        for name, opt in self.sparse_optimizers().items()}
+        return {"dense": dense_state, "sparse": sparse_state, "scheduler": {"last_epoch": self.scheduler.last_epoch}}
+
+    def load_state_dict(self, state: dict) -> None:
+        params = dict(self.dense_named)
+        for name, s in state["dense"].items():
+            self.dense.state[params[name]] = dict(s)
+        for name, opt in self.sparse_optimizers().items():
+            if name in state["sparse"]:
+                opt.state[self.sparse_params[name]] = dict(state["sparse"][name])
+        # Only the position is restored: the schedule's shape comes from the current config.
+        self.scheduler.last_epoch = int(state["scheduler"]["last_epoch"])
+        factor = self.lr_factor(self.scheduler.last_epoch)
+        for group, base in zip(self.dense.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * factor
+        self.set_sparse_lr(factor)
+
+    def empty_state_template(self) -> dict:
+        """A state dict with the right structure and shapes for DCP to load into (states materialised)."""
+        for _, p in self.dense_named:
+            if p not in self.dense.state:
+                self.dense.state[p] = {
+                    "step": torch.zeros((), dtype=torch.float32),
+                    "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                    "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+                }
+        return self.state_dict()

@@ -1,0 +1,111 @@
+"""Wire a training run together: process context, data source, schema, trainer; map failures to CLIError."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+from gemrec.cli import CLIError
+from gemrec.components.trainer.config import TrainConfig
+from gemrec.components.trainer.distributed import init_distributed, shutdown_distributed
+from gemrec.components.trainer.tracking import resolve_tracking_uri
+
+log = logging.getLogger(__name__)
+
+
+def train_label_rates(dataset_dir: Path, labels: list[str]) -> dict[str, float]:
+    """Positive rate of each label over the training split (examples/train.parquet)."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(dataset_dir / "examples" / "train.parquet", columns=list(labels))
+    return {name: float(np.mean(table.column(name).to_numpy())) for name in labels}
+
+
+def dataset_source(config: TrainConfig, dataset_dir: Path, rank: int, world_size: int):
+    """(stream, eval batches factory, manifest, info) for an in-process dataset directory."""
+    from gemrec.components.data_service.dataset import Dataset
+    from gemrec.components.trainer.data import EVAL_SPLIT, TRAIN_SPLIT, DatasetStream, eval_row_chunks
+
+    ds = Dataset.open(dataset_dir)
+    stream = DatasetStream(ds, config.data.batch_size, config.data.max_seq_len, config.train.seed, rank,
+                           world_size, prefetch=config.data.prefetch)
+    chunks = eval_row_chunks(ds.num_examples(EVAL_SPLIT), config.data.eval_max_examples,
+                             config.data.eval_batch_size, rank, world_size)
+
+    def eval_batches():
+        for rows in chunks:
+            yield ds.collate(EVAL_SPLIT, rows, config.data.max_seq_len)
+
+    manifest = ds.manifest
+    info = {
+        "name": manifest.get("name"),
+        "checksum": manifest.get("dataset_checksum"),
+        "batches_per_epoch": stream.batches_per_epoch,
+        "train_base_rates": train_label_rates(Path(dataset_dir), list(manifest["labels"])),
+        "train_seq_lengths": ds.history_lengths(TRAIN_SPLIT, config.data.max_seq_len),
+    }
+    return stream, eval_batches, manifest, info
+
+
+def remote_source(config: TrainConfig, addr: str, rank: int, world_size: int):
+    from gemrec.components.trainer.data import RemoteStream
+
+    stream = RemoteStream(addr, config.data.batch_size, config.data.max_seq_len, config.train.seed, rank,
+                          world_size)
+    manifest = stream.manifest
+
+    def eval_batches():
+        return stream.eval_batches(config.data.eval_batch_size, config.data.eval_max_examples)
+
+    info = {
+        "name": manifest.get("name"),
+        "checksum": manifest.get("dataset_checksum"),
+        "batches_per_epoch": stream.batches_per_epoch,
+        "train_base_rates": {},
+        "train_seq_lengths": None,
+    }
+    return stream, eval_batches, manifest, info
+
+
+def run_training(config: TrainConfig, *, dataset: Path | None, data_addr: str | None, run_dir: Path,
+                 tracking_uri: str | None, experiment: str, metrics_out: Path | None, resume: bool,
+                 device: str = "auto", progress: bool = True, log_model: bool = True) -> dict:
+    """Train, evaluate and log; returns the summary (the --metrics-out content) on rank 0, {} elsewhere."""
+    from gemrec.components.data_service.errors import DataError
+    from gemrec.components.trainer.trainer import RunOptions, Trainer, TrainingError
+    from gemrec.model import FeatureSchema
+
+    if dataset is not None and not Path(dataset).is_dir():
+        raise CLIError(f"--dataset {dataset}: no such directory")
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CLIError("--device cuda: no CUDA device is available")
+    ctx = init_distributed(device)
+    try:
+        try:
+            if dataset is not None:
+                stream, eval_batches, manifest, info = dataset_source(config, Path(dataset), ctx.rank,
+                                                                      ctx.world_size)
+            else:
+                stream, eval_batches, manifest, info = remote_source(config, data_addr, ctx.rank, ctx.world_size)
+            schema = FeatureSchema.from_manifest(manifest)
+        except (DataError, ValueError, ConnectionError) as err:
+            raise CLIError(f"{dataset or data_addr}: {err}") from err
+        options = RunOptions(run_dir=Path(run_dir), tracking_uri=resolve_tracking_uri(tracking_uri),
+                             experiment=experiment, metrics_out=metrics_out, resume=resume, progress=progress,
+                             log_model=log_model)
+        try:
+            trainer = Trainer(config, ctx, options, stream, eval_batches, schema, info)
+        except ValueError as err:  # the model rejects its config
+            raise CLIError(f"recipe {config.recipe}: {err}") from err
+        try:
+            return trainer.run()
+        except TrainingError as err:
+            raise CLIError(str(err)) from err
+    finally:
+        if os.environ.get("WORLD_SIZE", "1") != "1":
+            shutdown_distributed()
