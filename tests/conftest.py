@@ -29,3 +29,11 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def movielens_dataset(movielens_raw, tmp_path_factory) -> Path:
+    """ml-latest-small prepared once per session (default split); the dataset folder (Dataset.open it)."""
+    from gemrec.components.data_service.movielens import prepare_movielens
+
+    return prepare_movielens(tmp_path_factory.mktemp("datasets") / "movielens", raw=movielens_raw, progress=False)
