@@ -16,8 +16,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 @dataclass
 class Batch:
     # Per example (B rows).
-    user_ids: torch.Tensor  # (B,) int64 dense user index
-    item_ids: torch.Tensor  # (B,) int64 dense index of the target item
+    user_ids: torch.Tensor  # (B,) int64 user_id embedding id (the dense user index unless hashed)
+    item_ids: torch.Tensor  # (B,) int64 item_id embedding id of the target item (dense index unless hashed)
     timestamps: torch.Tensor  # (B,) int64 unix seconds of the target event
     labels: torch.Tensor  # (B, num_labels) float32 in {0, 1}
     dense_features: torch.Tensor  # (B, num_dense) float32, may have 0 columns

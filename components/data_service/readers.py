@@ -1,0 +1,91 @@
+"""Read CSV/Parquet tables and validate columns, with errors that name the file, column and row."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import DataError
+
+
+def is_parquet(path: Path) -> bool:
+    return path.suffix.lower() in (".parquet", ".pq")
+
+
+def row_location(path: Path, row: int) -> str:
+    """`row R` (0-based data row), plus the 1-based line number for CSV files with a header."""
+    return f"row {row} (line {row + 2})" if not is_parquet(path) else f"row {row}"
+
+
+def read_table(path: Path, required: list[str], *, dtype: dict | None = None) -> pd.DataFrame:
+    """The whole table; `required` columns must be present. CSV or Parquet by suffix."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: file not found")
+    if path.stat().st_size == 0:
+        raise DataError(f"{path}: empty file")
+    if is_parquet(path):
+        try:
+            frame = pq.read_table(path).to_pandas()
+        except (pa.ArrowInvalid, pa.ArrowException, OSError) as err:
+            raise DataError(f"{path}: corrupt or unreadable Parquet file ({err})") from err
+    else:
+        try:
+            frame = pd.read_csv(path, dtype=dtype, keep_default_na=True, skipinitialspace=True)
+        except pd.errors.EmptyDataError as err:
+            raise DataError(f"{path}: empty file (no header)") from err
+        except (pd.errors.ParserError, UnicodeDecodeError) as err:
+            raise DataError(f"{path}: malformed CSV ({err})") from err
+        except ValueError as err:  # a dtype that does not fit a value
+            raise DataError(f"{path}: {err}") from err
+    frame.columns = [str(c).strip() for c in frame.columns]
+    missing = [c for c in required if c not in frame.columns]
+    if missing:
+        raise DataError(f"{path}: missing column(s) {missing}; found {list(frame.columns)}")
+    if len(frame) == 0:
+        raise DataError(f"{path}: no data rows")
+    return frame
+
+
+def fail_rows(path: Path, column: str, bad: np.ndarray, values, problem: str) -> None:
+    """Raise a DataError naming the first row where `bad` is true, if any."""
+    bad_rows = np.flatnonzero(bad)
+    if len(bad_rows) == 0:
+        return
+    row = int(bad_rows[0])
+    value = values.iloc[row] if isinstance(values, pd.Series) else values[row]
+    more = f" ({len(bad_rows)} bad rows in all)" if len(bad_rows) > 1 else ""
+    raise DataError(f"{path}: column '{column}', {row_location(path, row)}: {problem}: {value!r}{more}")
+
+
+def require_non_null(path: Path, frame: pd.DataFrame, columns: list[str]) -> None:
+    for column in columns:
+        fail_rows(path, column, frame[column].isna().to_numpy(), frame[column], "missing value")
+
+
+def parse_numeric(path: Path, series: pd.Series, column: str) -> np.ndarray:
+    """float64 values of a numeric column; non-numbers and NaN are errors."""
+    values = pd.to_numeric(series, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
+    fail_rows(path, column, ~np.isfinite(values), series, "not a finite number")
+    return values
+
+
+TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+
+
+def parse_timestamps(path: Path, series: pd.Series, column: str, unit: str = "s") -> np.ndarray:
+    """Unix seconds (int64) from numbers in `unit` or from date/time strings."""
+    if unit not in TIME_UNITS:
+        raise DataError(f"unknown timestamp unit {unit!r}; use one of {sorted(TIME_UNITS)}")
+    numeric = pd.to_numeric(series, errors="coerce")
+    if pd.api.types.is_numeric_dtype(series) or numeric.notna().all():
+        values = numeric.to_numpy(dtype=np.float64, na_value=np.nan)
+        fail_rows(path, column, ~np.isfinite(values), series, "unparsable timestamp")
+        return np.floor(values / TIME_UNITS[unit]).astype(np.int64)
+    parsed = pd.to_datetime(series, errors="coerce", utc=True, format="mixed")
+    fail_rows(path, column, parsed.isna().to_numpy(), series, "unparsable timestamp")
+    return ((parsed - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(seconds=1)).to_numpy(dtype=np.int64)
