@@ -1,0 +1,296 @@
+"""Public ops: `jagged_attention` and `gdpa`, one dispatcher over the Triton kernels and the torch reference.
+
+The Triton path is a `torch.library` custom op pair (`gemrec::attention_fwd` / `gemrec::attention_bwd`)
+with fake implementations (so `torch.compile(fullgraph=True)` traces through it), autograd, and FLOP
+formulas for `FlopCounterMode` that count only real (unpadded, unmasked) query-key pairs.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from gemrec.kernels import triton_attention
+from gemrec.kernels.reference import attention_reference
+from torch.utils.flop_counter import register_flop_formula
+
+ACTIVATIONS = triton_attention.ACTIVATIONS
+NORMALIZE = triton_attention.NORMALIZE
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class RelativeBias:
+    """Learnable relative-position / time-difference bias tables, indexed in-kernel.
+
+    position: `[heads, num_buckets]`; bucket of |q_pos - k_pos| (bottom-right aligned positions), exact
+      below num_buckets // 2, log-spaced up to `max_distance`, the last bucket beyond.
+    time: `[heads, num_time_buckets]`; bucket floor(log(max(|ts_q - ts_k|, 1)) / log(time_log_base)),
+      clamped; needs `q_timestamps` (one per output row) and `kv_timestamps` (one per key row), int64.
+    """
+
+    position: torch.Tensor | None = None
+    time: torch.Tensor | None = None
+    q_timestamps: torch.Tensor | None = None
+    kv_timestamps: torch.Tensor | None = None
+    max_distance: int = 128
+    time_log_base: float = 2.0
+
+
+def _kernels(device: torch.device):
+    if device.type == "cuda" or triton_attention.INTERPRET:
+        return triton_attention
+    raise RuntimeError(
+        "the Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported "
+        "(the CPU interpreter); use backend='reference' on CPU")
+
+
+def _problem(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
+             attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+    module = _kernels(q.device)
+    return module, module.Problem(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode,
+                                  causal, scale, norm, attn_bias, pos_table, time_table, q_timestamps,
+                                  kv_timestamps, pos_max_distance, time_log_base)
+
+
+def _num_out_rows(q, q_offsets, kv_offsets) -> int:
+    if q_offsets.numel() == 2 and kv_offsets.numel() > 2:
+        return q.shape[0] * (kv_offsets.numel() - 1)
+    return q.shape[0]
+
+
+@torch.library.custom_op("gemrec::attention_fwd", mutates_args=())
+def attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
+    out_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, mode: int, causal: bool, scale: float, norm: int,
+    attn_bias: torch.Tensor | None, pos_table: torch.Tensor | None, time_table: torch.Tensor | None,
+    q_timestamps: torch.Tensor | None, kv_timestamps: torch.Tensor | None, pos_max_distance: int,
+    time_log_base: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns (out, lse); lse is the log2-domain logsumexp per (row, head) for softmax, unused otherwise."""
+    module, problem = _problem(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal,
+                               scale, norm, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps,
+                               pos_max_distance, time_log_base)
+    return module.forward(problem)
+
+
+@attention_fwd.register_fake
+def _(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias,
+      pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+    rows = _num_out_rows(q, q_offsets, kv_offsets)
+    return q.new_empty((rows, q.shape[1], q.shape[2])), q.new_empty((rows, q.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("gemrec::attention_bwd", mutates_args=())
+def attention_bwd(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+    lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, out_offsets: torch.Tensor,
+    max_q_len: int, max_kv_len: int, mode: int, causal: bool, scale: float, norm: int,
+    attn_bias: torch.Tensor | None, pos_table: torch.Tensor | None, time_table: torch.Tensor | None,
+    q_timestamps: torch.Tensor | None, kv_timestamps: torch.Tensor | None, pos_max_distance: int,
+    time_log_base: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); absent biases get empty tensors."""
+    module, problem = _problem(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal,
+                               scale, norm, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps,
+                               pos_max_distance, time_log_base)
+    grads = module.backward(problem, grad_out, out, lse)
+    return tuple(g if g is not None else q.new_empty(0) for g in grads)
+
+
+@attention_bwd.register_fake
+def _(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal, scale,
+      norm, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+    def like(t):
+        return torch.empty_like(t) if t is not None else q.new_empty(0)
+
+    return like(q), like(k), like(v), like(attn_bias), like(pos_table), like(time_table)
+
+
+_NON_TENSOR = ("max_q_len", "max_kv_len", "mode", "causal", "scale", "norm", "pos_max_distance", "time_log_base")
+
+
+def _setup_context(ctx, inputs, output):
+    (q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias,
+     pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base) = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, attn_bias, pos_table,
+                          time_table, q_timestamps, kv_timestamps)
+    ctx.params = (max_q_len, max_kv_len, mode, causal, scale, norm)
+    ctx.bias_params = (pos_max_distance, time_log_base)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    (q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, attn_bias, pos_table, time_table, q_timestamps,
+     kv_timestamps) = ctx.saved_tensors
+    dq, dk, dv, dab, dpt, dtt = attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, out_offsets,
+                                              *ctx.params, attn_bias, pos_table, time_table, q_timestamps,
+                                              kv_timestamps, *ctx.bias_params)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
+            dab if attn_bias is not None else None, dpt if pos_table is not None else None,
+            dtt if time_table is not None else None, None, None, None, None)
+
+
+attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def attention_pairs(q_offsets, kv_offsets, causal: bool) -> int:
+    """Number of (query, key) pairs that are really computed: the unit of the FLOP count."""
+    q_off = [int(x) for x in q_offsets.tolist()]
+    kv_off = [int(x) for x in kv_offsets.tolist()]
+    num_seqs = max(len(q_off), len(kv_off)) - 1
+    if num_seqs <= 0:
+        return 0
+    q_lens = [q_off[1] - q_off[0]] * num_seqs if len(q_off) == 2 else [b - a for a, b in zip(q_off, q_off[1:])]
+    kv_lens = [kv_off[1] - kv_off[0]] * num_seqs if len(kv_off) == 2 else [b - a for a, b in zip(kv_off, kv_off[1:])]
+    if not causal:
+        return sum(a * b for a, b in zip(q_lens, kv_lens))
+
+    def ramp(x: int, cap: int) -> int:  # sum_{a=1..x} min(a, cap)
+        if x <= 0:
+            return 0
+        if x <= cap:
+            return x * (x + 1) // 2
+        return cap * (cap + 1) // 2 + (x - cap) * cap
+
+    # query i sees min(kv_len, max(0, i + kv_len - q_len + 1)) keys (bottom-right alignment)
+    return sum(ramp(lk, lk) - ramp(lk - lq, lk) for lq, lk in zip(q_lens, kv_lens))
+
+
+def attention_flops(q_offsets, kv_offsets, heads: int, head_dim: int, causal: bool) -> tuple[int, int]:
+    """(forward, backward) FLOPs: 2 matmuls forward, 5 backward, over the real query-key pairs only."""
+    pairs = attention_pairs(q_offsets, kv_offsets, causal)
+    return 4 * pairs * heads * head_dim, 10 * pairs * heads * head_dim
+
+
+def _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal) -> tuple[int, int]:
+    try:
+        return attention_flops(q_offsets, kv_offsets, q.shape[1], q.shape[2], causal)
+    except (RuntimeError, NotImplementedError):  # fake tensors (compile-time counting): padded upper bound
+        num_seqs = max(q_offsets.shape[0], kv_offsets.shape[0]) - 1
+        pairs = num_seqs * max_q_len * max_kv_len
+        return 4 * pairs * q.shape[1] * q.shape[2], 10 * pairs * q.shape[1] * q.shape[2]
+
+
+@register_flop_formula(torch.ops.gemrec.attention_fwd, get_raw=True)
+def _attention_fwd_flops(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal,
+                         *args, out_val=None, **kwargs) -> int:
+    return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)[0]
+
+
+@register_flop_formula(torch.ops.gemrec.attention_bwd, get_raw=True)
+def _attention_bwd_flops(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len,
+                         mode, causal, *args, out_val=None, **kwargs) -> int:
+    return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)[1]
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel: RelativeBias, backend):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(isinstance(t, torch.Tensor) and t.dim() == 3,
+               f"{name} must be a (total_tokens, heads, head_dim) tensor, got {getattr(t, 'shape', type(t))}")
+        _check(t.is_floating_point(), f"{name} must be floating point, got {t.dtype}")
+    _check(q.dtype == k.dtype == v.dtype, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    _check(k.shape == v.shape, f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    _check(q.shape[1:] == k.shape[1:], f"q and k heads/head_dim differ: {tuple(q.shape)} vs {tuple(k.shape)}")
+    for name, t in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
+        _check(isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() >= 1 and not t.is_floating_point(),
+               f"{name} must be a 1-D integer tensor of B+1 offsets")
+    nq, nkv = q_offsets.numel(), kv_offsets.numel()
+    _check(nq == nkv or nq == 2 or nkv == 2,
+           f"q_offsets ({nq}) and kv_offsets ({nkv}) must hold the same B+1 entries (or 2 for a shared q or kv)")
+    _check(int(max_q_len) >= 0 and int(max_kv_len) >= 0, "max_q_len and max_kv_len must be >= 0")
+    if backend == "triton":
+        _check(16 <= q.shape[2] <= MAX_HEAD_DIM, f"head_dim must be in [16, {MAX_HEAD_DIM}], got {q.shape[2]}")
+    rows = _num_out_rows(q, q_offsets, kv_offsets)
+    if attn_bias is not None:
+        want = (rows, q.shape[1], max_kv_len)
+        _check(tuple(attn_bias.shape) == want, f"attn_bias must have shape {want}, got {tuple(attn_bias.shape)}")
+    heads = q.shape[1]
+    if rel.position is not None:
+        _check(rel.position.dim() == 2 and rel.position.shape[0] == heads and rel.position.shape[1] >= 2,
+               f"rel_bias position table must be [heads={heads}, num_buckets>=2], got {tuple(rel.position.shape)}")
+        _check(rel.max_distance > rel.position.shape[1] // 2,
+               f"rel_bias max_distance ({rel.max_distance}) must exceed num_buckets // 2")
+    if rel.time is not None:
+        _check(rel.time.dim() == 2 and rel.time.shape[0] == heads,
+               f"rel_bias time table must be [heads={heads}, num_buckets], got {tuple(rel.time.shape)}")
+        _check(rel.q_timestamps is not None and rel.kv_timestamps is not None,
+               "rel_bias time table needs q_timestamps and kv_timestamps")
+        _check(rel.q_timestamps.shape == (rows,), f"q_timestamps must have shape ({rows},) (one per output row)")
+        kv_rows = k.shape[0]
+        _check(rel.kv_timestamps.shape == (kv_rows,), f"kv_timestamps must have shape ({kv_rows},)")
+        _check(rel.time_log_base > 1.0, "rel_bias time_log_base must be > 1")
+    if q_offsets.device.type == "cpu" and not torch.compiler.is_compiling():
+        for name, off, total, max_len in (("q", q_offsets, q.shape[0], max_q_len),
+                                          ("kv", kv_offsets, k.shape[0], max_kv_len)):
+            lens = off[1:] - off[:-1]
+            _check(int(off[0]) == 0 and int(off[-1]) == total,
+                   f"{name}_offsets must start at 0 and end at {total} (the number of rows), got {off.tolist()}")
+            _check(bool((lens >= 0).all()), f"{name}_offsets must be non-decreasing")
+            _check(lens.numel() == 0 or int(lens.max()) <= max_len,
+                   f"max_{name}_len={max_len} is below the longest {name} sequence ({int(lens.max())})")
+
+
+def _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, causal, scale, normalize,
+               attn_bias, rel_bias, backend):
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
+    if normalize not in NORMALIZE:
+        raise ValueError(f"unknown normalize {normalize!r}; expected one of {sorted(NORMALIZE)}")
+    if backend == "auto":
+        backend = "triton" if q.is_cuda else "reference"
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'reference'")
+    if isinstance(rel_bias, torch.Tensor):
+        rel_bias = RelativeBias(position=rel_bias)
+    rel = rel_bias if rel_bias is not None else RelativeBias()
+    _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel, backend)
+    scale = float(q.shape[2] ** -0.5 if scale is None else scale)
+    if backend == "reference":
+        return attention_reference(
+            q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation=activation, causal=causal,
+            scale=scale, normalize=normalize, attn_bias=attn_bias, pos_table=rel.position, time_table=rel.time,
+            q_timestamps=rel.q_timestamps, kv_timestamps=rel.kv_timestamps, pos_max_distance=rel.max_distance,
+            time_log_base=rel.time_log_base)
+    if q_offsets.numel() == 2 and kv_offsets.numel() > 2:
+        num_seqs = kv_offsets.numel() - 1
+        out_offsets = torch.arange(num_seqs + 1, device=q.device, dtype=torch.int64) * q.shape[0]
+    else:
+        out_offsets = q_offsets
+    contiguous = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, attn_bias)]
+    out, _ = attention_fwd(
+        *contiguous[:3], q_offsets, kv_offsets, out_offsets, int(max_q_len), int(max_kv_len),
+        ACTIVATIONS[activation], bool(causal), scale, NORMALIZE[normalize], contiguous[3], rel.position, rel.time,
+        rel.q_timestamps, rel.kv_timestamps, int(rel.max_distance), float(rel.time_log_base))
+    return out
+
+
+def jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, *, causal=False, scale=None,
+                     attn_bias=None, rel_bias=None, backend="auto"):
+    """Softmax attention of each query sequence over its own key/value sequence (jagged, no padding).
+
+    q: (total_q, H, D); k, v: (total_kv, H, D); offsets: (B+1,) int64. A 2-entry `q_offsets` with B > 1
+    shares one query sequence across all B key sequences (PMA seeds; output is (B * len_q, H, D)); a
+    2-entry `kv_offsets` likewise shares one key/value sequence. Causal is bottom-right aligned: query i
+    of a length-Lq sequence sees keys j <= i + (Lkv - Lq). `attn_bias`: (output rows, H, max_kv_len) dense
+    per-query-row bias; `rel_bias`: a `[H, num_buckets]` position table or a `RelativeBias`.
+    backend: "auto" (Triton on CUDA, reference elsewhere), "triton" (interpreter on CPU) or "reference".
+    """
+    return _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, "softmax", causal, scale, "none",
+                      attn_bias, rel_bias, backend)
+
+
+def gdpa(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, *, activation="silu", causal=False, scale=None,
+         normalize="kv_len", attn_bias=None, rel_bias=None, backend="auto"):
+    """Generalized dot-product attention: out = act(scale * q k^T + bias) v * norm, no softmax.
+
+    activation: silu, gelu, gelu_tanh, relu, relu2. normalize: "kv_len" (1 / the sequence's key count),
+    "max_len" (1 / max_kv_len, as HSTU) or "none". Layout, sharing, causal and bias as `jagged_attention`.
+    """
+    if activation == "softmax":
+        raise ValueError("gdpa takes a pointwise activation; use jagged_attention for softmax")
+    return _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, causal, scale, normalize,
+                      attn_bias, rel_bias, backend)
