@@ -1,0 +1,107 @@
+"""`gemrec.v1.FeatureService`: a plain core class over a store, and the thin gRPC servicer around it."""
+
+from __future__ import annotations
+
+import numpy as np
+from gemrec.proto.gemrec.v1 import features_pb2, features_pb2_grpc
+
+from .serving import InvalidArgument, ResourceExhausted, ServiceError, abort_on
+from .wire import ids_from_bytes, to_array
+
+SERVICE_NAME = features_pb2.DESCRIPTOR.services_by_name["FeatureService"].full_name
+
+
+class FeatureServiceCore:
+    """Validates requests and answers them from a `MemoryStore` or `RedisStore`."""
+
+    def __init__(self, store, max_ids: int = 65536, max_history_len: int = 65536):
+        self.store = store
+        self.max_ids = max_ids
+        self.max_history_len = max_history_len
+
+    def _check_count(self, count: int, what: str) -> None:
+        if count > self.max_ids:
+            raise ResourceExhausted(f"{count} {what} in one request; the limit is {self.max_ids}")
+
+    def get_features(self, entity: str, ids: np.ndarray, names: list[str]) -> dict:
+        self._check_count(len(ids), "ids")
+        return self.store.lookup(entity, ids, names)
+
+    def user_history(self, users: np.ndarray, before_ts: np.ndarray, max_len: int) -> dict:
+        self._check_count(len(users), "users")
+        if max_len > self.max_history_len:
+            raise InvalidArgument(f"max_len {max_len} is above the limit {self.max_history_len}")
+        return self.store.user_history(users, before_ts, max_len)
+
+
+def _parse_ids(data: bytes, what: str) -> np.ndarray:
+    try:
+        return ids_from_bytes(data, what)
+    except ValueError as err:
+        raise InvalidArgument(str(err)) from None
+
+
+class FeatureServicer(features_pb2_grpc.FeatureServiceServicer):
+    def __init__(self, core: FeatureServiceCore):
+        self.core = core
+
+    def ListFeatures(self, request, context):
+        schema = self.core.store.schema
+        return features_pb2.ListFeaturesResponse(
+            entities=[
+                features_pb2.EntityInfo(
+                    name=e.name,
+                    num_ids=e.num_ids,
+                    features=[
+                        features_pb2.FeatureInfo(
+                            name=f.name, dtype=f.dtype, multi_valued=f.multi_valued, num_embeddings=f.num_embeddings
+                        )
+                        for f in e.features.values()
+                    ],
+                )
+                for e in schema.entities.values()
+            ],
+            dataset=schema.dataset,
+            dataset_checksum=schema.dataset_checksum,
+            store=self.core.store.kind,
+        )
+
+    def GetFeatures(self, request, context):
+        try:
+            ids = _parse_ids(request.ids, "ids")
+            columns = self.core.get_features(request.entity, ids, list(request.names))
+        except ServiceError as err:
+            abort_on(context, err)
+        return features_pb2.GetFeaturesResponse(
+            columns=[
+                features_pb2.FeatureColumn(name=n, values=to_array(v), lengths=to_array(lengths))
+                for n, (v, lengths) in columns.items()
+            ],
+            num_ids=len(ids),
+        )
+
+    def GetUserHistory(self, request, context):
+        try:
+            users = _parse_ids(request.users, "users")
+            before = _parse_ids(request.before_timestamps, "before_timestamps")
+            history = self.core.user_history(users, before, request.max_len)
+        except ServiceError as err:
+            abort_on(context, err)
+        return features_pb2.GetUserHistoryResponse(
+            offsets=to_array(history["offsets"]),
+            items=to_array(history["items"]),
+            item_ids=to_array(history["item_ids"]),
+            timestamps=to_array(history["timestamps"]),
+            actions=to_array(history["actions"]),
+            action_names=self.core.store.actions,
+        )
+
+
+def register(core: FeatureServiceCore):
+    """A `register` callback for `serving.Server`."""
+
+    def add(server) -> list[str]:
+        features_pb2_grpc.add_FeatureServiceServicer_to_server(FeatureServicer(core), server)
+        return [SERVICE_NAME]
+
+    return add
