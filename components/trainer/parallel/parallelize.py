@@ -1,0 +1,162 @@
+"""`parallelize(model, parallel_dims, config, device)`: apply every kind of parallelism to the unmodified model.
+
+As in torchtitan's `parallelize_*`, the model from `gemrec.model` stays vanilla PyTorch and this step applies,
+in order:
+
+1. sparse   torchrec sharding of the embedding tables (planner-chosen table/row/column-wise), in place over all
+            ranks, or TorchRec 2D sparse parallelism (`DMPCollection`) when `sparse_shard < world size`
+2. EP       MoE experts split over the `ep` mesh dimension, tokens moved with all-to-all
+3. AC       activation checkpointing per block (composable `checkpoint`, parameter names unchanged)
+4. compile  `torch.compile` per block
+5. FSDP2    `fully_shard` per block on the (dp_replicate, dp_shard) mesh (HSDP when dp_replicate > 1), expert
+            weights on (dp_replicate, dp_shard_mod_ep), the root last with the sharded tables left out;
+            explicit forward/backward prefetch of the next block's all-gather along each block list
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from gemrec.components.trainer.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims
+from gemrec.components.trainer.parallel.expert_parallel import apply_expert_parallel, find_moe_layers
+from torch import nn
+from torch.distributed._composable import checkpoint
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ParallelizeReport:
+    """What was applied, for logs and MLflow params."""
+
+    layout: str
+    embedding_plan: dict[str, str] = field(default_factory=dict)
+    fsdp_blocks: list[str] = field(default_factory=list)
+    expert_parallel: list[str] = field(default_factory=list)
+    sparse_2d: bool = False
+
+    def as_params(self) -> dict[str, str]:
+        params = {"parallel.layout": self.layout, "parallel.fsdp_blocks": str(len(self.fsdp_blocks)),
+                  "parallel.expert_parallel_layers": str(len(self.expert_parallel)),
+                  "parallel.sparse_2d": str(self.sparse_2d)}
+        params.update({f"parallel.table.{k}": v for k, v in self.embedding_plan.items()})
+        return params
+
+
+def fsdp_blocks(model: nn.Module, skip: set[int] = frozenset()) -> list[tuple[str, nn.Module]]:
+    """The FSDP units: every element (with parameters) of the outermost `nn.ModuleList`s, in order, outside
+    the modules in `skip` (the sharded embedding tables)."""
+    blocks: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        if id(module) in skip:
+            return
+        for name, child in module.named_children():
+            path = f"{prefix}.{name}" if prefix else name
+            if isinstance(child, nn.ModuleList):
+                for index, block in enumerate(child):
+                    if any(True for _ in block.parameters()) and id(block) not in skip:
+                        blocks.append((f"{path}.{index}", block))
+            else:
+                visit(path, child)
+
+    visit("", model)
+    return blocks
+
+
+def _module_lists(blocks: list[tuple[str, nn.Module]]) -> list[list[nn.Module]]:
+    """Blocks grouped by the ModuleList they come from (consecutive blocks of one list run in order)."""
+    groups: dict[str, list[nn.Module]] = {}
+    for name, block in blocks:
+        groups.setdefault(name.rsplit(".", 1)[0], []).append(block)
+    return list(groups.values())
+
+
+def parallelize(
+    model: nn.Module, parallel_dims: ParallelDims, config: ParallelConfig, device: torch.device
+) -> tuple[nn.Module, ParallelizeReport]:
+    """Returns (the model to train, what was applied). The returned model is `model` itself except with 2D
+    sparse parallelism, where it is the `DMPCollection` around it (call `.sync()` every `dmp_sync_interval`)."""
+    report = ParallelizeReport(layout=parallel_dims.describe())
+    train_model, root = model, model
+
+    # 1. Sparse.
+    from gemrec.components.trainer.parallel import sharding
+
+    has_tables = _has_torchrec() and bool(sharding.find_embedding_bag_collections(model))
+    if has_tables:
+        if parallel_dims.sparse_2d:
+            if device.type != "cuda":
+                raise ParallelConfigError(
+                    f"2D sparse parallelism (sparse_shard {parallel_dims.sparse_shard} < world size "
+                    f"{parallel_dims.world_size}) uses TorchRec's DMPCollection, which needs CUDA; "
+                    f"on {device.type} set sparse_shard = -1 (shard over all {parallel_dims.world_size} ranks)"
+                )
+            train_model, report.embedding_plan = sharding.shard_embedding_tables_2d(
+                model, parallel_dims, config, device
+            )
+            root = train_model.module
+            report.sparse_2d = True
+        else:
+            report.embedding_plan = sharding.shard_embedding_tables(model, parallel_dims, config, device)
+    sharded_tables = sharding.sharded_embedding_modules(root) if has_tables else []
+    skip = {id(m) for m in sharded_tables}
+    table_params = {p for m in sharded_tables for p in m.parameters()}
+
+    # 2. Expert parallelism.
+    moe_layers = find_moe_layers(root)
+    if parallel_dims.ep_enabled:
+        if not moe_layers:
+            raise ParallelConfigError(f"ep = {parallel_dims.ep} but the model has no MoE layer")
+        for name, moe in moe_layers:
+            apply_expert_parallel(moe.experts, parallel_dims.ep_mesh)
+            report.expert_parallel.append(name)
+
+    # 3-4. Activation checkpointing and compile, per block.
+    blocks = fsdp_blocks(root, skip)
+    report.fsdp_blocks = [name for name, _ in blocks]
+    for _, block in blocks:
+        if config.activation_checkpoint == "full":
+            checkpoint(block)
+        if config.compile:
+            block.compile()
+
+    # 5. FSDP2.
+    mp = MixedPrecisionPolicy(
+        param_dtype=getattr(torch, config.param_dtype) if config.param_dtype else None,
+        reduce_dtype=getattr(torch, config.reduce_dtype) if config.reduce_dtype else None,
+    )
+    dense_mesh = parallel_dims.dense_mesh
+    for _, moe in moe_layers:
+        if parallel_dims.ep_enabled:
+            fully_shard(moe.experts, mesh=parallel_dims.expert_mesh, mp_policy=mp,
+                        reshard_after_forward=config.reshard_after_forward)
+            # Each expert's gradient already sums the tokens of all `ep` ranks (all-to-all backward): dividing
+            # by every data-parallel rank, not only the expert mesh's, gives the global-batch mean.
+            moe.experts.set_gradient_divide_factor(float(parallel_dims.world_size))
+    for _, block in blocks:
+        fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward)
+    fully_shard(root, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward,
+                ignored_params=table_params or None)
+    for group in _module_lists(blocks):
+        for current, nxt in zip(group, group[1:]):
+            current.set_modules_to_forward_prefetch([nxt])
+            nxt.set_modules_to_backward_prefetch([current])
+    log.info("parallelized: %s; %d FSDP blocks, EP on %d MoE layers, tables: %s",
+             report.layout, len(blocks), len(report.expert_parallel), report.embedding_plan or "unsharded")
+    return train_model, report
+
+
+def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _has_torchrec() -> bool:
+    try:
+        import torchrec  # noqa: F401
+    except ImportError:
+        return False
+    return True

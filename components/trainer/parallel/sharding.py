@@ -1,0 +1,193 @@
+"""TorchRec model parallelism for the embedding tables.
+
+The planner (`EmbeddingShardingPlanner`) picks table-wise / row-wise / column-wise per table from the tables'
+sizes and the topology (optionally constrained by `ParallelConfig.sharding_types`); the plan is computed on
+rank 0 and broadcast (`collective_plan`). The model's `EmbeddingBagCollection` submodules are then replaced
+in place by their sharded variants with torchrec's sharder API (`shard_modules`), leaving the rest of the model
+untouched for FSDP2; parameter names stay the same, so checkpoints of sharded and unsharded runs line up.
+
+2D sparse parallelism (`DMPCollection`: sharded inside a group of `sparse_shard` ranks, replicated across
+groups and re-synchronised every `dmp_sync_interval` steps) wraps the whole model, as TorchRec requires.
+
+Tables use the FUSED compute kernel, the only model-parallel kernel TorchRec offers: the optimizer attached with
+`apply_optimizer_in_backward` before sharding (the trainer's row-wise Adagrad) runs inside the embedding backward.
+
+Gradient scale: a sharded table receives the *sum* of the pooled-embedding gradients of every rank of its group,
+whereas FSDP averages the dense gradients over the data-parallel ranks. The pooled outputs' gradients are divided
+by the group size so the tables see the gradient of the global-batch mean loss, like a single-process run.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+from gemrec.components.trainer.parallel.dims import ParallelConfig, ParallelDims
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+log = logging.getLogger(__name__)
+
+
+def find_embedding_bag_collections(model: nn.Module) -> list[str]:
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    return [name for name, module in model.named_modules() if isinstance(module, EmbeddingBagCollection)]
+
+
+def embedding_sharders() -> list:
+    """TorchRec's EBC sharder, with row-wise (and table-row-wise) allowed on CPU too: TorchRec leaves them out
+    for CPU, but they only need all-to-all and reduce-scatter, which gloo has."""
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    class EBCSharder(EmbeddingBagCollectionSharder):
+        def sharding_types(self, compute_device_type: str) -> list[str]:
+            types = super().sharding_types(compute_device_type)
+            extra = ["row_wise", "table_row_wise"] if compute_device_type == "cpu" else []
+            return types + [t for t in extra if t not in types]
+
+    return [EBCSharder()]
+
+
+def plan_embedding_sharding(
+    model: nn.Module,
+    group: dist.ProcessGroup,
+    device: torch.device,
+    sharding_types: list[str] | None = None,
+    local_world_size: int | None = None,
+    batch_size: int | None = None,
+):
+    """A planner-chosen `ShardingPlan` for every EBC of `model` over `group` (collective: all ranks call it)."""
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    world = dist.get_world_size(group)
+    constraints = None
+    if sharding_types:
+        tables = [
+            cfg.name
+            for module in model.modules()
+            if isinstance(module, EmbeddingBagCollection)
+            for cfg in module.embedding_bag_configs()
+        ]
+        constraints = {name: ParameterConstraints(sharding_types=list(sharding_types)) for name in tables}
+    topology = Topology(
+        world_size=world,
+        compute_device=device.type,
+        local_world_size=local_world_size or world,
+    )
+    planner = EmbeddingShardingPlanner(
+        topology=topology, constraints=constraints, batch_size=batch_size, debug=False
+    )
+    return planner.collective_plan(model, embedding_sharders(), group)
+
+
+def describe_plan(plan) -> dict[str, str]:
+    """{table: "sharding_type on ranks [..]"} for logs and MLflow params."""
+    out = {}
+    for module_plan in plan.plan.values():
+        for table, sharding in module_plan.items():
+            out[table] = f"{sharding.sharding_type} on ranks {sharding.ranks}"
+    return out
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.scale, None
+
+
+def _pooled_output_hook(keys: list[str], grad_scale: float):
+    """Forward hook of a sharded EBC: wait for the output all-to-all, put the features back in the unsharded
+    module's key order (sharding regroups them by shard) and scale the gradient flowing back to the tables."""
+    from torchrec.sparse.jagged_tensor import KeyedTensor
+
+    def hook(module, args, output):
+        if hasattr(output, "wait"):
+            output = output.wait()
+        by_key = output.to_dict()
+        values = torch.cat([by_key[k] for k in keys], dim=1)
+        if grad_scale != 1.0:
+            values = _ScaleGrad.apply(values, grad_scale)
+        return KeyedTensor(keys=keys, length_per_key=[by_key[k].shape[1] for k in keys], values=values)
+
+    return hook
+
+
+def shard_embedding_tables(
+    model: nn.Module, parallel_dims: ParallelDims, config: ParallelConfig, device: torch.device
+) -> dict[str, str]:
+    """Replace every EBC of `model` by its sharded variant over all ranks (1D); returns the chosen plan."""
+    from torchrec.distributed.shard import shard_modules
+    from torchrec.distributed.types import ShardingEnv
+
+    names = find_embedding_bag_collections(model)
+    if not names:
+        return {}
+    group = dist.group.WORLD
+    keys = {name: list(model.get_submodule(name)._embedding_names) for name in names}
+    plan = plan_embedding_sharding(model, group, device, config.sharding_types)
+    shard_modules(model, env=ShardingEnv.from_process_group(group), device=device, plan=plan,
+                  sharders=embedding_sharders())
+    for name in names:
+        model.get_submodule(name).register_forward_hook(
+            _pooled_output_hook(keys[name], 1.0 / parallel_dims.sparse_shard)
+        )
+    described = describe_plan(plan)
+    log.info("embedding sharding plan: %s", described)
+    return described
+
+
+def shard_embedding_tables_2d(
+    model: nn.Module, parallel_dims: ParallelDims, config: ParallelConfig, device: torch.device
+) -> tuple[nn.Module, dict[str, str]]:
+    """TorchRec 2D sparse parallelism: DMPCollection shards the tables inside each group of `sparse_shard`
+    consecutive ranks and replicates them across the `sparse_replicate` groups. Dense parameters are left to
+    FSDP2 (no DDP wrapper). Returns (the DMPCollection wrapping `model`, the plan of one sharding group)."""
+    from torchrec.distributed.model_parallel import DMPCollection
+
+    names = find_embedding_bag_collections(model)
+    keys = {name: list(model.get_submodule(name)._embedding_names) for name in names}
+    sparse_mesh: DeviceMesh = parallel_dims.sparse_mesh
+    shard_group = sparse_mesh.get_group("sparse_shard")
+    plan = plan_embedding_sharding(model, shard_group, device, config.sharding_types)
+    dmp = DMPCollection(
+        module=model,
+        device=device,
+        plan=plan,
+        world_size=parallel_dims.world_size,
+        sharding_group_size=parallel_dims.sparse_shard,
+        global_pg=dist.group.WORLD,
+        sharders=embedding_sharders(),
+        init_data_parallel=False,
+        use_inter_host_allreduce=True,  # shard over consecutive ranks (one host), all-reduce across hosts
+    )
+    for name in names:
+        dmp.module.get_submodule(name).register_forward_hook(
+            _pooled_output_hook(keys[name], 1.0 / parallel_dims.sparse_shard)
+        )
+    return dmp, describe_plan(plan)
+
+
+def sharded_embedding_modules(model: nn.Module) -> list[nn.Module]:
+    from torchrec.distributed.types import ShardedModule
+
+    return [m for m in model.modules() if isinstance(m, ShardedModule)]
+
+
+def fused_optimizer(model: nn.Module):
+    """The in-backward optimizers of the sharded tables as one torchrec `KeyedOptimizer` (state_dict with
+    ShardedTensors, checkpointable with DCP), or None when no table is sharded."""
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    modules = sharded_embedding_modules(model)
+    if not modules:
+        return None
+    names = {id(m): n for n, m in model.named_modules()}
+    return CombinedOptimizer([(names[id(m)], m.fused_optimizer) for m in modules])
