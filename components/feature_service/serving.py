@@ -137,8 +137,9 @@ class _AuthAndLogInterceptor(grpc.ServerInterceptor):
                 "ms": round((time.perf_counter() - start) * 1e3, 3),
                 "messages": messages,
             }
-            if code != grpc.StatusCode.OK and context.details():
-                record["details"] = context.details()
+            details = context.details()
+            if code != grpc.StatusCode.OK and details:
+                record["details"] = details.decode(errors="replace") if isinstance(details, bytes) else details
             log.info(json.dumps(record))
 
         def deny(context):
