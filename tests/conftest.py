@@ -37,3 +37,15 @@ def movielens_dataset(movielens_raw, tmp_path_factory) -> Path:
     from gemrec.components.data_service.movielens import prepare_movielens
 
     return prepare_movielens(tmp_path_factory.mktemp("datasets") / "movielens", raw=movielens_raw, progress=False)
+
+
+@pytest.fixture(scope="session")
+def synth_dataset(tmp_path_factory) -> Path:
+    """A small synthetic dataset (30k events, hashed item ids, planted sequence signals), once per session."""
+    from gemrec.components.data_service.builder import SplitConfig
+    from gemrec.components.data_service.synth import SynthConfig, synthesize
+
+    config = SynthConfig(events=30_000, seed=7, mean_length=60, max_length=2_000, items=6_000,
+                         item_hash_buckets=4_096, categories=40, brands=300, tags=200)
+    return synthesize(tmp_path_factory.mktemp("datasets") / "synth", config,
+                      split=SplitConfig(eval_fraction=0.1, by="events"), progress=False)
