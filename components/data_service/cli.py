@@ -6,11 +6,11 @@ import argparse
 from pathlib import Path
 
 
-def _split_args(parser: argparse.ArgumentParser) -> None:
+def _split_args(parser: argparse.ArgumentParser, split_by: str = "time") -> None:
     parser.add_argument("--eval-fraction", type=float, default=0.1,
                         help="the last fraction of time (or of events) that becomes the eval split (default 0.1)")
-    parser.add_argument("--split-by", choices=("time", "events"), default="time",
-                        help="fraction of the time range (default) or of the events")
+    parser.add_argument("--split-by", choices=("time", "events"), default=split_by,
+                        help=f"fraction of the time range or of the events (default {split_by})")
     parser.add_argument("--split-cutoff", type=int, default=None, metavar="UNIX_S",
                         help="explicit cutoff: examples at or after it are eval")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
@@ -53,6 +53,41 @@ def _prepare_movielens(args) -> int:
     return 0
 
 
+SYNTH_OPTIONS = [
+    ("--events", int, "events to generate"),
+    ("--seed", int, "random seed; the same seed gives the same bytes"),
+    ("--mean-length", float, "mean events per user (lognormal)"),
+    ("--length-sigma", float, "lognormal sigma of user lengths: the tail"),
+    ("--max-length", int, "longest user timeline"),
+    ("--items", int, "catalog size"),
+    ("--item-hash-buckets", int, "item_id embedding rows, ids hashed when the catalog is bigger (0: never)"),
+    ("--zipf", float, "item popularity exponent"),
+    ("--categories", int, "item categories"),
+    ("--days", float, "time window of the log"),
+    ("--phase-length", float, "mean events per interest phase (planted signal)"),
+    ("--window", int, "look-back of the planted sequence signals, in events"),
+]
+
+
+def _synth(args) -> int:
+    from .synth import SynthConfig, synthesize
+
+    chosen = {flag[2:].replace("-", "_"): None for flag, _, _ in SYNTH_OPTIONS}
+    config = SynthConfig(**{k: getattr(args, k) for k in chosen if getattr(args, k) is not None})
+    if config.item_hash_buckets == 0:
+        config.item_hash_buckets = None
+    out = synthesize(args.out, config, split=_split_config(args), overwrite=args.overwrite)
+    _print_summary(out)
+    return 0
+
+
+def _stats(args) -> int:
+    from .stats import print_stats
+
+    print_stats(args.dir, plot=args.plot)
+    return 0
+
+
 def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     data = groups["data"]
     prepare = data.add_parser("prepare", help="turn raw events into a dataset folder (docs/data.md)")
@@ -65,3 +100,15 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     movielens.add_argument("--out", type=Path, required=True, help="output dataset folder")
     _split_args(movielens)
     movielens.set_defaults(func=_run(_prepare_movielens))
+
+    synth = data.add_parser("synth", help="seeded synthetic dataset with planted sequence signals (docs/data.md)")
+    synth.add_argument("--out", type=Path, required=True, help="output dataset folder")
+    for flag, kind, text in SYNTH_OPTIONS:
+        synth.add_argument(flag, type=kind, default=None, help=f"{text} (default: SynthConfig)")
+    _split_args(synth, split_by="events")
+    synth.set_defaults(func=_run(_synth))
+
+    stats = data.add_parser("stats", help="counts, label rates and history-length histogram of a dataset")
+    stats.add_argument("dir", type=Path, help="dataset folder")
+    stats.add_argument("--plot", type=Path, default=None, help="also write a PNG with the histogram and label rates")
+    stats.set_defaults(func=_run(_stats))
