@@ -1,0 +1,181 @@
+"""Local service processes for the pipeline's train step: start, health-check, stop (never orphaned).
+
+Every child runs in its own session (process group), so stopping it also stops what it spawned
+(torchrun's worker ranks); `ProcessGroup` stops all of them on exit, on error and on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+LOCALHOST = "127.0.0.1"
+
+
+class ServiceError(RuntimeError):
+    """A local service could not start or died: the message names it and quotes its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind((LOCALHOST, 0))
+        return sock.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind((LOCALHOST, port))
+        except OSError:
+            return True
+    return False
+
+
+def claim_port(port: int, what: str) -> int:
+    """`port`, or a free one when 0; raise ServiceError naming `what` when it is taken."""
+    if port == 0:
+        return free_port()
+    if port_in_use(port):
+        raise ServiceError(f"port {port} on {LOCALHOST} is already in use (wanted by the {what})")
+    return port
+
+
+def tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace").rstrip().splitlines()
+    except FileNotFoundError:
+        return "(no log)"
+    return "\n".join(text[-lines:]) or "(empty log)"
+
+
+def gemrec_executable() -> str:
+    """The `gemrec` console script of this interpreter's environment (no reliance on PATH)."""
+    script = Path(sys.executable).parent / "gemrec"
+    return str(script) if script.is_file() else shutil.which("gemrec") or "gemrec"
+
+
+def gemrec_command(*args: str) -> list[str]:
+    return [gemrec_executable(), *args]
+
+
+class Process:
+    """A child process in its own session with its output in a log file."""
+
+    def __init__(self, name: str, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
+                 echo: bool = False):
+        self.name, self.command, self.log_path = name, list(command), log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = open(log_path, "ab")  # closed in stop()
+        self.popen = subprocess.Popen(
+            self.command,
+            stdout=subprocess.PIPE if echo else self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})},
+            start_new_session=True,
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stream(self) -> int:
+        """Copy the child's output to our stdout and its log until it exits; return its exit code."""
+        assert self.popen.stdout is not None
+        for line in iter(self.popen.stdout.readline, b""):
+            sys.stdout.buffer.write(line)
+            sys.stdout.flush()
+            self._log.write(line)
+        return self.popen.wait()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the whole process group (graceful shutdown), SIGKILL after `grace_s`."""
+        if self.alive():
+            self._signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal(signal.SIGKILL)
+                self.popen.wait(timeout=10)
+        # The leader may be gone while children of its group linger.
+        self._signal(signal.SIGKILL)
+        if self.popen.stdout is not None:
+            self.popen.stdout.close()
+        self._log.close()
+
+    def _signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.popen.pid, sig)
+
+
+def wait_serving(process: Process, address: str, timeout_s: float = 120.0) -> None:
+    """Block until the gRPC server at `address` reports SERVING; fail fast if its process dies."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if not process.alive():
+                raise ServiceError(f"the {process.name} exited with code {process.popen.returncode} before "
+                                   f"serving on {address}; last lines of {process.log_path}:\n"
+                                   f"{tail(process.log_path)}")
+            try:
+                reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise ServiceError(f"the {process.name} did not serve on {address} within {timeout_s:.0f} s; "
+                                   f"last lines of {process.log_path}:\n{tail(process.log_path)}")
+            time.sleep(0.1)
+
+
+class ProcessGroup(contextlib.AbstractContextManager):
+    """Owns child processes; leaving the block stops them all, newest first, whatever happened."""
+
+    def __init__(self):
+        self.processes: list[Process] = []
+        self._previous_sigterm = None
+
+    def __enter__(self) -> ProcessGroup:
+        # A SIGTERM to this step (pipeline cancelled) must still run the cleanup below.
+        self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        return self
+
+    def start(self, name: str, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
+              echo: bool = False) -> Process:
+        process = Process(name, command, log_path, env=env, echo=echo)
+        self.processes.append(process)
+        return process
+
+    def start_service(self, name: str, command: Sequence[str], address: str, log_path: Path,
+                      timeout_s: float = 120.0) -> Process:
+        process = self.start(name, command, log_path)
+        wait_serving(process, address, timeout_s=timeout_s)
+        return process
+
+    def stop_all(self) -> None:
+        while self.processes:
+            self.processes.pop().stop()
+
+    def __exit__(self, *exc) -> None:
+        self.stop_all()
+        signal.signal(signal.SIGTERM, self._previous_sigterm or signal.SIG_DFL)
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")

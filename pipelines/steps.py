@@ -1,0 +1,333 @@
+"""The work behind each pipeline step. Components (components.py) are thin wrappers around these.
+
+Every step runs inside `step_guard`, which writes `<run_dir>/failure.json` (step and cause) when the step
+fails, so the runner can name the step and the cause in one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from . import tracking
+from .services import (
+    LOCALHOST,
+    ProcessGroup,
+    ServiceError,
+    claim_port,
+    free_port,
+    gemrec_command,
+    gemrec_executable,
+)
+
+FAILURE_FILE = "failure.json"
+
+
+class StepError(RuntimeError):
+    """A step failed for a reason the user can act on (the message is the cause)."""
+
+
+@contextlib.contextmanager
+def step_guard(run_dir: str, step: str):
+    started = time.monotonic()
+    print(f"[gemrec] step {step}: started", flush=True)
+    try:
+        yield
+    except BaseException as err:
+        cause = str(err) if isinstance(err, (StepError, ServiceError)) else f"{type(err).__name__}: {err}"
+        if run_dir:
+            path = Path(run_dir) / FAILURE_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if not path.exists():  # the first failure is the cause
+                path.write_text(json.dumps({"step": step, "cause": cause}, indent=2))
+        print(f"[gemrec] step {step}: FAILED: {cause}", file=sys.stderr, flush=True)
+        if isinstance(err, (StepError, ServiceError)):
+            raise SystemExit(1) from None  # the cause is known: no traceback
+        raise
+    print(f"[gemrec] step {step}: done in {time.monotonic() - started:.1f} s", flush=True)
+
+
+# ---- ingest ---------------------------------------------------------------------------------------------
+
+def ingest(data: str, out: str) -> dict[str, Any]:
+    """Prepare a dataset folder at `out` from raw MovieLens (`data` holds ratings.csv) or copy a prepared one."""
+    source = Path(data)
+    if not source.exists():
+        raise StepError(f"data path {source} does not exist")
+    if (source / "manifest.json").is_file():
+        shutil.copytree(source, out)
+    elif (source / "ratings.csv").is_file():
+        from gemrec.components.data_service.errors import DataError
+        from gemrec.components.data_service.movielens import prepare_movielens
+
+        try:
+            prepare_movielens(Path(out), raw=source, progress=False)
+        except DataError as err:
+            raise StepError(f"cannot prepare {source}: {err}") from err
+    else:
+        raise StepError(f"{source} is neither a prepared dataset (manifest.json) nor raw MovieLens (ratings.csv)")
+    return json.loads((Path(out) / "manifest.json").read_text())
+
+
+# ---- validate -------------------------------------------------------------------------------------------
+
+REQUIRED_SPLITS = ("train", "eval")
+
+
+def validate(dataset: str) -> dict[str, float]:
+    """Schema and statistics checks; raise StepError listing every problem found. Returns statistics."""
+    from gemrec.components.data_service.dataset import Dataset
+    from gemrec.components.data_service.errors import DataError
+
+    try:
+        ds = Dataset.open(dataset)
+    except DataError as err:
+        raise StepError(f"dataset schema: {err}") from err
+    m = ds.manifest
+    problems = []
+    sparse = {f["name"]: f for f in m.get("sparse_features", [])}
+    for name in ("user_id", "item_id"):
+        if name not in sparse:
+            problems.append(f"sparse feature {name!r} is missing")
+    for f in sparse.values():
+        if int(f.get("num_embeddings", 0)) <= 0:
+            problems.append(f"sparse feature {f['name']!r} has no ids (num_embeddings {f.get('num_embeddings')})")
+    if not m.get("labels"):
+        problems.append("the dataset has no labels to train on")
+    stats: dict[str, float] = {"num_events": m["num_events"], "num_users": m["num_users"],
+                               "num_items": m["num_items"]}
+    for split in REQUIRED_SPLITS:
+        if split not in m.get("splits", {}):
+            problems.append(f"split {split!r} is missing")
+            continue
+        count = ds.num_examples(split)
+        stats[f"{split}_examples"] = count
+        if count == 0:
+            problems.append(f"split {split!r} has no examples")
+    rates = m.get("label_rates", {})
+    for label in m.get("labels", []):
+        rate = (rates.get("train") or {}).get(label)
+        if rate is None:
+            continue
+        stats[f"train_rate_{label}"] = rate
+        if not 0.0 < rate < 1.0:
+            problems.append(f"label {label!r} has base rate {rate} in train: NE is undefined (need 0 < rate < 1)")
+    seq = m.get("max_seq_len", {})
+    stats.update({f"seq_len_{k}": v for k, v in seq.items()})
+    if problems:
+        raise StepError(f"dataset {m.get('name')} at {dataset} failed validation: " + "; ".join(problems))
+    return stats
+
+
+# ---- materialize ----------------------------------------------------------------------------------------
+
+def materialize(dataset: str, store: str, redis_url: str) -> dict[str, Any]:
+    """Load the online features from the dataset; with the Redis store, write them into Redis."""
+    from gemrec.components.feature_service.store import MemoryStore
+    from gemrec.components.feature_service.store import materialize as to_redis
+
+    memory = MemoryStore(dataset)
+    info = {"store": store, "dataset_checksum": memory.schema.dataset_checksum,
+            "entities": {n: {"ids": e.num_ids, "features": len(e.features)} for n, e in memory.schema.entities.items()}}
+    if store == "redis":
+        if not redis_url:
+            raise StepError("the redis feature store needs --redis-url")
+        try:
+            info.update(to_redis(memory, redis_url, progress=False))
+        except Exception as err:
+            raise StepError(f"cannot materialize features into Redis at {redis_url}: {err}") from err
+        info["redis_url"] = redis_url
+    elif store != "memory":
+        raise StepError(f"unknown feature store {store!r}: use memory or redis")
+    return info
+
+
+# ---- train ----------------------------------------------------------------------------------------------
+
+def trainer_args(recipe: str, data_addr: str, tracking_uri: str, experiment: str, metrics_out: str) -> list[str]:
+    """`gemrec train` over the data service; checkpoints beside the metrics file."""
+    return ["train", "--data-addr", data_addr, "--recipe", recipe, "--tracking-uri", tracking_uri,
+            "--experiment", experiment, "--metrics-out", metrics_out,
+            "--run-dir", str(Path(metrics_out).parent / "trainer")]
+
+
+def train_local(dataset: str, recipe: str, nproc: int, tracking_uri: str, experiment: str, run_dir: str,
+                features: dict, metrics_out: str, feature_port: int = 0, data_port: int = 0) -> dict[str, Any]:
+    """Start the feature and data services on 127.0.0.1, run the trainer under torchrun, stop the services.
+
+    Returns the trainer's metrics JSON plus `run_id` (the MLflow run) and `device`.
+    """
+    if nproc < 1:
+        raise StepError(f"--nproc must be at least 1 (got {nproc})")
+    logs = Path(run_dir) / "logs"
+    feature_port = claim_port(feature_port, "feature service")
+    data_port = claim_port(data_port, "data service")
+    if feature_port == data_port:
+        raise StepError(f"the feature and data services cannot share port {feature_port}")
+    feature_addr, data_addr = f"{LOCALHOST}:{feature_port}", f"{LOCALHOST}:{data_port}"
+    store = ["--store", "redis", "--redis-url", features["redis_url"]] if features.get("store") == "redis" else []
+    started_ms = int(time.time() * 1000)
+    with ProcessGroup() as group:
+        print(f"[gemrec] starting feature service on {feature_addr}", flush=True)
+        group.start_service("feature service", gemrec_command(
+            "serve", "features", "--dataset", dataset, "--port", str(feature_port), *store),
+            feature_addr, logs / "feature-service.log")
+        print(f"[gemrec] starting data service on {data_addr}", flush=True)
+        group.start_service("data service", gemrec_command(
+            "serve", "data", "--dataset", dataset, "--port", str(data_port), "--features", feature_addr),
+            data_addr, logs / "data-service.log")
+        print(f"[gemrec] training with torchrun --nproc_per_node {nproc}", flush=True)
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                    "--master_addr", LOCALHOST, "--master_port", str(free_port()), "--no-python", gemrec_executable(),
+                    *trainer_args(recipe, data_addr, tracking_uri, experiment, metrics_out)]
+        trainer = group.start("trainer", torchrun, logs / "trainer.log",
+                              env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                                   "GEMREC_FEATURE_ADDR": feature_addr, "GEMREC_DATA_ADDR": data_addr},
+                              echo=True)
+        code = trainer.stream()
+        if code != 0:
+            raise StepError(f"the trainer exited with code {code} (log: {logs / 'trainer.log'})")
+        for process in group.processes[:2]:
+            if not process.alive():
+                raise StepError(f"the {process.name} died during training (log: {process.log_path})")
+    result = read_trainer_metrics(metrics_out)
+    result.setdefault("run_id", tracking.find_training_run(tracking_uri, experiment, started_ms))
+    return result
+
+
+def read_trainer_metrics(path: str) -> dict[str, Any]:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError as err:
+        raise StepError(f"the trainer finished but wrote no metrics to {path}") from err
+    except json.JSONDecodeError as err:
+        raise StepError(f"the trainer's metrics file {path} is not JSON: {err}") from err
+
+
+def headline(metrics: dict[str, Any], labels: list[str]) -> dict[str, float]:
+    """Flat numbers for KFP Metrics and the summary: NE/AUC of the primary label (the first) and per label."""
+    out: dict[str, float] = {}
+    primary = labels[0] if labels else None
+    for key in ("ne", "auc"):
+        value = metrics.get(key)
+        if isinstance(value, dict):
+            for label, v in value.items():
+                out[f"{key}_{label}"] = float(v)
+            first = primary if primary in value else next(iter(value), None)
+            if first is not None:
+                out[key] = float(value[first])
+        elif value is not None:
+            out[key] = float(value)
+    for key in ("qps", "mfu", "local_mfu", "scaling_ratio", "tokens_per_s"):
+        if isinstance(metrics.get(key), (int, float)):
+            out[key] = float(metrics[key])
+    return {k: v for k, v in out.items() if math.isfinite(v)}
+
+
+def require_ne(numbers: dict[str, float]) -> float:
+    if "ne" not in numbers:
+        raise StepError(f"the trainer reported no NE (metrics: {', '.join(numbers) or 'none'})")
+    return numbers["ne"]
+
+
+def train_in_pod(recipe: str, nproc: int, tracking_uri: str, experiment: str, data_addr: str,
+                 metrics_out: str) -> dict[str, Any]:
+    """Cluster, one node: torchrun in this (GPU) pod against the cluster's data service."""
+    started_ms = int(time.time() * 1000)
+    with ProcessGroup() as group:
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                    "--no-python", gemrec_executable(), *trainer_args(recipe, data_addr, tracking_uri, experiment, metrics_out)]
+        code = group.start("trainer", torchrun, Path(metrics_out).parent / "trainer.log", echo=True).stream()
+    if code != 0:
+        raise StepError(f"the trainer exited with code {code}")
+    result = read_trainer_metrics(metrics_out)
+    result.setdefault("run_id", tracking.find_training_run(tracking_uri, experiment, started_ms))
+    return result
+
+
+def train_trainjob(recipe: str, nproc: int, tracking_uri: str, experiment: str, data_addr: str,
+                   feature_addr: str, image: str, namespace: str, num_nodes: int, gpus_per_node: int,
+                   pipeline_run: str) -> dict[str, Any]:
+    """Cluster, many nodes: a Kubeflow TrainJob; the metrics come back through the MLflow run."""
+    from . import trainjob
+
+    started_ms = int(time.time() * 1000)
+    spec = trainjob.TrainJobSpec(
+        name=trainjob.job_name(pipeline_run), image=image, recipe=recipe, data_addr=data_addr,
+        feature_addr=feature_addr, tracking_uri=tracking_uri, experiment=experiment, num_nodes=num_nodes,
+        nproc_per_node=nproc, gpus_per_node=gpus_per_node, labels={"gemrec/pipeline-run": spec_label(pipeline_run)})
+    try:
+        trainjob.run(spec, namespace)
+    except trainjob.TrainJobError as err:
+        raise StepError(str(err)) from err
+    run_id = tracking.find_training_run(tracking_uri, experiment, started_ms)
+    logged = tracking.client(tracking_uri).get_run(run_id).data.metrics
+    return {**tracking.metrics_from_run(logged), "run_id": run_id, "trainjob": f"{namespace}/{spec.name}"}
+
+
+def spec_label(value: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "-" for c in value)[:63].strip("-_.") or "none"
+
+
+def train(mode: str, dataset: str, recipe: str, nproc: int, tracking_uri: str, experiment: str, run_dir: str,
+          features: dict, feature_port: int, data_port: int, data_addr: str, feature_addr: str,
+          trainer_image: str, namespace: str, num_nodes: int, gpus_per_node: int, pipeline_run: str,
+          dataset_checksum: str, labels: list[str]) -> dict[str, Any]:
+    """Dispatch on `mode` (local | pod | trainjob), then name and tag the MLflow run."""
+    metrics_out = str(Path(run_dir) / "trainer-metrics.json")
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    if mode == "local":
+        result = train_local(dataset, recipe, nproc, tracking_uri, experiment, run_dir, features, metrics_out,
+                             feature_port, data_port)
+    elif mode == "pod":
+        result = train_in_pod(recipe, nproc, tracking_uri, experiment, data_addr, metrics_out)
+    elif mode == "trainjob":
+        result = train_trainjob(recipe, nproc, tracking_uri, experiment, data_addr, feature_addr, trainer_image,
+                                namespace, num_nodes, gpus_per_node, pipeline_run)
+    else:
+        raise StepError(f"unknown train mode {mode!r}: use local, pod or trainjob")
+    numbers = headline(result, labels)
+    require_ne(numbers)
+    commit = tracking.git_commit()
+    tracking.label_run(tracking_uri, result["run_id"], tracking.run_name(recipe, commit), {
+        "git_commit": commit, "dataset_checksum": dataset_checksum, "device": result.get("device", ""),
+        "pipeline": "gemrec-train", "pipeline_run": pipeline_run, "recipe": recipe, "train_mode": mode,
+    })
+    return {"run_id": result["run_id"], "numbers": numbers, "trainer": result, "git_commit": commit,
+            "dataset_checksum": dataset_checksum}
+
+
+# ---- evaluate and register ------------------------------------------------------------------------------
+
+def evaluate(candidate: dict, tracking_uri: str, recipe: str, dataset_checksum: str) -> dict[str, Any]:
+    ne = require_ne(candidate["numbers"])
+    current = tracking.champion(tracking_uri, tracking.model_name(recipe))
+    promote, reason = tracking.decide(ne, current, dataset_checksum)
+    metrics = {"candidate_ne": ne, "promote": float(promote)}
+    if current is not None and current.ne is not None:
+        metrics.update({"champion_ne": current.ne, "ne_improvement": current.ne - ne})
+    print(f"[gemrec] {reason}", flush=True)
+    return {"promote": promote, "reason": reason, "metrics": metrics,
+            "champion_version": current.version if current else None}
+
+
+def register(candidate: dict, verdict: dict, tracking_uri: str, recipe: str, run_dir: str,
+             ui_address: str) -> dict[str, Any]:
+    name = tracking.model_name(recipe)
+    numbers = candidate["numbers"]
+    won_with = {k: numbers[k] for k in ("ne", "auc", "qps", "mfu") if k in numbers}
+    version = tracking.register(tracking_uri, candidate["run_id"], name, won_with, verdict["promote"],
+                                verdict["reason"], candidate["dataset_checksum"], recipe)
+    summary = {"status": "succeeded", "model": name, "version": version, "model_uri": f"models:/{name}/{version}",
+               "promoted": verdict["promote"], "reason": verdict["reason"], "run_id": candidate["run_id"],
+               "metrics": numbers, "tracking_uri": tracking_uri, "ui": ui_address}
+    if run_dir:
+        (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,183 @@
+"""MLflow side of the pipeline: finding and naming the training run, the champion model, promotion.
+
+Store default: `sqlite:///mlruns.db` in the working directory (the trainer's default too), artifacts in
+`mlartifacts/` beside the database file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"
+CHAMPION_ALIAS = "champion"
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """The store URI with a relative SQLite path made absolute (steps may run in other directories)."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    return uri
+
+
+def sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def artifact_root(uri: str) -> Path | None:
+    """Where runs of a SQLite store keep their artifacts (beside the database, as the trainer does)."""
+    db = sqlite_path(uri)
+    return db.resolve().parent / "mlartifacts" if db is not None else None
+
+
+def git_commit() -> str:
+    if os.environ.get("GEMREC_GIT_COMMIT"):
+        return os.environ["GEMREC_GIT_COMMIT"]
+    try:
+        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def run_name(recipe: str, commit: str) -> str:
+    return f"{recipe}@{commit[:8]}"
+
+
+def model_name(recipe: str) -> str:
+    """One registered model per recipe: a `tiny` run never competes with a `movielens` champion."""
+    return f"gemrec-{recipe}"
+
+
+def client(tracking_uri: str):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=tracking_uri, registry_uri=tracking_uri)
+
+
+def find_training_run(tracking_uri: str, experiment: str, started_after_ms: int) -> str:
+    """The run the trainer created in `experiment` after `started_after_ms` (newest first)."""
+    mlflow_client = client(tracking_uri)
+    exp = mlflow_client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise LookupError(f"the trainer created no MLflow experiment {experiment!r} in {tracking_uri}")
+    runs = mlflow_client.search_runs(
+        [exp.experiment_id], filter_string=f"attributes.start_time >= {started_after_ms}",
+        order_by=["attributes.start_time DESC"], max_results=1,
+    )
+    if not runs:
+        raise LookupError(f"the trainer logged no MLflow run in experiment {experiment!r} at {tracking_uri}")
+    return runs[0].info.run_id
+
+
+def label_run(tracking_uri: str, run_id: str, name: str, tags: dict[str, str]) -> None:
+    """Name the run and add the tags the trainer did not set (never overwrite the trainer's values)."""
+    mlflow_client = client(tracking_uri)
+    existing = mlflow_client.get_run(run_id).data.tags
+    mlflow_client.update_run(run_id, name=name)
+    for key, value in tags.items():
+        if value and (key not in existing or existing[key] in ("", "unknown")):
+            mlflow_client.set_tag(run_id, key, value)
+
+
+@dataclass
+class Champion:
+    version: str
+    run_id: str
+    ne: float | None
+    dataset_checksum: str
+
+
+def champion(tracking_uri: str, name: str) -> Champion | None:
+    from mlflow.exceptions import MlflowException
+
+    mlflow_client = client(tracking_uri)
+    try:
+        version = mlflow_client.get_model_version_by_alias(name, CHAMPION_ALIAS)
+    except MlflowException:
+        return None
+    tags = version.tags or {}
+    ne = float(tags["ne"]) if "ne" in tags else None
+    return Champion(version.version, version.run_id, ne, tags.get("dataset_checksum", ""))
+
+
+def decide(candidate_ne: float, current: Champion | None, dataset_checksum: str) -> tuple[bool, str]:
+    """Whether the candidate becomes champion, and why (lower NE is better)."""
+    if current is None:
+        return True, f"no champion yet: the first model (NE {candidate_ne:.4f}) becomes champion"
+    if current.ne is None:
+        return True, f"champion v{current.version} has no recorded NE: replaced by NE {candidate_ne:.4f}"
+    same_data = " (same dataset)" if current.dataset_checksum == dataset_checksum else " (different dataset)"
+    if candidate_ne < current.ne:
+        return True, (f"NE improved {current.ne:.4f} -> {candidate_ne:.4f} over champion v{current.version}"
+                      f"{same_data}")
+    return False, (f"NE {candidate_ne:.4f} does not improve on champion v{current.version} NE {current.ne:.4f}"
+                   f"{same_data}: alias stays")
+
+
+def model_uri(tracking_uri: str, run_id: str) -> str:
+    """The model the trainer logged in the run (an MLflow PyTorch model named `model`)."""
+    mlflow_client = client(tracking_uri)
+    models = mlflow_client.search_logged_models(
+        experiment_ids=[mlflow_client.get_run(run_id).info.experiment_id],
+        filter_string=f"source_run_id = '{run_id}'", max_results=1,
+    )
+    if models:
+        return f"models:/{models[0].model_id}"
+    names = {a.path for a in mlflow_client.list_artifacts(run_id)}
+    if "model" in names:
+        return f"runs:/{run_id}/model"
+    raise LookupError(f"MLflow run {run_id} has no logged model to register")
+
+
+def register(tracking_uri: str, run_id: str, name: str, metrics: dict[str, float], promote: bool, reason: str,
+             dataset_checksum: str, recipe: str) -> str:
+    """Register the run's model as a new version; move the champion alias when `promote`. Returns the version."""
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    mlflow.set_registry_uri(tracking_uri)
+    mlflow_client = client(tracking_uri)
+    if not mlflow_client.search_registered_models(filter_string=f"name = '{name}'"):
+        mlflow_client.create_registered_model(
+            name, description=f"gemrec model trained with the `{recipe}` recipe by the gemrec-train pipeline. "
+                              f"The `{CHAMPION_ALIAS}` alias points at the version with the lowest eval NE.")
+    version = mlflow.register_model(model_uri(tracking_uri, run_id), name, tags={"recipe": recipe}).version
+    summary = ", ".join(f"{k.upper() if len(k) <= 3 else k} {v:.4g}" for k, v in metrics.items())
+    mlflow_client.update_model_version(name, version, description=f"{summary}. {reason}.")
+    for key, value in metrics.items():
+        mlflow_client.set_model_version_tag(name, version, key, f"{value:.6g}")
+    mlflow_client.set_model_version_tag(name, version, "dataset_checksum", dataset_checksum)
+    mlflow_client.set_model_version_tag(name, version, "promotion", reason)
+    if promote:
+        mlflow_client.set_registered_model_alias(name, CHAMPION_ALIAS, version)
+        mlflow_client.update_registered_model(
+            name, description=f"gemrec model trained with the `{recipe}` recipe by the gemrec-train pipeline. "
+                              f"Champion: version {version} with {summary}.")
+    mlflow_client.set_tag(run_id, "gemrec.registered_model", f"{name}/{version}")
+    mlflow_client.set_tag(run_id, "gemrec.champion_decision", "promoted" if promote else "kept")
+    mlflow_client.set_tag(run_id, "gemrec.champion_reason", reason)
+    mlflow_client.log_text(run_id, json.dumps({"promoted": promote, "reason": reason, "model": name,
+                                               "version": version, "metrics": metrics}, indent=2),
+                           "champion_decision.json")
+    return str(version)
+
+
+def metrics_from_run(logged: dict[str, float]) -> dict:
+    """The trainer's metrics-out shape (`ne`/`auc` per label, `qps`, `mfu`) rebuilt from a run's metrics."""
+    import re
+
+    out: dict = {}
+    for key, value in logged.items():
+        match = re.fullmatch(r"(?:eval[/_.])?(ne|auc)[/_.](\w+)", key)
+        if match:
+            out.setdefault(match.group(1), {})[match.group(2)] = value
+        elif key in ("qps", "mfu", "local_mfu", "scaling_ratio"):
+            out[key] = value
+    return out
