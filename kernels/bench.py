@@ -1,0 +1,304 @@
+"""`gemrec bench kernels`: check correctness first, then time every kernel variant and its peers in one run.
+
+Peers (each on its own preferred layout, the layout conversion left out of its time): FlexAttention with
+a document mask over the packed tokens, padded SDPA with a key-padding mask, nested-tensor (jagged) SDPA,
+and, for GDPA, `torch.compile` of a padded pointwise attention. TFLOP/s always count the real (unpadded,
+unmasked) query-key pairs: 4*pairs*H*D forward, 10*pairs*H*D backward.
+"""
+
+import json
+import math
+import platform
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from gemrec.kernels.ops import attention_flops, gdpa, jagged_attention
+from gemrec.kernels.reference import _pad
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    num_seqs: int
+    heads: int
+    head_dim: int
+    q_lens: str  # "uniform:LO:HI", "lognormal:MEDIAN:MAX" or "shared:N"
+    kv_lens: str  # same forms, or "self" (self-attention)
+    variants: tuple[tuple[str, bool], ...]  # (op, causal); op in {"jfa", "gdpa"}
+    targets: str
+
+
+CONFIGS = {
+    "A": Config("A", 32, 8, 128, "uniform:1:4096", "self", (("jfa", False), ("jfa", True), ("gdpa", True)),
+                "JFA >= 450 fwd, >= 350 fwd+bwd; GDPA silu causal >= 450 fwd, >= 300 fwd+bwd"),
+    "B": Config("B", 256, 4, 64, "lognormal:128:1024", "self", (("jfa", True), ("gdpa", True)),
+                ">= 2x FlexAttention, both ops"),
+    "C-cross": Config("C-cross", 32, 8, 128, "uniform:1:4096", "uniform:16:64", (("jfa", False), ("gdpa", False)),
+                      ">= 2x the best peer"),
+    "C-pma": Config("C-pma", 32, 8, 128, "shared:32", "uniform:1:4096", (("jfa", False), ("gdpa", False)),
+                    ">= 2x the best peer"),
+}
+
+
+def draw_lengths(spec: str, num_seqs: int, gen: torch.Generator) -> list[int]:
+    kind, *args = spec.split(":")
+    if kind == "uniform":
+        lo, hi = int(args[0]), int(args[1])
+        return torch.randint(lo, hi + 1, (num_seqs,), generator=gen).tolist()
+    if kind == "lognormal":
+        median, cap = float(args[0]), int(args[1])
+        x = torch.randn(num_seqs, generator=gen, dtype=torch.float64) * 1.0 + math.log(median)
+        return x.exp().round().clamp(1, cap).long().tolist()
+    if kind == "shared":
+        return [int(args[0])]
+    raise ValueError(f"unknown length spec {spec!r}")
+
+
+def offsets_of(lengths: list[int], device) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device=device)
+
+
+@dataclass
+class Case:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    q_offsets: torch.Tensor
+    kv_offsets: torch.Tensor
+    q_lens: list[int]  # per sequence, shared q expanded
+    kv_lens: list[int]
+    max_q: int
+    max_kv: int
+    shared_q: bool
+
+
+def make_case(cfg: Config, seed: int, device, dtype=torch.bfloat16, num_seqs: int | None = None) -> Case:
+    gen = torch.Generator().manual_seed(seed)
+    b = num_seqs or cfg.num_seqs
+    q_lens = draw_lengths(cfg.q_lens, b, gen)
+    kv_lens = q_lens if cfg.kv_lens == "self" else draw_lengths(cfg.kv_lens, b, gen)
+    shared_q = cfg.q_lens.startswith("shared")
+    q = torch.randn(sum(q_lens), cfg.heads, cfg.head_dim, generator=gen).to(device, dtype)
+    k = torch.randn(sum(kv_lens), cfg.heads, cfg.head_dim, generator=gen).to(device, dtype)
+    v = torch.randn(sum(kv_lens), cfg.heads, cfg.head_dim, generator=gen).to(device, dtype)
+    per_seq_q = q_lens * b if shared_q else q_lens
+    return Case(q, k, v, offsets_of(q_lens, device), offsets_of(kv_lens, device), per_seq_q, kv_lens,
+                max(q_lens), max(kv_lens), shared_q)
+
+
+def run_ours(op: str, case: Case, causal: bool, backend="auto", q=None, k=None, v=None):
+    q, k, v = (case.q if q is None else q), (case.k if k is None else k), (case.v if v is None else v)
+    if op == "jfa":
+        return jagged_attention(q, k, v, case.q_offsets, case.kv_offsets, case.max_q, case.max_kv, causal=causal,
+                                backend=backend)
+    return gdpa(q, k, v, case.q_offsets, case.kv_offsets, case.max_q, case.max_kv, activation="silu",
+                causal=causal, normalize="kv_len", backend=backend)
+
+
+def check_correctness(cfg: Config, op: str, causal: bool, device, seed: int) -> dict:
+    """bf16 kernel vs fp32 reference on a few sequences of the config: output and all input grads."""
+    case = make_case(cfg, seed, device, num_seqs=4)
+    leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
+    out = run_ours(op, case, causal, "triton", *leaves)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, leaves, grad)
+    ref_leaves = [t.detach().float().requires_grad_() for t in (case.q, case.k, case.v)]
+    ref = run_ours(op, case, causal, "reference", *ref_leaves)
+    ref_grads = torch.autograd.grad(ref, ref_leaves, grad.float())
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm().clamp(min=1e-12))
+
+    errs = {"out": rel(out, ref), **{f"d{n}": rel(g, r) for n, g, r in zip("qkv", grads, ref_grads)}}
+    return {"errors": errs, "ok": all(e < 1e-2 for e in errs.values())}
+
+
+def _padded(x: torch.Tensor, lens: list[int], max_len: int) -> torch.Tensor:
+    """(total, H, D) jagged -> (B, H, max_len, D) zero padded."""
+    off = offsets_of(lens, x.device)
+    padded, _ = _pad(x, off[:-1], off[1:] - off[:-1], max_len)
+    return padded.transpose(1, 2).contiguous()
+
+
+def _masks(case: Case, causal: bool, device):
+    q_len = torch.tensor(case.q_lens, device=device)
+    kv_len = torch.tensor(case.kv_lens, device=device)
+    i = torch.arange(case.max_q, device=device)
+    j = torch.arange(case.max_kv, device=device)
+    mask = (i[None, :, None] < q_len[:, None, None]) & (j[None, None, :] < kv_len[:, None, None])
+    if causal:
+        mask &= j[None, None, :] <= i[None, :, None] + (kv_len - q_len)[:, None, None]
+    return mask[:, None]  # (B, 1, Lq, Lkv)
+
+
+def peers(op: str, case: Case, causal: bool, device):
+    """name -> (callable returning an output, leaf tensors) for each peer that applies."""
+    scale = case.q.shape[-1] ** -0.5
+    q_full = case.q.repeat(len(case.kv_lens), 1, 1) if case.shared_q else case.q
+    out = {}
+    mask = _masks(case, causal, device)
+    qp = _padded(q_full, case.q_lens, case.max_q).requires_grad_()
+    kp = _padded(case.k, case.kv_lens, case.max_kv).requires_grad_()
+    vp = _padded(case.v, case.kv_lens, case.max_kv).requires_grad_()
+    if op == "jfa":
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        doc_q = torch.repeat_interleave(torch.arange(len(case.q_lens), device=device),
+                                        torch.tensor(case.q_lens, device=device))
+        doc_kv = torch.repeat_interleave(torch.arange(len(case.kv_lens), device=device),
+                                         torch.tensor(case.kv_lens, device=device))
+        q_off, kv_off = offsets_of(case.q_lens, device), offsets_of(case.kv_lens, device)
+        pos_q = torch.arange(doc_q.numel(), device=device) - q_off[doc_q]
+        pos_kv = torch.arange(doc_kv.numel(), device=device) - kv_off[doc_kv]
+        shift = torch.tensor(case.kv_lens, device=device) - torch.tensor(case.q_lens, device=device)
+
+        def doc_mask(b, h, qi, ki):
+            same = doc_q[qi] == doc_kv[ki]
+            if causal:
+                same = same & (pos_kv[ki] <= pos_q[qi] + shift[doc_q[qi]])
+            return same
+
+        block_mask = create_block_mask(doc_mask, None, None, doc_q.numel(), doc_kv.numel(), device=device)
+        flex = torch.compile(flex_attention, dynamic=False)
+        fq, fk, fv = (t.detach().clone().transpose(0, 1)[None].requires_grad_() for t in (q_full, case.k, case.v))
+        out["flex (doc mask)"] = (lambda: flex(fq, fk, fv, block_mask=block_mask, scale=scale), [fq, fk, fv])
+        out["sdpa padded (mask)"] = (
+            lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale), [qp, kp, vp])
+        nq, nk, nv = (t.detach().clone().requires_grad_() for t in (q_full, case.k, case.v))
+
+        def nested():
+            jq = torch.nested.nested_tensor_from_jagged(nq, offsets_of(case.q_lens, device)).transpose(1, 2)
+            jk = torch.nested.nested_tensor_from_jagged(nk, kv_off).transpose(1, 2)
+            jv = torch.nested.nested_tensor_from_jagged(nv, kv_off).transpose(1, 2)
+            return F.scaled_dot_product_attention(jq, jk, jv, is_causal=causal, scale=scale).transpose(1, 2).values()
+
+        out["sdpa nested"] = (nested, [nq, nk, nv])
+    else:
+        inv_len = torch.tensor([1.0 / max(n, 1) for n in case.kv_lens], device=device)[:, None, None, None]
+        maskf = mask.to(case.q.dtype)
+
+        @torch.compile(dynamic=False)
+        def padded_gdpa(q, k, v):
+            s = torch.matmul(q, k.transpose(-1, -2)) * scale
+            return torch.matmul((F.silu(s.float()) * maskf * inv_len).to(q.dtype), v)
+
+        out["compiled padded pointwise"] = (lambda: padded_gdpa(qp, kp, vp), [qp, kp, vp])
+    return out
+
+
+def _time(fn, leaves, backward: bool) -> float:
+    import triton.testing
+
+    if not backward:
+        with torch.no_grad():
+            fn()
+            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    out = fn()
+    grad = torch.randn_like(out)
+
+    def step():
+        torch.autograd.grad(fn(), leaves, grad)
+
+    step()
+    return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_peers: bool = True,
+                  progress=print) -> list[dict]:
+    """Correctness of every variant first, then fwd and fwd+bwd timings of ours and the peers."""
+    device = torch.device("cuda")
+    rows: list[dict] = []
+    checks = {}
+    for name in config_names:
+        cfg = CONFIGS[name]
+        for op, causal in cfg.variants:
+            key = f"{name}/{op}{'-causal' if causal else ''}"
+            checks[key] = check_correctness(cfg, op, causal, device, seed + 1)
+            progress(f"check {key}: {'ok' if checks[key]['ok'] else 'FAIL'} {checks[key]['errors']}")
+    for name in config_names:
+        cfg = CONFIGS[name]
+        case = make_case(cfg, seed, device)
+        for op, causal in cfg.variants:
+            variant = f"{op}{'-causal' if causal else ''}"
+            fwd_flops, bwd_flops = attention_flops(case.q_offsets, case.kv_offsets, cfg.heads, cfg.head_dim, causal)
+            leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
+            impls = {"ours (triton)": (lambda leaves=leaves, op=op, causal=causal, case=case: run_ours(
+                op, case, causal, "auto", *leaves), leaves)}
+            if with_peers:
+                try:
+                    impls.update(peers(op, case, causal, device))
+                except Exception as err:  # a peer that cannot even be set up is reported, not fatal
+                    progress(f"peers for {name}/{variant} unavailable: {type(err).__name__}: {err}")
+            for impl, (fn, impl_leaves) in impls.items():
+                row = {"config": name, "variant": variant, "impl": impl, "fwd_gflop": fwd_flops / 1e9,
+                       "bwd_gflop": bwd_flops / 1e9}
+                for label, backward, flops in (("fwd", False, fwd_flops), ("fwd+bwd", True, fwd_flops + bwd_flops)):
+                    try:
+                        ms = _time(fn, impl_leaves, backward)
+                        row[f"{label}_ms"] = ms
+                        row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12
+                    except Exception as err:  # OOM or unsupported in a peer: record it and go on
+                        row[f"{label}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    torch.cuda.empty_cache()
+                rows.append(row)
+                progress(format_row(row))
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": _git_commit(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "checks": checks,
+    }
+    import triton
+
+    meta["triton"] = triton.__version__
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "kernels_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out_dir / "kernels_bench.md").write_text(markdown(meta, rows))
+    return rows
+
+
+def format_row(row: dict) -> str:
+    def cell(label):
+        if f"{label}_tflops" in row:
+            return f"{row[f'{label}_ms']:.3f} ms {row[f'{label}_tflops']:.0f} TF/s"
+        return row.get(f"{label}_error", "-")
+
+    return f"{row['config']:8s} {row['variant']:12s} {row['impl']:26s} fwd {cell('fwd'):24s} fwd+bwd {cell('fwd+bwd')}"
+
+
+def markdown(meta: dict, rows: list[dict]) -> str:
+    lines = [
+        f"Date {meta['date']}, commit {meta['commit']}, {meta['device']}, torch {meta['torch']}, "
+        f"triton {meta.get('triton')}.",
+        "",
+        "Correctness (bf16 kernel vs fp32 reference, relative L2 error): "
+        + "; ".join(f"{k} {'ok' if v['ok'] else 'FAIL'} (max {max(v['errors'].values()):.1e})"
+                    for k, v in meta["checks"].items()),
+        "",
+        "| config | variant | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    def ms(r, label):
+        return f"{r[f'{label}_ms']:.3f}" if f"{label}_ms" in r else r.get(f"{label}_error", "-")[:40]
+
+    def tf(r, label):
+        return f"{r[f'{label}_tflops']:.0f}" if f"{label}_tflops" in r else "-"
+
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['variant']} | {r['impl']} | {ms(r, 'fwd')} | {tf(r, 'fwd')} | "
+                     f"{ms(r, 'fwd+bwd')} | {tf(r, 'fwd+bwd')} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,40 @@
+"""`gemrec bench kernels`: correctness, then timings of the attention kernels against PyTorch peers."""
+
+import argparse
+from pathlib import Path
+
+
+def _bench_kernels(args: argparse.Namespace) -> int:
+    import torch
+    from gemrec.cli import CLIError
+    from gemrec.kernels.bench import CONFIGS, format_row, run_benchmark
+
+    if not torch.cuda.is_available():
+        raise CLIError("bench kernels needs a CUDA GPU (the Triton kernels run compiled only there)")
+    names = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        raise CLIError(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    rows = run_benchmark(names, Path(args.out), seed=args.seed, with_peers=not args.no_peers,
+                         progress=lambda line: print(line, flush=True))
+    print("\n".join(format_row(r) for r in rows))
+    print(f"wrote {Path(args.out) / 'kernels_bench.json'} and kernels_bench.md")
+    return 0
+
+
+def register(groups: dict) -> None:
+    p = groups["bench"].add_parser("kernels", help="jagged attention / GDPA kernels vs FlexAttention, SDPA, compile")
+    p.add_argument("--configs", default="A,B,C-cross,C-pma", help="comma-separated configs (A, B, C-cross, C-pma)")
+    p.add_argument("--out", default="runs/bench-kernels", help="folder for kernels_bench.json/.md")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-peers", action="store_true", help="time only our kernels")
+    p.set_defaults(func=_bench_kernels)
+
+
+if __name__ == "__main__":  # `python -m gemrec.kernels.cli [args]`: the bench without the other packages' CLIs
+    import sys
+
+    root = argparse.ArgumentParser(prog="gemrec bench")
+    register({"bench": root.add_subparsers(dest="bench_command", required=True)})
+    parsed = root.parse_args(["kernels", *sys.argv[1:]])
+    sys.exit(parsed.func(parsed))
