@@ -53,6 +53,17 @@ def _prepare_movielens(args) -> int:
     return 0
 
 
+def _prepare_events(args) -> int:
+    from .events import prepare_events
+
+    out = prepare_events(args.out, args.events, args.label, users=args.users, items=args.items,
+                         context=args.context, timestamp_unit=args.timestamp_unit,
+                         hash_over=args.hash_ids_over or None, name=args.name, split=_split_config(args),
+                         overwrite=args.overwrite)
+    _print_summary(out)
+    return 0
+
+
 SYNTH_OPTIONS = [
     ("--events", int, "events to generate"),
     ("--seed", int, "random seed; the same seed gives the same bytes"),
@@ -100,6 +111,23 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     movielens.add_argument("--out", type=Path, required=True, help="output dataset folder")
     _split_args(movielens)
     movielens.set_defaults(func=_run(_prepare_movielens))
+
+    events = sources.add_parser("events", help="any CSV/Parquet event log (user_id, item_id, timestamp, ...)")
+    events.add_argument("--events", type=Path, required=True, help="event log: user_id, item_id, timestamp, ...")
+    events.add_argument("--users", type=Path, default=None, help="user side table keyed by user_id")
+    events.add_argument("--items", type=Path, default=None, help="item side table keyed by item_id")
+    events.add_argument("--label", action="append", required=True, metavar="NAME[=EXPR]",
+                        help="a 0/1 column (click) or COLUMN OP VALUE (buy=behavior==buy, like=rating>=4); repeatable")
+    events.add_argument("--context", action="append", default=[], metavar="COLUMN",
+                        help="event column known at request time (device, page): a feature of the target; repeatable")
+    events.add_argument("--timestamp-unit", choices=("s", "ms", "us", "ns"), default="s",
+                        help="unit of numeric timestamps (date strings are parsed as such)")
+    events.add_argument("--hash-ids-over", type=int, default=5_000_000, metavar="N",
+                        help="hash id and value spaces with more than N distinct values into N buckets (0: never)")
+    events.add_argument("--name", default=None, help="dataset name (default: the events file name)")
+    events.add_argument("--out", type=Path, required=True, help="output dataset folder")
+    _split_args(events)
+    events.set_defaults(func=_run(_prepare_events))
 
     synth = data.add_parser("synth", help="seeded synthetic dataset with planted sequence signals (docs/data.md)")
     synth.add_argument("--out", type=Path, required=True, help="output dataset folder")
