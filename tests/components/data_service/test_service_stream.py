@@ -1,5 +1,6 @@
 """The data service over real gRPC on 127.0.0.1: exact epochs across ranks, balance, resume, bad input."""
 
+import threading
 from collections import Counter
 
 import grpc
@@ -220,3 +221,34 @@ def test_bearer_token_required(ds):
         assert next(iter(DataClient(address, SPLIT, batch_size=4, token="t0k"))).batch_size == 4
     finally:
         server.stop(0)
+
+
+def test_graceful_stop_ends_streams_and_client_resumes_on_a_new_server(ds, split_keys, free_port):
+    """Server.stop (what SIGTERM runs): NOT_SERVING, streams end after their current message with
+    UNAVAILABLE; the client backs off, reconnects to the replacement and resumes from its cursor."""
+
+    def start():
+        core = DataLoaderCore(ds)
+        return Server(ServerOptions(port=free_port, grace_s=5), register(core), on_drain=core.draining.set)
+
+    servers = [start()]
+
+    def replace_server():
+        servers[-1].stop()
+        servers.append(start())
+
+    client = DataClient(f"127.0.0.1:{free_port}", SPLIT, batch_size=500, max_seq_len=16, seed=2, prefetch=1,
+                        max_backoff_s=0.5)
+    seen, swapper = Counter(), threading.Thread(target=replace_server)
+    try:
+        for i, batch in enumerate(client):
+            seen.update(example_keys(batch))
+            if i == 3:
+                swapper.start()
+        swapper.join()
+    finally:
+        client.close()
+        for server in servers:
+            server.stop(0)
+    assert len(servers) == 2 and client.reconnects >= 1
+    assert seen == split_keys
