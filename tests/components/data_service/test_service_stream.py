@@ -252,3 +252,21 @@ def test_graceful_stop_ends_streams_and_client_resumes_on_a_new_server(ds, split
             server.stop(0)
     assert len(servers) == 2 and client.reconnects >= 1
     assert seen == split_keys
+
+
+def test_three_ranks_on_synthetic_heavy_tailed_data(synth_dataset):
+    ds = Dataset.open(synth_dataset)
+    core = DataLoaderCore(ds)
+    server = Server(ServerOptions(port=0), register(core))
+    try:
+        seen, ratios = Counter(), []
+        for rank in range(3):
+            client = DataClient(f"127.0.0.1:{server.port}", "train", rank, 3, batch_size=128, max_seq_len=512, seed=1)
+            for batch in client:
+                seen.update(example_keys(batch))
+                ratios.append((client.last_message.cost_imbalance, client.last_message.naive_cost_imbalance))
+        assert seen == Counter(example_keys(ds.collate("train", np.arange(ds.num_examples("train")), 1)))
+        balanced, naive = np.mean(ratios, axis=0)
+        assert balanced < naive and balanced < 1.1
+    finally:
+        server.stop(0)

@@ -107,3 +107,17 @@ def test_bad_lookups_name_the_problem(memory, redis_store):
 def test_redis_store_needs_materialization(redis_url):
     with pytest.raises(FileNotFoundError, match="gemrec serve materialize"):
         RedisStore(redis_url, "sha256:not-materialized")
+
+
+def test_stores_match_dataset_on_synthetic_hashed_ids(synth_dataset, redis_url):
+    ds, memory = Dataset.open(synth_dataset), MemoryStore(synth_dataset)
+    materialize(memory, redis_url, progress=False)
+    redis_store = RedisStore(redis_url, memory.schema.dataset_checksum)
+    try:
+        for entity in ("user", "item"):
+            ids = np.random.default_rng(2).integers(0, memory.schema.entities[entity].num_ids, size=500)
+            names = list(memory.schema.entities[entity].features)
+            _assert_same(memory.lookup(entity, ids, names), ds.lookup(entity, ids, names))
+            _assert_same(redis_store.lookup(entity, ids, names), ds.lookup(entity, ids, names))
+    finally:
+        redis_store.close()
