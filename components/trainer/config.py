@@ -50,11 +50,13 @@ class LoopConfig:
     seed: int = 0
     deterministic: bool = False  # deterministic algorithms, fixed threads: bit-identical reruns and resumes
     compile: bool = False  # torch.compile the model
+    threads: int = 0  # CPU intra-op threads per rank; 0 = cores / local ranks
     precision: str = "auto"  # auto (bf16 autocast on GPU, fp32 on CPU) | bf16 | fp32
     log_every: int = 20
     eval_every: int = 0  # 0 = only at the end
     local_mfu: bool = True  # measure per-layer local MFU (each layer alone) at the end
     local_mfu_repeats: int = 3
+    task_weights: dict[str, float] = field(default_factory=dict)  # label -> loss weight (default 1.0)
 
 
 @dataclass
@@ -66,7 +68,8 @@ class CheckpointConfig:
 @dataclass
 class TrainConfig:
     recipe: str = "custom"
-    model: dict[str, Any] = field(default_factory=lambda: {"arch": "gem"})
+    model: dict[str, Any] = field(default_factory=lambda: {"arch": "gem"})  # -> gemrec.model.ModelConfig
+    parallel: dict[str, Any] = field(default_factory=dict)  # -> trainer.parallel.ParallelConfig (multi-rank)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
@@ -128,6 +131,10 @@ def _coerce(value: Any, template: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise RecipeError(f"{where} must be a string, got {value!r}")
         return value
+    if isinstance(template, dict):
+        if not isinstance(value, dict):
+            raise RecipeError(f"{where} must be a table, got {value!r}")
+        return dict(value)
     if isinstance(template, tuple):
         if not isinstance(value, (list, tuple)) or len(value) != len(template):
             raise RecipeError(f"{where} must be a list of {len(template)} values, got {value!r}")
@@ -168,16 +175,19 @@ def build_config(raw: dict[str, Any], recipe: str = "custom", overrides: list[st
     for text in overrides:
         (section, key), value = parse_override(text)
         raw.setdefault(section, {})[key] = value
-    unknown = sorted(set(raw) - set(SECTIONS) - {"model"})
+    unknown = sorted(set(raw) - set(SECTIONS) - {"model", "parallel"})
     if unknown:
         raise RecipeError(f"unknown section(s) {', '.join(unknown)}; recipes take "
-                          f"{', '.join(['model', *SECTIONS])}")
+                          f"{', '.join(['model', 'parallel', *SECTIONS])}")
     model = dict(raw.get("model", {}))
     model.setdefault("arch", "gem")
     if model["arch"] not in ("gem", "dlrm"):
         raise RecipeError(f"model.arch must be 'gem' or 'dlrm', got {model['arch']!r}")
     sections = {name: _build_section(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
-    config = TrainConfig(recipe=recipe, model=model, **sections)
+    parallel = raw.get("parallel", {})
+    if not isinstance(parallel, dict):
+        raise RecipeError("[parallel] must be a table")
+    config = TrainConfig(recipe=recipe, model=model, parallel=dict(parallel), **sections)
     validate(config)
     return config
 

@@ -76,17 +76,36 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def _average_before_optimizer(param: nn.Parameter, world_size: int) -> None:
+    """All-reduce (mean) the gradient of a table with an in-backward optimizer before it is applied."""
+    from torch.distributed.optim.apply_optimizer_in_backward import param_to_acc_grad_map
+
+    def hook(grad_outputs):
+        grad = grad_outputs[0].clone()
+        dist.all_reduce(grad)
+        return (grad.div_(world_size),)
+
+    param_to_acc_grad_map[param].register_prehook(hook)
+
+
 def parallelize_model(model: nn.Module, ctx: DistContext) -> nn.Module:
-    """The model to train, from the unmodified model already on `ctx.device`.
+    """The model to train, from the unmodified model already on `ctx.device` (sparse optimizer attached).
 
     The seam for `components/trainer/parallel/` (FSDP2/HSDP, expert parallelism, torchrec sharding):
-    alone this is the identity; under torchrun it falls back to plain data parallelism (DDP), which also
-    all-reduces embedding gradients before the in-backward sparse optimizer runs.
+    alone this is the identity; under torchrun it falls back to plain data parallelism: DDP for the dense
+    parameters, and a gradient all-reduce on every embedding table that runs before its fused in-backward
+    optimizer (DDP's own in-backward support needs CUDA streams).
     """
     if not ctx.distributed:
         return model
+    tables = [(n, p) for n, p in model.named_parameters() if hasattr(p, "_in_backward_optimizers")]
+    for _, param in tables:
+        dist.broadcast(param.data, src=0)
+        _average_before_optimizer(param, ctx.world_size)
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in tables])
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+    # MoE experts that get no token on a rank have no gradient there: find_unused_parameters.
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
 
 
 def unwrap(model: nn.Module) -> nn.Module:

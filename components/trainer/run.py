@@ -85,6 +85,8 @@ def run_training(config: TrainConfig, *, dataset: Path | None, data_addr: str | 
         if not torch.cuda.is_available():
             raise CLIError("--device cuda: no CUDA device is available")
     ctx = init_distributed(device)
+    if not ctx.is_main:  # rank 0 speaks for the run
+        logging.getLogger("gemrec").setLevel(logging.WARNING)
     try:
         try:
             if dataset is not None:
@@ -100,7 +102,7 @@ def run_training(config: TrainConfig, *, dataset: Path | None, data_addr: str | 
                              log_model=log_model)
         try:
             trainer = Trainer(config, ctx, options, stream, eval_batches, schema, info)
-        except ValueError as err:  # the model rejects its config
+        except (ValueError, TrainingError) as err:  # the model or the trainer rejects the config
             raise CLIError(f"recipe {config.recipe}: {err}") from err
         try:
             return trainer.run()

@@ -107,7 +107,8 @@ class Tracker:
         import mlflow.pytorch
         import torch
 
-        mlflow.pytorch.log_model(model, name=name, pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+        mlflow.pytorch.log_model(model, name=name, serialization_format="pickle",
+                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "state_dict.pt"
             torch.save(model.state_dict(), path)

@@ -139,6 +139,10 @@ class Trainer:
         self.device = ctx.device
 
         set_determinism(config.train.seed, config.train.deterministic)
+        if self.device.type == "cpu":
+            local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+            threads = config.train.threads or max(1, (os.cpu_count() or 1) // local_ranks)
+            torch.set_num_threads(threads)
         model_config = ModelConfig.from_dict(config.model)
         self.model = build_model(model_config, schema).to(self.device)
         self.sparse_kind = apply_sparse_optimizer(self.model, config.optim)
@@ -156,6 +160,7 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.tracker: Tracker | None = None
         self.num_params = sum(p.numel() for p in self.model.parameters())
+        self.weights = self.task_weights()
 
     # -- checkpoint state ------------------------------------------------------------------------------
 
@@ -202,10 +207,12 @@ class Trainer:
 
     # -- loss and steps --------------------------------------------------------------------------------
 
-    def loss(self, out, labels: torch.Tensor) -> torch.Tensor:
-        from gemrec.model import multitask_loss
-
-        return multitask_loss(out.logits.float(), labels, self.model) + out.aux_loss.float()
+    def task_weights(self) -> list[float]:
+        weights = self.config.train.task_weights
+        unknown = sorted(set(weights) - set(self.task_names))
+        if unknown:
+            raise TrainingError(f"train.task_weights names unknown label(s) {unknown}; labels are {self.task_names}")
+        return [float(weights.get(name, 1.0)) for name in self.task_names]
 
     def check_finite(self, window: Window) -> None:
         bad = first_nonfinite(window.losses, window.first_step)
@@ -251,6 +258,15 @@ class Trainer:
                 result[name]["ne_train_base_rate_predictor"] = qm.normalized_entropy(y, np.full(len(y), rate))
         return {"tasks": result, "examples": int(len(all_labels))}
 
+    def export_model(self):
+        """A clean CPU copy of the trained model (no optimizer hooks, no wrappers) for MLflow."""
+        from gemrec.model import ModelConfig, build_model
+
+        model = build_model(ModelConfig.from_dict(self.config.model), self.schema)
+        state = {k: v.detach().cpu() for k, v in unwrap(self.train_model).state_dict().items()}
+        model.load_state_dict(state)
+        return model.eval()
+
     def to_input(self, batch):
         from gemrec.components.trainer.data import to_model_input
 
@@ -259,8 +275,6 @@ class Trainer:
     # -- the loop --------------------------------------------------------------------------------------
 
     def run(self) -> dict:
-        from gemrec.model import model_flops
-
         cfg, ctx = self.config, self.ctx
         self.resumed_run_id = None
         if self.options.resume:
@@ -272,7 +286,7 @@ class Trainer:
         self.tracker = Tracker(ctx.is_main, self.options.tracking_uri, self.options.experiment,
                                run_name=f"{cfg.recipe}-{cfg.arch}", resume_run_id=self.resumed_run_id)
         try:
-            result = self._run(peak, model_flops)
+            result = self._run(peak)
         except BaseException:
             self.tracker.finish("FAILED")
             raise
@@ -297,7 +311,11 @@ class Trainer:
             tracker.log_figure(fig, "plots/seq_length_hist.png")
             plt.close(fig)
 
-    def _run(self, peak: Peak, model_flops) -> dict:
+    def _run(self, peak: Peak) -> dict:
+        from gemrec.components.trainer.data import to_model_input
+        from gemrec.model import loss as model_loss
+        from gemrec.model import model_flops
+
         cfg, ctx, tracker = self.config, self.ctx, self.tracker
         if self.tracker.resumed:
             tracker.set_tags({f"resumed_at_step_{self.step}": str(self.last_checkpoint)})
@@ -316,10 +334,13 @@ class Trainer:
         while self.step < self.total_steps:
             batch = next(batches)
             labels = batch.labels.to(self.device, non_blocking=True)
-            inp = self.to_input(batch)
+            host_inp = to_model_input(batch)
+            # FLOPs from the host-side lengths: no device sync.
+            window.flops += total_flops(model_flops(unwrap(self.train_model), host_inp))
+            inp = host_inp.to(self.device, non_blocking=True)
             with self.autocast():
                 out = self.train_model(inp)
-            loss = self.loss(out, labels)
+            loss = model_loss(out, labels, self.weights)
             loss.backward()
             self.optimizers.clip_and_step()
             self.step += 1
@@ -330,7 +351,6 @@ class Trainer:
             window.labels.append(labels)
             window.examples += batch.batch_size
             window.tokens += batch.num_tokens
-            window.flops += total_flops(model_flops(unwrap(self.train_model), inp))
             last_inp = inp
             bar.update(1)
 
@@ -461,7 +481,7 @@ class Trainer:
                              "mfu/layers.json")
             tracker.log_dict(summary, "metrics/summary.json")
             if self.options.log_model:
-                tracker.log_model(unwrap(self.train_model))
+                tracker.log_model(self.export_model())
         if self.options.metrics_out:
             path = Path(self.options.metrics_out)
             path.parent.mkdir(parents=True, exist_ok=True)
