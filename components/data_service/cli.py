@@ -99,6 +99,13 @@ def _stats(args) -> int:
     return 0
 
 
+def _bench(args) -> int:
+    from .bench import run
+
+    run(args.out, args.synth_events, args.seq_lens, args.batch_size, args.seconds, args.raw)
+    return 0
+
+
 def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     data = groups["data"]
     prepare = data.add_parser("prepare", help="turn raw events into a dataset folder (docs/data.md)")
@@ -140,3 +147,12 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     stats.add_argument("dir", type=Path, help="dataset folder")
     stats.add_argument("--plot", type=Path, default=None, help="also write a PNG with the histogram and label rates")
     stats.set_defaults(func=_run(_stats))
+
+    bench = groups["bench"].add_parser("data", help="prepare time and collation throughput per core")
+    bench.add_argument("--synth-events", type=int, default=10_000_000, help="synthetic log size (0: skip)")
+    bench.add_argument("--seq-lens", type=int, nargs="+", default=[256, 4096], help="max_seq_len values")
+    bench.add_argument("--batch-size", type=int, default=1024)
+    bench.add_argument("--seconds", type=float, default=3.0, help="measuring time per configuration")
+    bench.add_argument("--raw", type=Path, default=None, help="ml-latest-small folder (default: as prepare)")
+    bench.add_argument("--out", type=Path, default=None, help="also write the results as JSON")
+    bench.set_defaults(func=_run(_bench))

@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import torch
 
 from .batch import Batch
-from .builder import gather_jagged, jagged_ranges, read_manifest
+from .builder import jagged_ranges, read_manifest
 from .errors import DataError
 
 ENTITIES = ("user", "item")
@@ -44,9 +44,31 @@ class _Split:
 
 
 @dataclass
+class _Jagged:
+    """A categorical side feature by dense index; `single` when every row has exactly one value."""
+
+    values: np.ndarray
+    offsets: np.ndarray
+    lengths: np.ndarray
+    single: bool
+
+    @classmethod
+    def from_offsets(cls, values: np.ndarray, offsets: np.ndarray) -> _Jagged:
+        lengths = np.diff(offsets)
+        return cls(values, offsets, lengths, bool(np.all(lengths == 1)))
+
+    def take(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(values, lengths) of rows `ids` (all valid)."""
+        if self.single:
+            return self.values[ids], np.ones(len(ids), dtype=np.int64)
+        lengths = self.lengths[ids]
+        return self.values[jagged_ranges(self.offsets[ids], lengths)], lengths
+
+
+@dataclass
 class _SideFeatures:
     embedding_id: np.ndarray  # the `<entity>_id` feature: dense index or hash bucket
-    categorical: dict[str, tuple[np.ndarray, np.ndarray]]  # name -> (values, offsets)
+    categorical: dict[str, _Jagged]
     dense: dict[str, np.ndarray]
 
 
@@ -97,6 +119,24 @@ class Dataset:
         self._side = {entity: self._load_side(entity) for entity in ENTITIES}
         self._splits: dict[str, _Split] = {}
         self._history_norm = float(np.log1p(max(1, int(self._timeline_length.max(initial=0)))))
+        self._per_event: dict[str, _Jagged] = {}
+
+    def _seq_feature(self, name: str, seq_items: np.ndarray, begin: np.ndarray, end: np.ndarray):
+        """(values, lengths) of an item feature for the history tokens, events [begin, end) per example.
+
+        Multi-valued features are laid out per event once (values of event 0's item, event 1's, ...), so a
+        history's values are one contiguous range: B ranges to gather instead of one per token."""
+        feature = self._side["item"].categorical[name]
+        if feature.single:
+            return feature.take(seq_items)
+        if name not in self._per_event:
+            values, lengths = feature.take(self._event_item)
+            offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            self._per_event[name] = _Jagged(values, offsets, lengths, False)
+        per_event = self._per_event[name]
+        starts = per_event.offsets[begin]
+        return per_event.values[jagged_ranges(starts, per_event.offsets[end] - starts)], feature.lengths[seq_items]
 
     @classmethod
     def open(cls, path: str | Path) -> Dataset:
@@ -110,7 +150,7 @@ class Dataset:
                 column = table.column(spec["name"]).combine_chunks()
                 offsets = column.offsets.to_numpy().astype(np.int64)
                 values = np.asarray(column.values.to_numpy(), dtype=np.int64)
-                categorical[spec["name"]] = (values, offsets)
+                categorical[spec["name"]] = _Jagged.from_offsets(values, offsets)
         for name, source in self.dense_sources.items():
             if source == entity:
                 dense[name] = _column(table, name, np.float32)
@@ -190,9 +230,9 @@ class Dataset:
 
         seq_features = None
         if self.seq_item_features:
-            item_side = self._side["item"].categorical
             seq_features = _as_kjt(self.seq_item_features,
-                                   [gather_jagged(*item_side[n], seq_items) for n in self.seq_item_features])
+                                   [self._seq_feature(n, seq_items, hist_end - lengths, hist_end)
+                                    for n in self.seq_item_features])
 
         dense = np.zeros((len(rows), len(self.dense_features)), dtype=np.float32)
         for col, name in enumerate(self.dense_features):
@@ -238,7 +278,7 @@ class Dataset:
             if name == f"{entity}_id":
                 result[name] = (side.embedding_id[ids], ones)
             elif name in side.categorical:
-                result[name] = gather_jagged(*side.categorical[name], ids)
+                result[name] = side.categorical[name].take(ids)
             elif name in side.dense:
                 result[name] = (side.dense[name][ids], ones)
             else:

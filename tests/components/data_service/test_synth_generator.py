@@ -67,3 +67,16 @@ def test_split_by_events_puts_the_last_tenth_in_eval(synth_dataset):
     share = m["splits"]["eval"]["num_examples"] / m["num_events"]
     assert 0.09 < share < 0.12
     assert SplitConfig(by="events").cutoff_for(np.arange(100)) == 90
+
+
+def test_history_item_features_match_the_item_table(synth_dataset):
+    ds = Dataset.open(synth_dataset)
+    rows = np.arange(3, ds.num_examples("eval"), 97)
+    b = ds.collate("eval", rows, 300)
+    items = np.concatenate([ds.user_history(int(u), int(t), 300)["items"]
+                            for u, t in zip(ds._split("eval").user[rows], b.timestamps.tolist())])
+    assert len(items) == b.num_tokens
+    expected = ds.lookup("item", items, ["item_tags", "item_category"])
+    for name in ("item_tags", "item_category"):
+        assert (b.seq_item_features[name].values().numpy() == expected[name][0]).all()
+        assert (b.seq_item_features[name].lengths().numpy() == expected[name][1]).all()
