@@ -17,7 +17,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AC_MODES = ("none", "full")
-SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise", "data_parallel")
+SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise")
 
 
 class ParallelConfigError(ValueError):

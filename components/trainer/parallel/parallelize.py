@@ -137,6 +137,13 @@ def parallelize(
             # Each expert's gradient already sums the tokens of all `ep` ranks (all-to-all backward): dividing
             # by every data-parallel rank, not only the expert mesh's, gives the global-batch mean.
             moe.experts.set_gradient_divide_factor(float(parallel_dims.world_size))
+            if device.type != "cuda" and parallel_dims.dp_shard_mod_ep > 1:
+                # A custom divide factor makes FSDP2 reduce-scatter with ReduceOp.PREMUL_SUM, which only NCCL
+                # has ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): on gloo, plain SUM and a division after.
+                # Not with a shard group of 1: FSDP2 (torch 2.11-2.13) then skips the reduce-scatter, divides
+                # while copying and divides again after a forced sum, halving the gradients (the loss test of
+                # mesh 2x2 ep 2 caught it).
+                moe.experts.set_force_sum_reduction_for_comms(True)
     for _, block in blocks:
         fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward)
     fully_shard(root, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward,

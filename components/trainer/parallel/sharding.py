@@ -12,9 +12,10 @@ groups and re-synchronised every `dmp_sync_interval` steps) wraps the whole mode
 Tables use the FUSED compute kernel, the only model-parallel kernel TorchRec offers: the optimizer attached with
 `apply_optimizer_in_backward` before sharding (the trainer's row-wise Adagrad) runs inside the embedding backward.
 
-Gradient scale: a sharded table receives the *sum* of the pooled-embedding gradients of every rank of its group,
-whereas FSDP averages the dense gradients over the data-parallel ranks. The pooled outputs' gradients are divided
-by the group size so the tables see the gradient of the global-batch mean loss, like a single-process run.
+Gradient scale: a sharded table receives the pooled-embedding gradients of every rank of its group; TorchRec's
+output all-to-all divides them by the group size in backward (`torchrec.distributed.comm_ops` gradient division,
+on by default), so the tables see the gradient of the global-batch mean loss, as FSDP's averaged dense gradients
+do, and as a single-process run on the global batch does (checked by test_parallel_torchrun.py).
 """
 
 from __future__ import annotations
@@ -37,15 +38,16 @@ def find_embedding_bag_collections(model: nn.Module) -> list[str]:
 
 
 def embedding_sharders() -> list:
-    """TorchRec's EBC sharder, with row-wise (and table-row-wise) allowed on CPU too: TorchRec leaves them out
-    for CPU, but they only need all-to-all and reduce-scatter, which gloo has."""
+    """TorchRec's EBC sharder, model-parallel types only, with row-wise (and table-row-wise) allowed on CPU too:
+    TorchRec leaves them out for CPU, but they only need all-to-all and reduce-scatter, which gloo has."""
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     class EBCSharder(EmbeddingBagCollectionSharder):
         def sharding_types(self, compute_device_type: str) -> list[str]:
             types = super().sharding_types(compute_device_type)
             extra = ["row_wise", "table_row_wise"] if compute_device_type == "cpu" else []
-            return types + [t for t in extra if t not in types]
+            # Data-parallel tables would be wrapped in DDP, a second gradient path beside FSDP: model-parallel only.
+            return [t for t in types + extra if t != "data_parallel"]
 
     return [EBCSharder()]
 
@@ -92,20 +94,26 @@ def describe_plan(plan) -> dict[str, str]:
     return out
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
-        ctx.scale = scale
-        return x.view_as(x)
+@torch.no_grad()
+def load_full_weights(sharded: nn.Module, full: dict[str, torch.Tensor]) -> None:
+    """Copy the unsharded tables' weights into this rank's shards: the sharders allocate fresh tables, and every
+    rank must keep the weights the model was built with (same seed, same init as a single-process run)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
 
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.scale, None
+    for key, target in sharded.state_dict().items():
+        source = full[key]
+        if isinstance(target, ShardedTensor):
+            for shard in target.local_shards():
+                rows, cols = shard.metadata.shard_offsets
+                height, width = shard.metadata.shard_sizes
+                shard.tensor.copy_(source[rows : rows + height, cols : cols + width])
+        else:
+            target.copy_(source)
 
 
-def _pooled_output_hook(keys: list[str], grad_scale: float):
-    """Forward hook of a sharded EBC: wait for the output all-to-all, put the features back in the unsharded
-    module's key order (sharding regroups them by shard) and scale the gradient flowing back to the tables."""
+def _pooled_output_hook(keys: list[str]):
+    """Forward hook of a sharded EBC: wait for the output all-to-all and put the features back in the unsharded
+    module's key order (sharding regroups them by shard)."""
     from torchrec.sparse.jagged_tensor import KeyedTensor
 
     def hook(module, args, output):
@@ -113,8 +121,6 @@ def _pooled_output_hook(keys: list[str], grad_scale: float):
             output = output.wait()
         by_key = output.to_dict()
         values = torch.cat([by_key[k] for k in keys], dim=1)
-        if grad_scale != 1.0:
-            values = _ScaleGrad.apply(values, grad_scale)
         return KeyedTensor(keys=keys, length_per_key=[by_key[k].shape[1] for k in keys], values=values)
 
     return hook
@@ -132,13 +138,13 @@ def shard_embedding_tables(
         return {}
     group = dist.group.WORLD
     keys = {name: list(model.get_submodule(name)._embedding_names) for name in names}
+    weights = {name: model.get_submodule(name).state_dict() for name in names}
     plan = plan_embedding_sharding(model, group, device, config.sharding_types)
     shard_modules(model, env=ShardingEnv.from_process_group(group), device=device, plan=plan,
                   sharders=embedding_sharders())
     for name in names:
-        model.get_submodule(name).register_forward_hook(
-            _pooled_output_hook(keys[name], 1.0 / parallel_dims.sparse_shard)
-        )
+        load_full_weights(model.get_submodule(name), weights[name])
+        model.get_submodule(name).register_forward_hook(_pooled_output_hook(keys[name]))
     described = describe_plan(plan)
     log.info("embedding sharding plan: %s", described)
     return described
@@ -154,6 +160,7 @@ def shard_embedding_tables_2d(
 
     names = find_embedding_bag_collections(model)
     keys = {name: list(model.get_submodule(name)._embedding_names) for name in names}
+    weights = {name: model.get_submodule(name).state_dict() for name in names}
     sparse_mesh: DeviceMesh = parallel_dims.sparse_mesh
     shard_group = sparse_mesh.get_group("sparse_shard")
     plan = plan_embedding_sharding(model, shard_group, device, config.sharding_types)
@@ -169,9 +176,8 @@ def shard_embedding_tables_2d(
         use_inter_host_allreduce=True,  # shard over consecutive ranks (one host), all-reduce across hosts
     )
     for name in names:
-        dmp.module.get_submodule(name).register_forward_hook(
-            _pooled_output_hook(keys[name], 1.0 / parallel_dims.sparse_shard)
-        )
+        load_full_weights(dmp.module.get_submodule(name), weights[name])
+        dmp.module.get_submodule(name).register_forward_hook(_pooled_output_hook(keys[name]))
     return dmp, describe_plan(plan)
 
 
