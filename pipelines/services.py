@@ -147,8 +147,9 @@ def wait_serving(process: Process, address: str, timeout_s: float = 120.0) -> No
 class ProcessGroup(contextlib.AbstractContextManager):
     """Owns child processes; leaving the block stops them all, newest first, whatever happened."""
 
-    def __init__(self):
+    def __init__(self, grace_s: float = 10.0):
         self.processes: list[Process] = []
+        self.grace_s = grace_s
         self._previous_sigterm = None
 
     def __enter__(self) -> ProcessGroup:
@@ -170,7 +171,7 @@ class ProcessGroup(contextlib.AbstractContextManager):
 
     def stop_all(self) -> None:
         while self.processes:
-            self.processes.pop().stop()
+            self.processes.pop().stop(self.grace_s)
 
     def __exit__(self, *exc) -> None:
         self.stop_all()

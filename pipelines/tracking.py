@@ -104,7 +104,7 @@ def champion(tracking_uri: str, name: str) -> Champion | None:
         return None
     tags = version.tags or {}
     ne = float(tags["ne"]) if "ne" in tags else None
-    return Champion(version.version, version.run_id, ne, tags.get("dataset_checksum", ""))
+    return Champion(str(version.version), version.run_id, ne, tags.get("dataset_checksum", ""))
 
 
 def decide(candidate_ne: float, current: Champion | None, dataset_checksum: str) -> tuple[bool, str]:

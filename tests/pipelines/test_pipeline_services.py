@@ -1,0 +1,96 @@
+"""Local service processes: started in their own process group, stopped with everything they spawned."""
+
+import os
+import socket
+import sys
+import time
+
+import pytest
+from gemrec.pipelines.services import ProcessGroup, ServiceError, claim_port, wait_serving
+
+SPAWNER = """
+import signal, subprocess, sys, time
+if sys.argv[1] == "ignore-term":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+print("child", child.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def start_spawner(group: ProcessGroup, tmp_path, mode: str = "normal") -> tuple[int, int]:
+    log = tmp_path / f"spawner-{mode}.log"
+    process = group.start("spawner", [sys.executable, "-c", SPAWNER, mode], log)
+    deadline = time.monotonic() + 30
+    while "child" not in log.read_text():
+        assert time.monotonic() < deadline, "spawner did not start"
+        time.sleep(0.05)
+    child = int(log.read_text().split()[1])
+    return process.pid, child
+
+
+def wait_dead(pids, timeout=15.0) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [p for p in pids if alive(p)]
+
+
+def test_leaving_the_group_stops_processes_and_their_children(tmp_path):
+    with ProcessGroup() as group:
+        pids = start_spawner(group, tmp_path)
+        assert all(alive(p) for p in pids)
+    assert wait_dead(pids) == []
+
+
+def test_an_error_inside_the_group_still_stops_everything(tmp_path):
+    with pytest.raises(RuntimeError, match="training failed"), ProcessGroup() as group:
+        pids = start_spawner(group, tmp_path)
+        raise RuntimeError("training failed")
+    assert wait_dead(pids) == []
+
+
+def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(tmp_path):
+    started = time.monotonic()
+    with ProcessGroup(grace_s=0.5) as group:
+        pids = start_spawner(group, tmp_path, "ignore-term")
+    assert wait_dead(pids) == []
+    assert time.monotonic() - started < 20
+
+
+def test_sigterm_to_the_step_runs_the_cleanup(tmp_path):
+    """A cancelled step (SIGTERM) stops its services before exiting."""
+    with pytest.raises(KeyboardInterrupt), ProcessGroup() as group:
+        pids = start_spawner(group, tmp_path)
+        os.kill(os.getpid(), 15)
+        time.sleep(5)
+    assert wait_dead(pids) == []
+
+
+def test_a_service_that_dies_at_start_fails_fast_with_its_log(tmp_path):
+    started = time.monotonic()
+    with pytest.raises(ServiceError, match=r"(?s)the feature service exited with code 3 .*dataset is broken"), \
+            ProcessGroup() as group:
+        process = group.start("feature service", [sys.executable, "-c",
+                                                  "import sys; print('dataset is broken'); sys.exit(3)"],
+                              tmp_path / "features.log")
+        wait_serving(process, "127.0.0.1:1", timeout_s=60)
+    assert time.monotonic() - started < 30
+
+
+def test_a_port_in_use_is_named():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        port = sock.getsockname()[1]
+        with pytest.raises(ServiceError, match=f"port {port} on 127.0.0.1 is already in use \\(wanted by the data service\\)"):
+            claim_port(port, "data service")
+    assert claim_port(0, "data service") > 0
