@@ -207,6 +207,28 @@ def _time(fn, leaves, backward: bool) -> float:
     return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
 
 
+def profile_ours(config_names: list[str], seed: int = 0, progress=print) -> None:
+    """Per-kernel device time of one fwd+bwd of our kernels, for each config and variant."""
+    from torch.profiler import ProfilerActivity, profile
+
+    device = torch.device("cuda")
+    for name in config_names:
+        cfg = CONFIGS[name]
+        case = make_case(cfg, seed, device)
+        for op, causal in cfg.variants:
+            leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
+            for _ in range(3):  # autotune and warm up outside the profile
+                out = run_ours(op, case, causal, "auto", *leaves)
+                torch.autograd.grad(out, leaves, torch.ones_like(out))
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                out = run_ours(op, case, causal, "auto", *leaves)
+                torch.autograd.grad(out, leaves, torch.ones_like(out))
+                torch.cuda.synchronize()
+            progress(f"profile {name}/{op}{'-causal' if causal else ''}")
+            progress(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))
+
+
 def _git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,

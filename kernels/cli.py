@@ -15,6 +15,11 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise CLIError(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    if args.profile:
+        from gemrec.kernels.bench import profile_ours
+
+        profile_ours(names, seed=args.seed, progress=lambda line: print(line, flush=True))
+        return 0
     rows = run_benchmark(names, Path(args.out), seed=args.seed, with_peers=not args.no_peers,
                          progress=lambda line: print(line, flush=True))
     print("\n".join(format_row(r) for r in rows))
@@ -28,6 +33,7 @@ def register(groups: dict) -> None:
     p.add_argument("--out", default="runs/bench-kernels", help="folder for kernels_bench.json/.md")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", action="store_true", help="time only our kernels")
+    p.add_argument("--profile", action="store_true", help="only print per-kernel device times of ours (fwd+bwd)")
     p.set_defaults(func=_bench_kernels)
 
 

@@ -10,6 +10,7 @@ With `TRITON_INTERPRET=1` set before triton is first imported, the same kernels 
 """
 
 import math
+import os
 
 import torch
 import triton
@@ -36,7 +37,7 @@ if INTERPRET:
 
 @triton.jit
 def _sigmoid(x):
-    return 1.0 / (1.0 + tl.exp(-x))
+    return tl.math.fdiv(1.0, 1.0 + tl.math.exp2(x * -1.4426950408889634))
 
 
 @triton.jit
@@ -405,13 +406,13 @@ def _configs(kind: str) -> list:
     """Candidate tiles per kernel; pruned by head dim in `_prune`."""
     out = []
     if kind == "fwd":
-        for bm, bn, w, s in [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3), (64, 32, 4, 2)]:
+        for bm, bn, w, s in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2)]:
             out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
     elif kind == "dkdv":
-        for bm, bn, w, s in [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (32, 64, 4, 2)]:
+        for bm, bn, w, s in [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2)]:
             out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
     else:
-        for bm, bn, w, s in [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 2), (64, 32, 4, 2)]:
+        for bm, bn, w, s in [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)]:
             out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
     return out
 
@@ -420,22 +421,37 @@ def _prune(configs, named_args, **kwargs):
     """Large head dims only get tiles that fit in registers and shared memory."""
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
     if head_dim > 128:
-        small = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 64]
+        small = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64]
         return small or configs[-1:]
     return configs
 
 
 _KEY = ["len_bucket", "HEAD_DIM", "MODE", "CAUSAL", "HAS_AB", "HAS_POS", "HAS_TIME", "Q_STRIDE", "KV_STRIDE"]
-if INTERPRET:
-    _fwd_run, _dkdv_run, _dq_run = _fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
-    _FIXED = {"BLOCK_M": 16, "BLOCK_N": 16}
-else:
-    _prune_cfg = {"early_config_prune": _prune}
-    _fwd_run = triton.autotune(_configs("fwd"), key=_KEY, prune_configs_by=_prune_cfg)(_fwd_kernel)
-    _dkdv_run = triton.autotune(_configs("dkdv"), key=_KEY, prune_configs_by=_prune_cfg)(_bwd_dkdv_kernel)
-    _dq_run = triton.autotune(_configs("dq"), key=_KEY, prune_configs_by=_prune_cfg,
-                              reset_to_zero=["DPT", "DTT"])(_bwd_dq_kernel)
-    _FIXED = {}
+_PRUNE = {"early_config_prune": _prune}
+_TUNED = {
+    "fwd": triton.autotune(_configs("fwd"), key=_KEY, prune_configs_by=_PRUNE)(_fwd_kernel),
+    "dkdv": triton.autotune(_configs("dkdv"), key=_KEY, prune_configs_by=_PRUNE)(_bwd_dkdv_kernel),
+    "dq": triton.autotune(_configs("dq"), key=_KEY, prune_configs_by=_PRUNE, reset_to_zero=["DPT", "DTT"])(
+        _bwd_dq_kernel),
+}
+_PLAIN = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0), by head dim
+_DEFAULT = {
+    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
+    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 4, 3), 256: (32, 64, 4, 2)},
+    "dq": {64: (128, 32, 4, 3), 128: (128, 32, 4, 3), 256: (64, 32, 4, 2)},
+}
+
+
+def _launcher(kind: str, head_dim: int):
+    """(kernel, extra launch kwargs): fixed 16x16 tiles in the interpreter, autotuned or default tiles on GPU."""
+    if INTERPRET:
+        return _PLAIN[kind], {"BLOCK_M": 16, "BLOCK_N": 16}
+    if os.environ.get("GEMREC_KERNEL_AUTOTUNE", "1") != "0":
+        return _TUNED[kind], {}
+    table = _DEFAULT[kind]
+    bm, bn, warps, stages = table[min(k for k in table if k >= head_dim)]
+    return _PLAIN[kind], {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
 
 
 def _len_bucket(n: int) -> int:
@@ -482,7 +498,7 @@ class Problem:
             Q_STRIDE=0 if self.q_shared else 1, KV_STRIDE=0 if self.kv_shared else 1,
             HAS_AB=self.attn_bias is not None, HAS_POS=self.pos_table is not None,
             HAS_TIME=self.time_table is not None, NUM_POS=self.num_pos, NUM_TIME=self.num_time,
-            BLOCK_D=max(16, triton.next_power_of_2(self.head_dim)), **_FIXED,
+            BLOCK_D=max(16, triton.next_power_of_2(self.head_dim)),
         )
 
     def bias_args(self):
@@ -506,15 +522,17 @@ def forward(p: Problem):
         return out.zero_(), lse.fill_(float("inf"))
     ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
 
+    kernel, launch = _launcher("fwd", p.head_dim)
+
     def grid(meta):
         return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-    _fwd_run[grid](
+    kernel[grid](
         q, k, v, out, lse, ab, pt, tt, qts, kts, p.q_off, p.kv_off, p.o_off,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         sabt, sabh, spt, stt,
         p.scale, p.scale * LOG2E, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, _len_bucket(p.max_q_len),
-        **p.common(),
+        **p.common(), **launch,
     )
     return out, lse
 
@@ -542,33 +560,39 @@ def backward(p: Problem, grad_out, out, lse):
     go = grad_out
     if p.num_seqs > 0 and num_kv_rows > 0:
 
+        kernel, launch = _launcher("dkdv", p.head_dim)
+
         def grid_kv(meta):
             return (triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
 
-        _dkdv_run[grid_kv](
+        kernel[grid_kv](
             q, k, v, go, lse, delta, dk, dv, ab, pt, tt, qts, kts, p.q_off, p.kv_off, p.o_off, dkv_off,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0), go.stride(1),
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), sabt, sabh, spt, stt,
             p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, _len_bucket(p.max_kv_len),
-            **p.common(),
+            **p.common(), **launch,
         )
     else:
         dk.zero_()
         dv.zero_()
     if p.num_seqs > 0 and p.total_out > 0:
+        # the autotuner zeroes DPT/DTT between trials: absent tables get their own scratch, never a live input
+        scratch = torch.zeros(1, dtype=torch.float32, device=q.device)
         dab_arg = dab if dab is not None else p.dummy()
-        dpt_arg = dpt if dpt is not None else p.dummy()
-        dtt_arg = dtt if dtt is not None else p.dummy()
+        dpt_arg = dpt if dpt is not None else scratch
+        dtt_arg = dtt if dtt is not None else scratch
+
+        kernel, launch = _launcher("dq", p.head_dim)
 
         def grid_q(meta):
             return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-        _dq_run[grid_q](
+        kernel[grid_q](
             q, k, v, go, lse, delta, dq, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off, p.o_off,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0), go.stride(1),
             dq.stride(0), dq.stride(1), sabt, sabh, spt, stt,
             p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, _len_bucket(p.max_q_len),
-            **p.common(),
+            **p.common(), **launch,
         )
     else:
         dq.zero_()
