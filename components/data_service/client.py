@@ -25,7 +25,7 @@ from gemrec.components.feature_service.serving import call_metadata, open_channe
 from gemrec.proto.gemrec.v1 import data_pb2
 
 from .batch import Batch
-from .codec import decode_batch
+from .codec import BatchInfo, decode_batch
 
 log = logging.getLogger("gemrec.data_client")
 RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -72,7 +72,7 @@ class DataClient:
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
         self.reconnects = 0
-        self.last_message: data_pb2.BatchMessage | None = None  # stream bookkeeping of the last batch
+        self.last_info: BatchInfo | None = None  # stream bookkeeping of the last batch (step, balance, ...)
         self._metadata = call_metadata(token)
         self._tls_ca = tls_ca
         self._max_message_mb = max_message_mb
@@ -120,13 +120,13 @@ class DataClient:
                 stream = channel.unary_stream(
                     _STREAM,
                     request_serializer=data_pb2.StreamBatchesRequest.SerializeToString,
-                    response_deserializer=data_pb2.BatchMessage.FromString,
+                    response_deserializer=None,  # raw bytes: decode_batch wraps them without copying
                 )
                 self._call = stream(request, timeout=self.stream_deadline_s, metadata=self._metadata)
-                for message in self._call:
-                    batch = decode_batch(message)
-                    cursor, failures = message.cursor, 0
-                    if not self._put(q, (batch, message)):
+                for data in self._call:
+                    batch, info = decode_batch(data)
+                    cursor, failures = info.cursor, 0
+                    if not self._put(q, (batch, info)):
                         return
                 self._put(q, None)  # end of epoch
                 return
@@ -160,8 +160,8 @@ class DataClient:
                     return
                 if isinstance(item, Exception):
                     raise item
-                batch, message = item
-                self.cursor, self.last_message = message.cursor, message
+                batch, info = item
+                self.cursor, self.last_info = info.cursor, info
                 yield batch
         finally:
             self.close()

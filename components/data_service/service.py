@@ -29,7 +29,7 @@ from gemrec.components.feature_service.serving import (
 from gemrec.proto.gemrec.v1 import data_pb2
 
 from .balance import DEFAULT_LINEAR_WEIGHT, partition
-from .codec import encode_batch
+from .codec import serialize_batch
 from .cursor import Cursor, CursorError, StreamKey, dataset_tag
 
 SERVICE_NAME = data_pb2.DESCRIPTOR.services_by_name["DataLoaderService"].full_name
@@ -165,7 +165,7 @@ class DataLoaderCore:
         key = plan.key
         rows, parts = self.step_rows(key, step)
         batch = self.dataset.collate(key.split, rows, key.max_seq_len, self.features)
-        message = encode_batch(
+        return serialize_batch(
             batch,
             cursor=Cursor(key, step + 1).encode(),
             epoch=key.epoch,
@@ -176,7 +176,6 @@ class DataLoaderCore:
             sq_tokens_imbalance=parts.sq_tokens_imbalance,
             naive_cost_imbalance=parts.naive_cost_imbalance,
         )
-        return message.SerializeToString()
 
     def stream(self, plan: StreamPlan, active: Callable[[], bool] = lambda: True) -> Iterator[bytes]:
         """Serialized BatchMessages from the plan's start; `prefetch` batches are built ahead in threads."""

@@ -68,12 +68,12 @@ def test_every_example_once_per_epoch_across_ranks(address, split_keys, world_si
         batches = 0
         for batch in client:
             seen.update(example_keys(batch))
-            message = client.last_message
-            assert message.step == batches
-            remainder = sum(split_keys.values()) - message.step * 300 * world_size
+            info = client.last_info
+            assert info.step == batches
+            remainder = sum(split_keys.values()) - info.step * 300 * world_size
             assert batch.batch_size == rank_sizes(min(remainder, 300 * world_size), world_size)[rank]
-            assert 1.0 <= message.cost_imbalance <= message.naive_cost_imbalance + 1e-9
-            assert int(batch.seq_lengths().max()) <= 64 and batch.cursor == message.cursor
+            assert 1.0 <= info.cost_imbalance <= info.naive_cost_imbalance + 1e-9
+            assert int(batch.seq_lengths().max()) <= 64 and batch.cursor == info.cursor
             batches += 1
         steps.append(batches)
     assert seen == split_keys
@@ -86,7 +86,7 @@ def test_batches_are_the_collated_rows_of_the_plan(address, core, ds):
     for step, batch in zip(range(3), client):
         rows, parts = core.step_rows(plan.key, step)
         assert_same_batch(batch, ds.collate(SPLIT, rows, 200))
-        assert client.last_message.cost_imbalance == pytest.approx(parts.cost_imbalance)
+        assert client.last_info.cost_imbalance == pytest.approx(parts.cost_imbalance)
     client.close()
 
 
@@ -264,7 +264,7 @@ def test_three_ranks_on_synthetic_heavy_tailed_data(synth_dataset):
             client = DataClient(f"127.0.0.1:{server.port}", "train", rank, 3, batch_size=128, max_seq_len=512, seed=1)
             for batch in client:
                 seen.update(example_keys(batch))
-                ratios.append((client.last_message.cost_imbalance, client.last_message.naive_cost_imbalance))
+                ratios.append((client.last_info.cost_imbalance, client.last_info.naive_cost_imbalance))
         assert seen == Counter(example_keys(ds.collate("train", np.arange(ds.num_examples("train")), 1)))
         balanced, naive = np.mean(ratios, axis=0)
         assert balanced < naive and balanced < 1.1
