@@ -2,7 +2,8 @@
 
 Collation runs on one thread (torch.set_num_threads(1); the numpy gathers are single-threaded), over
 random example rows of the train split, at each max_seq_len. The peer is the obvious per-example loop
-(slice each history, then concatenate), measured in the same run. Throughput is per CPU-second of this
+(slice each history, look up each history token's item features), checked to give the same history
+tensors and measured in the same run. Throughput is per CPU-second of this
 single-threaded process (so per core even on a busy machine); wall-clock throughput is recorded beside it.
 """
 
@@ -25,25 +26,53 @@ def _timed(fn):
     return result, time.perf_counter() - start
 
 
-def loop_collate(ds, split: str, rows: np.ndarray, max_seq_len: int) -> tuple[np.ndarray, ...]:
-    """Peer: the history of each example sliced in a Python loop (items, timestamps, actions only)."""
+def loop_collate(ds, split: str, rows: np.ndarray, max_seq_len: int) -> dict[str, np.ndarray]:
+    """Peer: the obvious implementation, a Python loop per example (history slices) and per history token
+    (item side features). Gives the history part of `collate`'s Batch; checked equal in `collation`."""
     data = ds._split(split)
+    side = ds._side["item"]
     items, stamps, actions, lengths = [], [], [], []
+    features = {name: ([], []) for name in ds.seq_item_features}
     for row in rows:
         end = data.hist_end[row]
         begin = max(data.hist_start[row], end - max_seq_len)
-        items.append(ds._event_item[begin:end])
+        history = ds._event_item[begin:end]
+        items.append(side.embedding_id[history])
         stamps.append(ds._event_ts[begin:end])
         actions.append(ds._event_actions[begin:end])
         lengths.append(end - begin)
-    return np.concatenate(items), np.concatenate(stamps), np.concatenate(actions), np.asarray(lengths)
+        for name, (values, counts) in features.items():
+            feature = side.categorical[name]
+            for item in history:
+                values.append(feature.values[feature.offsets[item]:feature.offsets[item + 1]])
+                counts.append(feature.offsets[item + 1] - feature.offsets[item])
+    out = {"seq_item_ids": np.concatenate(items), "seq_timestamps": np.concatenate(stamps),
+           "seq_actions": np.concatenate(actions), "lengths": np.asarray(lengths)}
+    for name, (values, counts) in features.items():
+        out[name] = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
+        out[f"{name}.lengths"] = np.asarray(counts, dtype=np.int64)
+    return out
+
+
+def _same_history(batch, peer: dict[str, np.ndarray], names: list[str]) -> bool:
+    same = all(np.array_equal(getattr(batch, key).numpy(), peer[key])
+               for key in ("seq_item_ids", "seq_timestamps", "seq_actions"))
+    same &= np.array_equal(batch.seq_lengths().numpy(), peer["lengths"])
+    for name in names:
+        same &= np.array_equal(batch.seq_item_features[name].values().numpy(), peer[name])
+        same &= np.array_equal(batch.seq_item_features[name].lengths().numpy(), peer[f"{name}.lengths"])
+    return bool(same)
 
 
 def collation(ds, split: str, max_seq_len: int, batch_size: int, seconds: float, peer: bool) -> dict:
     rng = np.random.default_rng(0)
     n = ds.num_examples(split)
-    ds.collate(split, rng.integers(0, n, batch_size), max_seq_len)  # warm-up
+    rows = rng.integers(0, n, batch_size)
+    batch = ds.collate(split, rows, max_seq_len)  # warm-up, and the peer's correctness check
     result = {"max_seq_len": max_seq_len, "batch_size": batch_size}
+    if peer:
+        result["peer_matches"] = _same_history(batch, loop_collate(ds, split, rows, max_seq_len),
+                                               ds.seq_item_features)
     runs = [("collate", lambda rows: ds.collate(split, rows, max_seq_len))]
     if peer:
         runs.append(("python_loop", lambda rows: loop_collate(ds, split, rows, max_seq_len)))
