@@ -1,6 +1,5 @@
 """The GEM model in plain PyTorch (no process groups, no device choices). See docs/contracts.md."""
 
-from gemrec.model.attention import attention
 from gemrec.model.config import FeatureSchema, ModelConfig, SparseFeature
 from gemrec.model.gem import DLRMModel, GEMModel, build_model, loss, model_flops
 from gemrec.model.inputs import JaggedFeatures, ModelInput, ModelOutput
@@ -17,7 +16,6 @@ __all__ = [
     "ModelOutput",
     "MoEFeedForward",
     "SparseFeature",
-    "attention",
     "build_model",
     "loss",
     "model_flops",

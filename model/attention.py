@@ -118,35 +118,56 @@ def jagged_attention_reference(
             f"attention: a sequence is longer than max_q_len={max_q_len} / max_kv_len={max_kv_len} "
             f"(longest: {max(q_len, default=0)} / {max(kv_len, default=0)})"
         )
-    rows, outs = [], []
-    for group in _length_groups(q_len, kv_len, heads, REFERENCE_MAX_PADDING):
+    groups = _length_groups(q_len, kv_len, heads, REFERENCE_MAX_PADDING)
+    device = q.device
+    # Index plans on the host: each group's members padded to its longest, all groups back to back.
+    q_rows, kv_rows, plans = [], [], []
+    source_of_row = torch.full((q.shape[0],), -1, dtype=torch.long)  # padded output row of each q row
+    padded_rows = 0
+    for group in groups:
         members = torch.tensor(group)
         lq, lkv = q_len[group[0]], kv_len[group[0]]
         q_pos, kv_pos = torch.arange(lq), torch.arange(lkv)
-        q_valid = q_pos[None, :] < torch.tensor([q_len[i] for i in group])[:, None]  # (b, lq)
+        q_valid = q_pos < torch.tensor([q_len[i] for i in group])[:, None]  # (b, lq)
         kv_lens = torch.tensor([kv_len[i] for i in group])
-        kv_valid = kv_pos[None, :] < kv_lens[:, None]  # (b, lkv)
-        q_rows = torch.where(q_valid, q_off[members][:, None] + q_pos, 0)
-        kv_rows = torch.where(kv_valid, kv_off[members][:, None] + kv_pos, 0)
-        device = q.device
-        qg = q[q_rows.to(device)].transpose(1, 2)  # (b, H, lq, D)
-        kg = k[kv_rows.to(device)].transpose(1, 2)
-        vg = v[kv_rows.to(device)].transpose(1, 2)
-        scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # (b, H, lq, lkv)
+        kv_valid = kv_pos < kv_lens[:, None]  # (b, lkv)
+        rows_q = q_off[members][:, None] + q_pos
+        q_rows.append(torch.where(q_valid, rows_q, 0).reshape(-1))
+        kv_rows.append(torch.where(kv_valid, kv_off[members][:, None] + kv_pos, 0).reshape(-1))
+        source_of_row[rows_q[q_valid]] = (
+            padded_rows + torch.arange(len(group) * lq).view(len(group), lq)[q_valid]
+        )
+        padded_rows += len(group) * lq
         allowed = kv_valid[:, None, None, :]
         if causal:
-            allowed = allowed & (kv_pos[None, :] <= q_pos[:, None])[None, None]
-        allowed = allowed.to(device)
+            allowed = allowed & (kv_pos <= q_pos[:, None])[None, None]
+        plans.append((len(group), lq, lkv, allowed.to(device), kv_lens.to(device)))
+    result_shape = (q.shape[0], heads, v.shape[2])
+    if not plans:
+        return q.new_zeros(result_shape)
+    # One gather per input and one for the output, so the backward scatters once, not once per group.
+    q_all = q[torch.cat(q_rows).to(device)].split([b * lq for b, lq, _, _, _ in plans])
+    kv_index = torch.cat(kv_rows).to(device)
+    kv_sizes = [b * lkv for b, _, lkv, _, _ in plans]
+    k_all, v_all = k[kv_index].split(kv_sizes), v[kv_index].split(kv_sizes)
+    outs = []
+    for (b, lq, lkv, allowed, kv_lens), qg, kg, vg in zip(plans, q_all, k_all, v_all):
+        qg = qg.view(b, lq, heads, head_dim).transpose(1, 2)  # (b, H, lq, D)
+        kg = kg.view(b, lkv, heads, head_dim).transpose(1, 2)
+        vg = vg.view(b, lkv, heads, v.shape[2]).transpose(1, 2)
+        scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # (b, H, lq, lkv)
         if kind == "softmax":
-            probs = scores.float().masked_fill(~allowed, float("-inf")).softmax(-1).to(v.dtype)
+            probs = (
+                scores.to(torch.promote_types(scores.dtype, torch.float32))
+                .masked_fill(~allowed, float("-inf"))
+                .softmax(-1)
+                .to(v.dtype)
+            )
         else:
-            norm = (1.0 / kv_lens.to(device=device, dtype=scores.dtype))[:, None, None, None]
+            norm = (1.0 / kv_lens.to(scores.dtype))[:, None, None, None]
             probs = F.silu(scores).masked_fill(~allowed, 0.0) * norm
-        out = torch.matmul(probs, vg).transpose(1, 2)  # (b, lq, H, Dv)
-        valid = q_valid.to(device)
-        outs.append(out[valid])
-        rows.append(q_rows.to(device)[valid])
-    result = q.new_zeros(q.shape[0], heads, v.shape[2])
-    if outs:
-        result = result.index_copy(0, torch.cat(rows), torch.cat(outs).to(result.dtype))
-    return result
+        outs.append(torch.matmul(probs, vg).transpose(1, 2).reshape(b * lq, heads, -1))
+    # Rows of empty sequences read the appended zero row.
+    outs.append(q.new_zeros(1, heads, v.shape[2]))
+    source_of_row[source_of_row < 0] = padded_rows
+    return torch.cat(outs).to(q.dtype)[source_of_row.to(device)]

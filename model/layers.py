@@ -96,8 +96,9 @@ class JaggedAttention(nn.Module):
 
     def forward(self, xq, xkv, q_offsets, kv_offsets, max_q_len, max_kv_len, q_pos=None, kv_pos=None):
         h = self.heads
-        q = self.wq(xq).view(xq.shape[0], h, -1)
-        k, v = self.wkv(xkv).view(xkv.shape[0], 2, h, -1).unbind(1)
+        hd = self.dim // h
+        q = self.wq(xq).view(xq.shape[0], h, hd)
+        k, v = self.wkv(xkv).view(xkv.shape[0], 2, h, hd).unbind(1)
         if self.rotary is not None:
             q, k = self.rotary(q, q_pos), self.rotary(k, kv_pos)
         out = attention(
@@ -153,7 +154,7 @@ class PMA(nn.Module):
         kv = self.norm_kv(seq)
         # The K seed queries are projected once and shared by every sequence (expanded, not copied per B).
         q = self.attn.wq(self.seeds).view(1, k, heads, -1).expand(batch, k, heads, dim // heads)
-        keys, values = self.attn.wkv(kv).view(kv.shape[0], 2, heads, -1).unbind(1)
+        keys, values = self.attn.wkv(kv).view(kv.shape[0], 2, heads, dim // heads).unbind(1)
         q_offsets = torch.arange(batch + 1, device=seq.device) * k
         out = attention(
             q.reshape(batch * k, heads, -1),

@@ -116,7 +116,7 @@ class MoEFeedForward(nn.Module):
     def combine(self, y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n = weights.shape[0]
         y = y_sorted.new_empty(y_sorted.shape).index_copy(0, order, y_sorted)
-        return (y.view(n, self.top_k, -1) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
+        return (y.view(n, self.top_k, y.shape[-1]) * weights.unsqueeze(-1).to(y.dtype)).sum(1)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         weights, experts, aux = self.route(x)

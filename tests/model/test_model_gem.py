@@ -1,0 +1,148 @@
+import pytest
+import torch
+from gemrec.model import FeatureSchema, JaggedFeatures, ModelConfig, ModelOutput, build_model, loss
+from gemrec.model.synthetic import random_input
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+MANIFEST = {
+    "labels": ["like", "love"],
+    "actions": ["rating", "like", "love"],
+    "sparse_features": [
+        {"name": "user_id", "source": "user", "num_embeddings": 50},
+        {"name": "item_id", "source": "item", "num_embeddings": 100},
+        {"name": "item_genres", "source": "item", "num_embeddings": 12, "multi_valued": True},
+        {"name": "user_tags", "source": "user", "num_embeddings": 9, "multi_valued": True},
+    ],
+    "seq_item_features": ["item_genres"],
+    "dense_features": ["hour_sin", "hour_cos"],
+}
+SCHEMA = FeatureSchema.from_manifest(MANIFEST)
+SMALL = dict(embedding_dim=8, d_model=16, num_heads=2, moe_hidden=16, head_hidden=16, pma_seeds=2)
+
+
+def build(seed=0, **overrides):
+    torch.manual_seed(seed)
+    return build_model(ModelConfig(**{**SMALL, **overrides}), SCHEMA)
+
+
+def to_kjt(jf):
+    return KeyedJaggedTensor(keys=jf.keys(), values=jf.values(), lengths=jf.lengths(), stride=jf.stride())
+
+
+@pytest.mark.parametrize("arch", ["gem", "dlrm"])
+@pytest.mark.parametrize("backend", ["torchrec", "torch"])
+def test_output_shapes_and_finite(arch, backend):
+    model = build(arch=arch, embedding_backend=backend)
+    inp = random_input(SCHEMA, 6, 9, seed=1)
+    out = model(inp)
+    assert isinstance(out, ModelOutput)
+    assert out.logits.shape == (6, 2) and out.aux_loss.shape == ()
+    assert torch.isfinite(out.logits).all()
+    if arch == "gem":
+        assert out.aux_loss.item() > 0  # an MoE layer is in the interaction stack by default
+
+
+@pytest.mark.parametrize("kind", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_empty_and_length_one_histories(kind, causal):
+    model = build(seq_attention=kind, seq_causal=causal, time_encoding="continuous")
+    for lengths in ([0, 0, 0], [1, 0, 1], [0, 5, 1]):
+        inp = random_input(SCHEMA, 3, 5, lengths=lengths, seed=2)
+        out = model(inp)
+        assert torch.isfinite(out.logits).all()
+        loss(out, torch.ones(3, 2)).backward()
+        assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+        model.zero_grad()
+
+
+def test_history_changes_only_its_own_example():
+    model = build().eval()
+    inp = random_input(SCHEMA, 3, 6, lengths=[4, 2, 5], seed=3)
+    base = model(inp).logits
+    inp.seq_item_ids = inp.seq_item_ids.clone()
+    inp.seq_item_ids[4:6] = (inp.seq_item_ids[4:6] + 1) % 100  # example 1's history
+    moved = model(inp).logits
+    assert torch.allclose(moved[0], base[0]) and torch.allclose(moved[2], base[2])
+    assert not torch.allclose(moved[1], base[1])
+
+
+@pytest.mark.parametrize("arch", ["gem", "dlrm"])
+def test_torch_and_torchrec_backends_agree(arch):
+    ref = build(arch=arch, embedding_backend="torchrec")
+    plain = build(arch=arch, embedding_backend="torch")
+    state = {k: v for k, v in ref.state_dict().items() if "embedding_bags" not in k}
+    bags = ref.embeddings.tables.ebc.embedding_bags
+    state["embeddings.tables.weight"] = torch.cat([bags[f"t_{name}"].weight for name in SCHEMA.feature_names])
+    plain.load_state_dict(state)
+    inp = random_input(SCHEMA, 5, 7, seed=4)
+    torch.testing.assert_close(plain(inp).logits, ref(inp).logits)
+
+
+def test_kjt_and_jagged_features_inputs_agree_and_key_order_does_not_matter():
+    model = build()
+    inp = random_input(SCHEMA, 4, 6, seed=5)
+    want = model(inp).logits
+    kjt_inp = random_input(SCHEMA, 4, 6, seed=5)
+    kjt_inp.sparse_features = to_kjt(kjt_inp.sparse_features)
+    kjt_inp.seq_item_features = to_kjt(kjt_inp.seq_item_features)
+    torch.testing.assert_close(model(kjt_inp).logits, want)
+    # The same features listed in another key order.
+    names = list(reversed(SCHEMA.feature_names))
+    shuffled = JaggedFeatures.from_dict({n: inp.sparse_features[n] for n in names})
+    inp.sparse_features = shuffled
+    torch.testing.assert_close(model(inp).logits, want)
+
+
+def test_bad_inputs_are_named():
+    model = build()
+    inp = random_input(SCHEMA, 3, 4, seed=6)
+    inp.dense_features = torch.zeros(3, 5)
+    with pytest.raises(ValueError, match="dense_features must be \\(3, 2\\)"):
+        model(inp)
+    inp = random_input(SCHEMA, 3, 4, seed=6)
+    inp.sparse_features = JaggedFeatures.from_dict({"user_id": inp.sparse_features["user_id"]})
+    with pytest.raises(ValueError, match="must be exactly the schema's"):
+        model(inp)
+    inp = random_input(SCHEMA, 3, 4, seed=6)
+    with pytest.raises(ValueError, match="labels must have"):
+        loss(model(inp), torch.zeros(3))
+    with pytest.raises(ValueError, match="task_weights"):
+        loss(model(inp), torch.zeros(3, 2), [1.0])
+
+
+def test_loss_weights_tasks():
+    out = ModelOutput(logits=torch.tensor([[0.0, 2.0]]), aux_loss=torch.tensor(0.5))
+    labels = torch.tensor([[1.0, 0.0]])
+    bce = torch.nn.functional.binary_cross_entropy_with_logits
+    want = (
+        2 * bce(torch.tensor(0.0), torch.tensor(1.0)) + 0.5 * bce(torch.tensor(2.0), torch.tensor(0.0)) + 0.5
+    )
+    torch.testing.assert_close(loss(out, labels, [2.0, 0.5]), want)
+
+
+@pytest.mark.parametrize("arch", ["gem", "dlrm"])
+def test_loss_goes_down_training_a_few_steps(arch):
+    model = build(arch=arch, embedding_backend="torch", seq_attention="silu")
+    inp = random_input(SCHEMA, 32, 8, seed=7)
+    # Labels the model can learn: from the target item (both archs see it) and, for gem, the history length.
+    item = inp.sparse_features["item_id"][0]
+    labels = torch.stack([(item % 2 == 0).float(), (inp.seq_lengths() > 4).float()], dim=1)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(25):
+        opt.zero_grad()
+        value = loss(model(inp), labels)
+        value.backward()
+        opt.step()
+        losses.append(value.item())
+    assert losses[-1] < 0.6 * losses[0], losses
+
+
+@pytest.mark.parametrize("arch", ["gem", "dlrm"])
+def test_same_seed_same_model_and_output(arch):
+    inp = random_input(SCHEMA, 4, 5, seed=8)
+    a, b, c = build(1, arch=arch), build(1, arch=arch), build(2, arch=arch)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name
+    assert torch.equal(a(inp).logits, b(inp).logits)
+    assert not torch.equal(a(inp).logits, c(inp).logits)

@@ -1,0 +1,77 @@
+import pytest
+import torch
+from gemrec.model import FeatureSchema, JaggedFeatures, ModelConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+MANIFEST = {
+    "labels": ["like", "love"],
+    "actions": ["rating", "like", "love"],
+    "sparse_features": [
+        {"name": "user_id", "source": "user", "num_embeddings": 610, "multi_valued": False},
+        {"name": "item_id", "source": "item", "num_embeddings": 9742, "multi_valued": False},
+        {"name": "item_genres", "source": "item", "num_embeddings": 21, "multi_valued": True},
+    ],
+    "seq_item_features": ["item_genres"],
+    "dense_features": ["hour_of_day_sin"],
+}
+
+
+def test_jagged_features_reads_like_a_kjt():
+    features = {
+        "a": (torch.tensor([1, 2, 3]), torch.tensor([2, 0, 1])),
+        "b": (torch.tensor([7, 8]), torch.tensor([1, 1, 0])),
+    }
+    jf = JaggedFeatures.from_dict(features)
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["a", "b"], values=torch.tensor([1, 2, 3, 7, 8]), lengths=torch.tensor([2, 0, 1, 1, 1, 0])
+    )
+    assert jf.keys() == kjt.keys() and jf.stride() == kjt.stride() == 3
+    assert torch.equal(jf.values(), kjt.values())
+    assert torch.equal(jf.lengths(), kjt.lengths())
+    assert torch.equal(jf.offsets(), kjt.offsets())
+    values, lengths = jf["b"]
+    assert values.tolist() == [7, 8] and lengths.tolist() == [1, 1, 0]
+    assert torch.equal(JaggedFeatures.from_kjt(kjt).values(), jf.values())
+    assert jf.to("cpu").keys() == ["a", "b"]
+    with pytest.raises(KeyError, match="no key 'c'"):
+        jf["c"]
+
+
+def test_jagged_features_rejects_inconsistent_sizes():
+    with pytest.raises(ValueError, match="do not split"):
+        JaggedFeatures(["a", "b"], torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="duplicate"):
+        JaggedFeatures(["a", "a"], torch.zeros(2, dtype=torch.long), torch.ones(2, dtype=torch.long))
+
+
+def test_schema_from_manifest():
+    schema = FeatureSchema.from_manifest(MANIFEST)
+    assert schema.feature_names == ["user_id", "item_id", "item_genres"]
+    assert schema.num_tasks == 2 and schema.num_actions == 3 and schema.num_dense == 1
+    assert schema.feature("item_genres").multi_valued
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"sparse_features": MANIFEST["sparse_features"][1:]}, "user_id"),
+        ({"seq_item_features": ["user_id"]}, "source 'item'"),
+        ({"seq_item_features": ["nope"]}, "unknown sparse feature 'nope'"),
+        ({"labels": []}, "at least one label"),
+        ({"sparse_features": [{"name": "user_id"}]}, "malformed"),
+    ],
+)
+def test_schema_errors_name_the_problem(change, message):
+    with pytest.raises(ValueError, match=message):
+        FeatureSchema.from_manifest({**MANIFEST, **change})
+
+
+def test_config_validation():
+    assert ModelConfig().arch == "gem"
+    with pytest.raises(ValueError, match="arch"):
+        ModelConfig(arch="bert")
+    with pytest.raises(ValueError, match="divisible"):
+        ModelConfig(d_model=30, num_heads=4)
+    with pytest.raises(ValueError, match="unknown keys \\['nope'\\]"):
+        ModelConfig.from_dict({"nope": 1})
+    assert ModelConfig.from_dict({"seq_layers": 3}).seq_layers == 3
