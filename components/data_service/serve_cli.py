@@ -69,4 +69,7 @@ def register(groups) -> None:
     b.add_argument("--requests", type=int, default=2000, help="requests per latency measurement")
     b.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput measurement")
     b.add_argument("--skip-redis", action="store_true", help="memory store only")
+    b.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="concurrent client processes")
+    b.add_argument("--synth-events", type=int, default=300_000, help="events of the synthetic stream dataset")
+    b.add_argument("--batch-size", type=int, default=256, help="data stream batch size")
     b.set_defaults(func=bench_services)
