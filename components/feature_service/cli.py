@@ -24,11 +24,12 @@ def _store(args):
 
     from .store import MemoryStore, RedisStore
 
-    memory = MemoryStore(_check_dataset(args.dataset))
+    dataset = _check_dataset(args.dataset)
     if args.store == "memory":
-        return memory
+        return MemoryStore(dataset)
+    manifest = json.loads((dataset / "manifest.json").read_text())
     try:
-        return RedisStore(args.redis_url, memory.schema.dataset_checksum, memory.schema.dataset)
+        return RedisStore(args.redis_url, manifest.get("dataset_checksum"), manifest.get("name"))
     except FileNotFoundError as err:
         raise CLIError(str(err)) from None
     except Exception as err:  # redis.ConnectionError and friends
