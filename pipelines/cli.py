@@ -19,9 +19,7 @@ def _run(args) -> int:
                             tracking_uri=args.tracking_uri, feature_store=args.feature_store,
                             redis_url=args.redis_url, feature_port=args.feature_port, data_port=args.data_port,
                             ui_port=args.ui_port, verbose=args.verbose)
-    except (ValueError, ServiceError) as err:
-        raise _error(str(err)) from err
-    except local.PipelineFailed as err:
+    except (local.InputError, ServiceError, local.PipelineFailed) as err:
         raise _error(str(err)) from err
     local.print_summary(summary)
     return 0

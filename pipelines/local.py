@@ -48,10 +48,16 @@ class ExecutorLogFilter(io.TextIOBase):
         self.log.flush()
 
     def close(self) -> None:
+        if self.closed:
+            return
         if self.pending:
             self.console.write(self.pending)
-        self.log.close()
         super().close()
+        self.log.close()
+
+
+class InputError(ValueError):
+    """Bad command-line input, found before anything runs."""
 
 
 class PipelineFailed(RuntimeError):
@@ -67,17 +73,17 @@ def check_inputs(recipe: str, data: str | None, nproc: int, feature_port: int, d
     try:
         recipe_path(recipe)
     except RecipeError as err:
-        raise ValueError(str(err)) from err
+        raise InputError(str(err)) from err
     if not data:
-        raise ValueError("no data: pass --data PATH (MovieLens ml-latest-small folder or a prepared dataset)")
+        raise InputError("no data: pass --data PATH (MovieLens ml-latest-small folder or a prepared dataset)")
     path = Path(data).expanduser().resolve()
     if not path.exists():
-        raise ValueError(f"data path {path} does not exist")
+        raise InputError(f"data path {path} does not exist")
     if not ((path / "ratings.csv").is_file() or (path / "manifest.json").is_file()):
-        raise ValueError(f"{path} is neither MovieLens ml-latest-small (ratings.csv) nor a prepared dataset "
+        raise InputError(f"{path} is neither MovieLens ml-latest-small (ratings.csv) nor a prepared dataset "
                          "(manifest.json)")
     if nproc < 1:
-        raise ValueError(f"--nproc must be at least 1 (got {nproc})")
+        raise InputError(f"--nproc must be at least 1 (got {nproc})")
     for port, what in ((feature_port, "feature service"), (data_port, "data service")):
         if port:
             claim_port(port, what)

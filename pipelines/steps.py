@@ -10,6 +10,7 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -81,16 +82,19 @@ def ingest(data: str, out: str) -> dict[str, Any]:
 REQUIRED_SPLITS = ("train", "eval")
 
 
+EXAMPLE_COLUMNS = ("user", "event", "hist_start", "hist_end", "timestamp")
+
+
 def validate(dataset: str) -> dict[str, float]:
     """Schema and statistics checks; raise StepError listing every problem found. Returns statistics."""
-    from gemrec.components.data_service.dataset import Dataset
+    import pyarrow.parquet as pq
+    from gemrec.components.data_service.builder import read_manifest
     from gemrec.components.data_service.errors import DataError
 
     try:
-        ds = Dataset.open(dataset)
+        m = read_manifest(dataset)
     except DataError as err:
         raise StepError(f"dataset schema: {err}") from err
-    m = ds.manifest
     problems = []
     sparse = {f["name"]: f for f in m.get("sparse_features", [])}
     for name in ("user_id", "item_id"):
@@ -99,7 +103,8 @@ def validate(dataset: str) -> dict[str, float]:
     for f in sparse.values():
         if int(f.get("num_embeddings", 0)) <= 0:
             problems.append(f"sparse feature {f['name']!r} has no ids (num_embeddings {f.get('num_embeddings')})")
-    if not m.get("labels"):
+    labels = m.get("labels", [])
+    if not labels:
         problems.append("the dataset has no labels to train on")
     stats: dict[str, float] = {"num_events": m["num_events"], "num_users": m["num_users"],
                                "num_items": m["num_items"]}
@@ -107,20 +112,30 @@ def validate(dataset: str) -> dict[str, float]:
         if split not in m.get("splits", {}):
             problems.append(f"split {split!r} is missing")
             continue
-        count = ds.num_examples(split)
+        count = int(m["splits"][split]["num_examples"])
         stats[f"{split}_examples"] = count
         if count == 0:
             problems.append(f"split {split!r} has no examples")
+        path = Path(dataset) / "examples" / f"{split}.parquet"
+        if not path.is_file():
+            problems.append(f"{path} is missing")
+            continue
+        meta = pq.read_metadata(path)
+        if meta.num_rows != count:
+            problems.append(f"{path.name} has {meta.num_rows} rows but the manifest says {count}")
+        columns = set(meta.schema.to_arrow_schema().names)
+        missing = [c for c in (*EXAMPLE_COLUMNS, *labels) if c not in columns]
+        if missing:
+            problems.append(f"{path.name} lacks column(s) {', '.join(missing)}")
     rates = m.get("label_rates", {})
-    for label in m.get("labels", []):
+    for label in labels:
         rate = (rates.get("train") or {}).get(label)
         if rate is None:
             continue
         stats[f"train_rate_{label}"] = rate
         if not 0.0 < rate < 1.0:
             problems.append(f"label {label!r} has base rate {rate} in train: NE is undefined (need 0 < rate < 1)")
-    seq = m.get("max_seq_len", {})
-    stats.update({f"seq_len_{k}": v for k, v in seq.items()})
+    stats.update({f"seq_len_{k}": v for k, v in m.get("max_seq_len", {}).items()})
     if problems:
         raise StepError(f"dataset {m.get('name')} at {dataset} failed validation: " + "; ".join(problems))
     return stats
@@ -193,13 +208,28 @@ def train_local(dataset: str, recipe: str, nproc: int, tracking_uri: str, experi
                               echo=True)
         code = trainer.stream()
         if code != 0:
-            raise StepError(f"the trainer exited with code {code} (log: {logs / 'trainer.log'})")
+            raise StepError(f"the trainer exited with code {code}: {last_error(trainer.log_path)} "
+                            f"(log: {trainer.log_path})")
         for process in group.processes[:2]:
             if not process.alive():
                 raise StepError(f"the {process.name} died during training (log: {process.log_path})")
     result = read_trainer_metrics(metrics_out)
     result.setdefault("run_id", tracking.find_training_run(tracking_uri, experiment, started_ms))
     return result
+
+
+ERROR_LINE = re.compile(r"^\s*(gemrec \w+: error: .*|([\w.]+\.)?\w*(Error|Exception): .*)$")
+
+
+def last_error(log_path: Path) -> str:
+    """The trainer's own error line from its log (not torchrun's ChildFailedError wrapper)."""
+    try:
+        lines = log_path.read_text(errors="replace").splitlines()
+    except FileNotFoundError:
+        return "no log"
+    errors = [line.strip() for line in lines if ERROR_LINE.match(line) and "ChildFailedError" not in line]
+    cli_errors = [line for line in errors if line.startswith("gemrec ")]
+    return (cli_errors or errors or ["see the log"])[-1]
 
 
 def read_trainer_metrics(path: str) -> dict[str, Any]:
@@ -246,7 +276,7 @@ def train_in_pod(recipe: str, nproc: int, tracking_uri: str, experiment: str, da
                     "--no-python", gemrec_executable(), *trainer_args(recipe, data_addr, tracking_uri, experiment, metrics_out)]
         code = group.start("trainer", torchrun, Path(metrics_out).parent / "trainer.log", echo=True).stream()
     if code != 0:
-        raise StepError(f"the trainer exited with code {code}")
+        raise StepError(f"the trainer exited with code {code}: {last_error(Path(metrics_out).parent / 'trainer.log')}")
     result = read_trainer_metrics(metrics_out)
     result.setdefault("run_id", tracking.find_training_run(tracking_uri, experiment, started_ms))
     return result
