@@ -111,19 +111,50 @@ def load_full_weights(sharded: nn.Module, full: dict[str, torch.Tensor]) -> None
             target.copy_(source)
 
 
+def _equal_stride_pre_hook(group: dist.ProcessGroup):
+    """Forward pre-hook of a sharded EBC: pad the batch with empty rows to the largest stride in the group.
+
+    The model looks up examples and history tokens in one batch (stride B + T), and T differs between ranks;
+    TorchRec's sharded lookups assume one batch size on every rank (row-wise's reduce-scatter backward fails on
+    uneven ones). One tiny all-reduce of the stride per step, empty rows appended to every key (their values
+    unchanged), and the output hook cuts the padding off again."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    def hook(module, args):
+        (features,) = args
+        stride = features.stride()
+        device = features.lengths().device
+        largest = torch.tensor([stride], dtype=torch.long, device=device)
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
+        largest = int(largest.item())
+        module._gemrec_stride = stride
+        if largest == stride:
+            return None
+        lengths = features.lengths().view(len(features.keys()), stride)
+        padded = torch.nn.functional.pad(lengths, (0, largest - stride)).reshape(-1)
+        return (KeyedJaggedTensor(keys=features.keys(), values=features.values(), lengths=padded, stride=largest),)
+
+    return hook
+
+
 def _pooled_output_hook(keys: list[str]):
     """Forward hook of a sharded EBC: wait for the output all-to-all and put the features back in the unsharded
-    module's key order (sharding regroups them by shard)."""
+    module's key order (sharding regroups them by shard), without the rows the pre-hook padded on."""
     from torchrec.sparse.jagged_tensor import KeyedTensor
 
     def hook(module, args, output):
         if hasattr(output, "wait"):
             output = output.wait()
         by_key = output.to_dict()
-        values = torch.cat([by_key[k] for k in keys], dim=1)
+        values = torch.cat([by_key[k] for k in keys], dim=1)[: module._gemrec_stride]
         return KeyedTensor(keys=keys, length_per_key=[by_key[k].shape[1] for k in keys], values=values)
 
     return hook
+
+
+def _add_hooks(sharded: nn.Module, keys: list[str], group: dist.ProcessGroup) -> None:
+    sharded.register_forward_pre_hook(_equal_stride_pre_hook(group))
+    sharded.register_forward_hook(_pooled_output_hook(keys))
 
 
 def shard_embedding_tables(
@@ -144,7 +175,7 @@ def shard_embedding_tables(
                   sharders=embedding_sharders())
     for name in names:
         load_full_weights(model.get_submodule(name), weights[name])
-        model.get_submodule(name).register_forward_hook(_pooled_output_hook(keys[name]))
+        _add_hooks(model.get_submodule(name), keys[name], group)
     described = describe_plan(plan)
     log.info("embedding sharding plan: %s", described)
     return described
@@ -177,7 +208,7 @@ def shard_embedding_tables_2d(
     )
     for name in names:
         load_full_weights(dmp.module.get_submodule(name), weights[name])
-        dmp.module.get_submodule(name).register_forward_hook(_pooled_output_hook(keys[name]))
+        _add_hooks(dmp.module.get_submodule(name), keys[name], shard_group)
     return dmp, describe_plan(plan)
 
 

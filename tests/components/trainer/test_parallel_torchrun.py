@@ -1,8 +1,8 @@
 """5D parallelism under torchrun on CPU/gloo, against single-process references (issue 7).
 
 Two torchrun launches (start-up dominates on CI): 4 ranks (HSDP 2x2, HSDP + EP, FSDP + EP with experts also
-FSDP-sharded, EP exactness, DCP save), then 2 ranks (FSDP 1x2, replicate-only 2x1, EP 2, the four embedding
-sharding plans against the unsharded collection, DCP resume of the 4-rank checkpoint).
+FSDP-sharded, EP exactness, DCP save), then 2 ranks (FSDP 1x2, replicate-only 2x1, EP 2, rank-balance metrics,
+the four embedding sharding plans against the unsharded collection, DCP resume of the 4-rank checkpoint).
 
 Tolerances: loss trajectories over 6 steps (SGD on the dense part, which unlike Adam is not scale-invariant, and
 fused SGD on the tables) match the single-process run within 1e-5 absolute, and every dense gradient of the first
@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
     four = torchrun(4, base / "four", ["train:2x2x1", "train:2x2x2", "train:1x4x2", "ep", "dcp_save"], port())
     two = torchrun(
         2, base / "two",
-        ["train:1x2x1", "train:2x1x1", "train:1x2x2", "ep", "sharding:table_wise", "sharding:column_wise",
+        ["train:1x2x1", "train:2x1x1", "train:1x2x2", "ep", "metrics", "sharding:table_wise", "sharding:column_wise",
          "sharding:row_wise", "sharding:planner", f"dcp_load:{base / 'four' / 'ckpt'}"],
         port(),
     )
@@ -109,3 +109,12 @@ def test_dcp_save_on_4_resume_on_2(runs):
         assert result["missing"] == []
         assert result["mismatched"] == []
         assert result["differed_before"] > 0  # the 2-rank model started elsewhere and DCP brought it back
+
+
+def test_rank_balance_metrics(runs):
+    first, second = runs["2/metrics"]
+    assert first == second  # gathered: every rank logs the same numbers
+    assert first["slowest_rank"] == 1  # rank 1 had 8x the examples
+    assert first["rank_imbalance"] > 1.0
+    assert first["comm_s"] > 0 and 0 <= first["exposed_comm_s"] <= first["comm_s"] + 1e-9
+    assert first["step_s_mean"] > first["compute_s_mean"] > 0

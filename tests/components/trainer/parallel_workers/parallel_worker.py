@@ -204,6 +204,25 @@ def check_ep(rank: int, world: int) -> dict:
             "grad_err": grad_err, "local_experts": moe.experts.w1.to_local().shape[0]}
 
 
+def check_metrics(rank: int, world: int) -> dict:
+    """RankBalance (profiled compute, exposed communication) on a real FSDP + sharded-table step; rank 1 gets a
+    batch eight times as large, so the imbalance must show."""
+    from gemrec.components.trainer.parallel.balance import RankBalance
+
+    model = build()
+    attach_sparse_sgd(model)
+    model, _ = parallelize(model, ParallelDims(world), ParallelConfig(), CPU)
+    opt = torch.optim.SGD(dense_params(model), lr=0.1)
+    kjt, dense, labels = make_batch(5 + rank, 256 * (1 + 7 * rank))
+    balance = RankBalance(CPU, profile_every=2)
+    for _ in range(4):
+        with balance.step():
+            F.binary_cross_entropy_with_logits(model(kjt, dense), labels).backward()
+            opt.step()
+            opt.zero_grad()
+    return balance.window()
+
+
 def full_state(state: dict) -> dict:
     """Every tensor of a (nested) state dict as a full tensor on every rank (collective)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -298,6 +317,8 @@ def main() -> None:
                 result = check_train(arg, rank, world)
             elif name == "sharding":
                 result = check_sharding(arg, rank, world)
+            elif name == "metrics":
+                result = check_metrics(rank, world)
             elif name == "ep":
                 result = check_ep(rank, world)
             elif name == "dcp_save":
