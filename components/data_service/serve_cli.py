@@ -26,7 +26,8 @@ def serve_data(args) -> int:
     if args.features:
         from gemrec.components.feature_service.client import FeatureClient
 
-        features = FeatureClient(args.features, tls_ca=args.features_tls_ca, timeout_s=args.features_timeout_s)
+        features = FeatureClient(args.features, token=args.features_token, tls_ca=args.features_tls_ca,
+                                 timeout_s=args.features_timeout_s)
         try:
             checksum = features.info()["dataset_checksum"]
         except Exception as err:
@@ -56,6 +57,7 @@ def register(groups) -> None:
     add_server_args(p, DATA_PORT)
     p.add_argument("--features", metavar="ADDR", help="take user/item features from this feature service")
     p.add_argument("--features-tls-ca", help="PEM to trust for a TLS feature service")
+    p.add_argument("--features-token", help="bearer token for the feature service (default: $GEMREC_AUTH_TOKEN)")
     p.add_argument("--features-timeout-s", type=float, default=10.0, help="deadline of each feature lookup")
     p.add_argument("--linear-weight", type=float, default=512.0,
                    help="rank balancing cost per example: L^2 + linear_weight * L")
