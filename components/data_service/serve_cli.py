@@ -54,7 +54,7 @@ def register(groups) -> None:
     serve = groups["serve"]
     p = serve.add_parser("data", help="run the gRPC data-loading service (gemrec.v1.DataLoaderService)")
     p.add_argument("--dataset", required=True, help="dataset directory (gemrec data prepare|synth)")
-    add_server_args(p, DATA_PORT)
+    add_server_args(p, DATA_PORT, default_workers=64)  # one thread per open stream
     p.add_argument("--features", metavar="ADDR", help="take user/item features from this feature service")
     p.add_argument("--features-tls-ca", help="PEM to trust for a TLS feature service")
     p.add_argument("--features-token", help="bearer token for the feature service (default: $GEMREC_AUTH_TOKEN)")

@@ -69,12 +69,13 @@ class ServerOptions:
         return [("grpc.max_send_message_length", limit), ("grpc.max_receive_message_length", limit)]
 
 
-def add_server_args(parser, default_port: int) -> None:
+def add_server_args(parser, default_port: int, default_workers: int = 16) -> None:
     """The flags every `gemrec serve ...` command shares."""
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 inside a pod)")
     parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
     parser.add_argument("--max-message-mb", type=int, default=256, help="max send/receive message size")
-    parser.add_argument("--max-workers", type=int, default=16, help="concurrent RPCs")
+    parser.add_argument("--max-workers", type=int, default=default_workers,
+                        help="handler threads: concurrent calls, including open streams")
     parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS")
     parser.add_argument("--tls-key", help="PEM private key")
     parser.add_argument("--auth-token", help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
@@ -206,7 +207,6 @@ class Server:
             futures.ThreadPoolExecutor(max_workers=options.max_workers),
             interceptors=[_AuthAndLogInterceptor(options.auth_token)],
             options=options.grpc_options(),
-            maximum_concurrent_rpcs=None,
         )
         service_names = list(register(self.grpc_server))
         self.health = health.HealthServicer()
