@@ -74,8 +74,13 @@ class TorchrecTables(nn.Module):
 
     def __init__(self, schema: FeatureSchema, dim: int):
         super().__init__()
-        from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
-        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        try:
+            from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+            from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        except ImportError as err:
+            raise ImportError(
+                f"embedding_backend='torchrec' needs torchrec ({err}); use embedding_backend='torch' without it"
+            ) from err
 
         tables = [
             EmbeddingBagConfig(

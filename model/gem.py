@@ -263,6 +263,27 @@ def _mlp_flops(mlp: nn.Sequential, rows: int, input_grad: bool) -> tuple[int, in
     )
 
 
+class DotInteraction(nn.Module):
+    """Pairwise dot products of the feature vectors (upper triangle), concatenated with the vectors."""
+
+    def __init__(self, num_vectors: int):
+        super().__init__()
+        rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        self.register_buffer("pair_rows", rows, persistent=False)
+        self.register_buffer("pair_cols", cols, persistent=False)
+        self.num_vectors = num_vectors
+        self.num_pairs = rows.numel()
+
+    def forward(self, vectors: torch.Tensor) -> torch.Tensor:
+        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
+        return torch.cat([dots, vectors.flatten(1)], dim=1)
+
+    def flops(self, batch: int, dim: int) -> tuple[int, int]:
+        n = self.num_vectors
+        dot = 2 * batch * n * n * dim
+        return dot, 2 * dot
+
+
 class DLRMModel(nn.Module):
     """DLRM baseline: embeddings, bottom MLP on dense features, pairwise dot interaction, top MLP."""
 
@@ -274,9 +295,7 @@ class DLRMModel(nn.Module):
         self.bottom_mlp = _mlp([schema.num_dense, *config.dlrm_bottom_mlp, emb]) if schema.num_dense else None
         self.num_vectors = len(schema.sparse_features) + (1 if schema.num_dense else 0)
         n = self.num_vectors
-        rows, cols = torch.triu_indices(n, n, offset=1)
-        self.register_buffer("pair_rows", rows, persistent=False)
-        self.register_buffer("pair_cols", cols, persistent=False)
+        self.interaction = DotInteraction(n)
         top_in = n * (n - 1) // 2 + n * emb
         self.top_mlp = _mlp([top_in, *config.dlrm_top_mlp])
         self.heads = TaskHeads(
@@ -289,18 +308,16 @@ class DLRMModel(nn.Module):
         if self.bottom_mlp is not None:
             dense = self.bottom_mlp(inp.dense_features.to(vectors.dtype))
             vectors = torch.cat([dense.unsqueeze(1), vectors], dim=1)
-        dots = torch.bmm(vectors, vectors.transpose(1, 2))[:, self.pair_rows, self.pair_cols]
-        top = self.top_mlp(torch.cat([dots, vectors.flatten(1)], dim=1))
+        top = self.top_mlp(self.interaction(vectors))
         logits = self.heads(top)
         return ModelOutput(logits=logits.float(), aux_loss=torch.zeros((), device=logits.device))
 
     def flops(self, inp: ModelInput) -> dict[str, tuple[int, int]]:
-        batch, n, emb = inp.batch_size, self.num_vectors, self.config.embedding_dim
+        batch, emb = inp.batch_size, self.config.embedding_dim
         counts = {}
         if self.bottom_mlp is not None:
             counts["bottom_mlp"] = _mlp_flops(self.bottom_mlp, batch, input_grad=False)
-        dot = 2 * batch * n * n * emb
-        counts["interaction"] = (dot, 2 * dot)
+        counts["interaction"] = self.interaction.flops(batch, emb)
         counts["top_mlp"] = _mlp_flops(self.top_mlp, batch, input_grad=True)
         counts["heads"] = self.heads.flops(batch)
         return counts

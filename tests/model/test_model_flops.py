@@ -1,0 +1,115 @@
+import gemrec.model.attention as attention_module
+import pytest
+import torch
+from gemrec.model import FeatureSchema, ModelConfig, build_model, loss, model_flops
+from gemrec.model.layers import Jagged, attention_pairs
+from gemrec.model.synthetic import random_input
+from torch.utils.flop_counter import FlopCounterMode
+
+MANIFEST = {
+    "labels": ["like", "love"],
+    "actions": ["rating", "like", "love"],
+    "sparse_features": [
+        {"name": "user_id", "source": "user", "num_embeddings": 40},
+        {"name": "item_id", "source": "item", "num_embeddings": 80},
+        {"name": "item_genres", "source": "item", "num_embeddings": 11, "multi_valued": True},
+    ],
+    "seq_item_features": ["item_genres"],
+    "dense_features": ["hour_sin"],
+}
+SCHEMA = FeatureSchema.from_manifest(MANIFEST)
+
+
+def measured(model, inp):
+    """FlopCounterMode per module: (forward, forward + backward)."""
+    counter = FlopCounterMode(display=False, depth=None)
+    with counter:
+        out = model(inp)
+        forward = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+        loss(out, torch.zeros_like(out.logits)).backward()
+    total = {k: sum(v.values()) for k, v in counter.get_flop_counts().items()}
+    return forward, total
+
+
+@pytest.mark.parametrize(
+    "arch, overrides",
+    [
+        ("gem", dict(seq_attention="softmax", time_encoding="continuous")),
+        ("gem", dict(seq_attention="silu", moe_every=1, nonseq_layers=2)),
+        ("dlrm", dict()),
+    ],
+)
+def test_flops_match_flop_counter_per_layer(arch, overrides, monkeypatch):
+    # Exact-length grouping, so the reference does the jagged work and nothing more (causal off: the
+    # reference computes the masked half, the count does not).
+    monkeypatch.setattr(attention_module, "REFERENCE_MAX_PADDING", 0.0)
+    torch.manual_seed(0)
+    config = ModelConfig(
+        arch=arch, embedding_backend="torch", seq_causal=False, embedding_dim=16, d_model=32, **overrides
+    )
+    model = build_model(config, SCHEMA)
+    inp = random_input(SCHEMA, 12, 40, lengths=[40, 0, 1, 7, 33, 12, 12, 5, 2, 19, 40, 3], seed=1)
+    forward, total = measured(model, inp)
+    counted = model_flops(model, inp)
+    prefix = type(model).__name__
+    # Per layer forward (the counter's backward attribution to modules is not exact), and the totals.
+    for name, (fwd, _) in counted.items():
+        assert fwd == pytest.approx(forward.get(f"{prefix}.{name}", 0), rel=0.05), name
+    assert sum(f for f, _ in counted.values()) == pytest.approx(forward["Global"], rel=0.05)
+    assert sum(f + b for f, b in counted.values()) == pytest.approx(total["Global"], rel=0.05)
+
+
+def test_flops_follow_the_real_lengths():
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(embedding_backend="torch"), SCHEMA)
+    short = model_flops(model, random_input(SCHEMA, 4, 0, lengths=[2, 2, 2, 2]))
+    long = model_flops(model, random_input(SCHEMA, 4, 0, lengths=[20, 2, 2, 2]))
+    assert long["seq_tower.0"][0] > short["seq_tower.0"][0]
+    assert long["heads"] == short["heads"]
+
+
+def test_causal_pairs():
+    assert attention_pairs(Jagged([4]), Jagged([4]), causal=True) == 10
+    assert attention_pairs(Jagged([4, 0, 1]), Jagged([4, 0, 1]), causal=False) == 17
+    assert attention_pairs(Jagged([3]), Jagged([2]), causal=True) == 1 + 2 + 2
+
+
+def test_single_layers_forward_and_backward(monkeypatch):
+    # Each layer alone (as local-MFU measurement runs them): backward counts checked too.
+    from gemrec.model.layers import PMA, Rotary, SeqLayer, TokenLayer
+    from gemrec.model.moe import MoEFeedForward
+
+    monkeypatch.setattr(attention_module, "REFERENCE_MAX_PADDING", 0.0)
+    torch.manual_seed(0)
+    d, lengths = 32, [9, 0, 1, 30, 17]
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    seq = torch.randn(sum(lengths), d, requires_grad=True)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    tokens = torch.randn(5, 6, d, requires_grad=True)
+    moe = MoEFeedForward(d, 48, 4, 2)
+    cases = {
+        "seq": (
+            SeqLayer(d, 4, 64, "silu", False, Rotary(8, 10000.0)),
+            lambda m: m(seq, offsets, 30, positions),
+        ),
+        "pma": (PMA(d, 4, 64, 3, "softmax", 0.02), lambda m: m(seq, offsets, 30, 5)),
+        "cross": (TokenLayer(d, 4, 64, True, "softmax", None), lambda m: m(tokens, seq, offsets, 30)[0]),
+        "moe": (TokenLayer(d, 4, 64, False, "softmax", moe), lambda m: m(tokens)[0]),
+    }
+    jagged = Jagged(lengths)
+    expected = {
+        "seq": lambda m: m.flops(jagged),
+        "pma": lambda m: m.flops(jagged),
+        "cross": lambda m: m.flops(5, 6, jagged),
+        "moe": lambda m: m.flops(5, 6, None),
+    }
+    for name, (layer, run) in cases.items():
+        counter = FlopCounterMode(display=False)
+        with counter:
+            out = run(layer)
+            fwd = counter.get_total_flops()
+            out.sum().backward()
+        bwd = counter.get_total_flops() - fwd
+        want_fwd, want_bwd = expected[name](layer)
+        assert want_fwd == pytest.approx(fwd, rel=0.05), name
+        assert want_bwd == pytest.approx(bwd, rel=0.05), name

@@ -1,0 +1,54 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+SCRIPT = textwrap.dedent(
+    """
+    import importlib.abc
+    import sys
+
+    class BlockTorchrec(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == "torchrec" or name.startswith("torchrec.") or name.startswith("fbgemm_gpu"):
+                raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+            return None
+
+    sys.meta_path.insert(0, BlockTorchrec())
+    import torch
+
+    from gemrec.model import FeatureSchema, ModelConfig, build_model, loss
+    from gemrec.model.synthetic import random_input
+
+    schema = FeatureSchema.from_manifest({
+        "labels": ["like"], "actions": ["like"], "seq_item_features": ["genres"], "dense_features": [],
+        "sparse_features": [
+            {"name": "user_id", "num_embeddings": 10}, {"name": "item_id", "source": "item", "num_embeddings": 20},
+            {"name": "genres", "source": "item", "num_embeddings": 5, "multi_valued": True},
+        ],
+    })
+    for arch in ("gem", "dlrm"):
+        model = build_model(ModelConfig(arch=arch, embedding_backend="torch", d_model=16, embedding_dim=8), schema)
+        inp = random_input(schema, 3, 4)
+        out = model(inp)
+        loss(out, torch.ones(3, 1)).backward()
+        assert torch.isfinite(out.logits).all()
+    try:
+        build_model(ModelConfig(embedding_backend="torchrec"), schema)
+    except ImportError as err:
+        assert "embedding_backend='torch'" in str(err), err
+    else:
+        raise AssertionError("the torchrec backend built without torchrec")
+    assert not any(m == "torchrec" or m.startswith("torchrec.") for m in sys.modules), "torchrec was imported"
+    print("OK")
+    """
+)
+
+
+def test_torch_backend_runs_without_torchrec():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("OK")
