@@ -19,6 +19,7 @@ import logging
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from gemrec.components.trainer.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims
 from gemrec.components.trainer.parallel.expert_parallel import apply_expert_parallel, find_moe_layers
 from torch import nn
@@ -105,6 +106,15 @@ def parallelize(
     sharded_tables = sharding.sharded_embedding_modules(root) if has_tables else []
     skip = {id(m) for m in sharded_tables}
     table_params = {p for m in sharded_tables for p in m.parameters()}
+    # Tables left as plain parameters with an in-backward optimizer (the torch embedding backend, used where
+    # torchrec is absent): replicated on every rank, gradient averaged before their optimizer runs.
+    replicated = [p for p in root.parameters() if hasattr(p, "_in_backward_optimizers") and p not in table_params]
+    for param in replicated:
+        dist.broadcast(param.data, src=0)
+        _average_grad_before_optimizer(param)
+    table_params |= set(replicated)
+    if replicated:
+        skip |= {id(m) for m in root.modules() if any(p in table_params for p in m.parameters(recurse=False))}
 
     # 2. Expert parallelism.
     moe_layers = find_moe_layers(root)
@@ -155,6 +165,19 @@ def parallelize(
     log.info("parallelized: %s; %d FSDP blocks, EP on %d MoE layers, tables: %s",
              report.layout, len(blocks), len(report.expert_parallel), report.embedding_plan or "unsharded")
     return train_model, report
+
+
+def _average_grad_before_optimizer(param: nn.Parameter) -> None:
+    """All-reduce (mean over all ranks) a replicated table's gradient before its in-backward optimizer: a
+    pre-hook on the gradient accumulator runs before the post-accumulate hook that steps the optimizer."""
+    from torch.distributed.optim.apply_optimizer_in_backward import param_to_acc_grad_map
+
+    def hook(grad_outputs):
+        grad = grad_outputs[0].clone()
+        dist.all_reduce(grad)
+        return (grad.div_(dist.get_world_size()),)
+
+    param_to_acc_grad_map[param].register_prehook(hook)
 
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:

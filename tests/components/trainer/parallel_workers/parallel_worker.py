@@ -223,6 +223,71 @@ def check_metrics(rank: int, world: int) -> dict:
     return balance.window()
 
 
+GEM_MANIFEST = {
+    "labels": ["like", "love"],
+    "actions": ["rating", "like", "love"],
+    "sparse_features": [
+        {"name": "user_id", "source": "user", "num_embeddings": 50},
+        {"name": "item_id", "source": "item", "num_embeddings": 100},
+        {"name": "item_genres", "source": "item", "num_embeddings": 12, "multi_valued": True},
+    ],
+    "seq_item_features": ["item_genres"],
+    "dense_features": ["hour_sin"],
+}
+
+
+def check_gem(backend: str, rank: int, world: int) -> dict:
+    """The real GEM model (MoE interaction layer, jagged histories of different total length on each rank):
+    FSDP2 + EP over all ranks, tables sharded by torchrec (or, for the torch backend, replicated), against the
+    same model in one process on the same per-rank batches (loss = mean of the per-rank mean losses)."""
+    from gemrec.model import FeatureSchema, ModelConfig, build_model
+    from gemrec.model.synthetic import random_input
+
+    schema = FeatureSchema.from_manifest(GEM_MANIFEST)
+    config = ModelConfig(embedding_dim=8, d_model=16, num_heads=2, moe_hidden=16, head_hidden=16, pma_seeds=2,
+                         moe_num_experts=2 * world, embedding_backend=backend)
+
+    def build_gem():
+        torch.manual_seed(0)
+        model = build_model(config, schema)
+        tables = [p for n, p in model.named_parameters() if n.startswith("embeddings.tables")]
+        _apply_optimizer_in_backward(torch.optim.SGD, tables, {"lr": 0.5})
+        return model
+
+    steps = 4
+    inputs = [[random_input(schema, 6, 8, seed=100 * s + r) for r in range(world)] for s in range(steps)]
+    labels = [[(torch.rand(6, 2, generator=torch.Generator().manual_seed(7 * s + r)) < 0.4).float()
+               for r in range(world)] for s in range(steps)]
+
+    def bce(model, inp, y):
+        return F.binary_cross_entropy_with_logits(model(inp).logits, y)
+
+    reference = build_gem()
+    ref_opt = torch.optim.SGD(dense_params(reference), lr=0.1)
+    ref_losses = []
+    for s in range(steps):
+        loss = sum(bce(reference, inputs[s][r], labels[s][r]) for r in range(world)) / world
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+
+    model = build_gem()
+    model, report = parallelize(model, ParallelDims(world, ep=world), ParallelConfig(ep=world), CPU)
+    opt = torch.optim.SGD(dense_params(model), lr=0.1)
+    losses = []
+    for s in range(steps):
+        loss = bce(model, inputs[s][rank], labels[s][rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        losses.append(value.item() / world)
+    return {"ref": ref_losses, "dist": losses, "plan": report.embedding_plan, "blocks": report.fsdp_blocks,
+            "ep_layers": report.expert_parallel, "tokens": [inputs[s][rank].num_tokens for s in range(steps)]}
+
+
 def full_state(state: dict) -> dict:
     """Every tensor of a (nested) state dict as a full tensor on every rank (collective)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -317,6 +382,8 @@ def main() -> None:
                 result = check_train(arg, rank, world)
             elif name == "sharding":
                 result = check_sharding(arg, rank, world)
+            elif name == "gem":
+                result = check_gem(arg, rank, world)
             elif name == "metrics":
                 result = check_metrics(rank, world)
             elif name == "ep":

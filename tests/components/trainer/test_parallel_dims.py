@@ -1,0 +1,95 @@
+"""ParallelDims/ParallelConfig validation and the pure helpers of the parallel package (no process group)."""
+
+import pytest
+import torch
+from gemrec.components.trainer.parallel import ParallelConfig, ParallelConfigError, ParallelDims
+from gemrec.components.trainer.parallel.balance import is_communication, uncovered_length, union_length
+from gemrec.components.trainer.parallel.expert_parallel import source_major_to_expert_major
+from gemrec.components.trainer.parallel.parallelize import fsdp_blocks
+from torch import nn
+
+
+@pytest.mark.parametrize(
+    "world, kwargs, shape",
+    [
+        (2, {}, (1, 2, 1, 2)),
+        (2, {"dp_replicate": 2}, (2, 1, 1, 2)),
+        (4, {"dp_replicate": 2}, (2, 2, 1, 4)),
+        (4, {"ep": 2}, (1, 4, 2, 4)),
+        (8, {"dp_replicate": 2, "ep": 4, "sparse_shard": 4}, (2, 4, 4, 4)),
+    ],
+)
+def test_shapes(world, kwargs, shape):
+    dims = ParallelDims(world, **kwargs)
+    assert (dims.dp_replicate, dims.dp_shard, dims.ep, dims.sparse_shard) == shape
+    assert dims.dp_shard_mod_ep * dims.ep == dims.dp_shard
+    assert dims.sparse_replicate * dims.sparse_shard == world
+    assert dims.sparse_2d == (dims.sparse_shard < world)
+
+
+@pytest.mark.parametrize(
+    "world, kwargs, message",
+    [
+        (4, {"dp_replicate": 3}, "4 / 3 is not an integer (4 % 3 = 1)"),
+        (4, {"dp_replicate": 2, "dp_shard": 3}, "dp_replicate x dp_shard = 2 x 3 = 6, but the world size is 4"),
+        (4, {"ep": 3}, "ep (3) borrows ranks from dp_shard (4) and must divide it: 4 % 3 = 1"),
+        (4, {"sparse_shard": 3}, "sparse_shard (3) to divide the world size (4): 4 % 3 = 1"),
+        (4, {"ep": 0}, "ep must be >= 1, got 0"),
+        (0, {}, "world size must be >= 1"),
+    ],
+)
+def test_invalid_layouts_show_the_arithmetic(world, kwargs, message):
+    with pytest.raises(ParallelConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        ParallelDims(world, **kwargs)
+
+
+def test_config_validation():
+    ParallelConfig(sharding_types=["row_wise", "table_wise"], param_dtype="bfloat16")
+    for bad, message in [
+        ({"activation_checkpoint": "some"}, "activation_checkpoint"),
+        ({"sharding_types": ["diagonal"]}, "unknown sharding_types"),
+        ({"param_dtype": "float7"}, "not a torch dtype"),
+        ({"dmp_sync_interval": 0}, "dmp_sync_interval"),
+    ]:
+        with pytest.raises(ParallelConfigError, match=message):
+            ParallelConfig(**bad)
+
+
+def test_from_config_resolves_auto():
+    dims = ParallelDims.from_config(ParallelConfig(dp_replicate=2, ep=2), world_size=8)
+    assert (dims.dp_shard, dims.dp_shard_mod_ep, dims.sparse_shard) == (4, 2, 8)
+    assert "world 8 = dp_replicate 2 x dp_shard 4" in dims.describe()
+
+
+def test_source_major_to_expert_major():
+    # 2 sources x 3 experts; rows labelled (source, expert, index).
+    blocks = torch.tensor([[2, 0, 1], [1, 3, 0]])
+    rows = [(s, e, i) for s in range(2) for e in range(3) for i in range(int(blocks[s, e]))]
+    order = source_major_to_expert_major(blocks).tolist()
+    regrouped = [rows[i] for i in order]
+    assert regrouped == sorted(rows, key=lambda r: (r[1], r[0], r[2]))
+
+
+def test_interval_arithmetic():
+    assert union_length([(0, 2), (1, 3), (5, 6)]) == 4
+    assert uncovered_length([(0, 4)], [(1, 2), (3, 5)]) == 2  # [0,1) and [2,3)
+    assert uncovered_length([(0, 1)], []) == 1
+    assert uncovered_length([], [(0, 1)]) == 0
+    assert is_communication("ncclDevKernel_AllGather_RING_LL") and is_communication("c10d::allreduce_")
+    assert not is_communication("aten::mm")
+
+
+def test_fsdp_blocks_are_the_outermost_module_list_elements():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(3, 4)
+            self.tower = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)])),
+                                        nn.Identity(), nn.Linear(4, 4)])
+            self.head = nn.Module()
+            self.head.towers = nn.ModuleList([nn.Linear(4, 1)])
+
+    net = Net()
+    names = [name for name, _ in fsdp_blocks(net)]
+    assert names == ["tower.0", "tower.2", "head.towers.0"]  # Identity has no parameters; nested lists stay inside
+    assert [name for name, _ in fsdp_blocks(net, skip={id(net.head)})] == ["tower.0", "tower.2"]
