@@ -20,10 +20,12 @@ from pathlib import Path
 import numpy as np
 
 
-def _timed(fn):
-    start = time.perf_counter()
+def _timed(fn) -> tuple[object, dict]:
+    """fn's result and its wall and CPU seconds (CPU: this process, all threads)."""
+    start, cpu = time.perf_counter(), time.process_time()
     result = fn()
-    return result, time.perf_counter() - start
+    return result, {"prepare_s": round(time.perf_counter() - start, 2),
+                    "prepare_cpu_s": round(time.process_time() - cpu, 2)}
 
 
 def loop_collate(ds, split: str, rows: np.ndarray, max_seq_len: int) -> dict[str, np.ndarray]:
@@ -111,14 +113,14 @@ def run(out: Path | None, synth_events: int, seq_lens: list[int], batch_size: in
               "machine": f"{platform.processor() or platform.machine()}, {_cpu_name()}", "datasets": {}}
     with tempfile.TemporaryDirectory(prefix="gemrec-bench-") as tmp:
         datasets = {}
-        path, seconds_ml = _timed(lambda: prepare_movielens(Path(tmp) / "ml", raw=raw, progress=False))
+        path, timing = _timed(lambda: prepare_movielens(Path(tmp) / "ml", raw=raw, progress=False))
         datasets["ml-latest-small"] = path
-        report["datasets"]["ml-latest-small"] = {"prepare_s": round(seconds_ml, 2)}
+        report["datasets"]["ml-latest-small"] = timing
         if synth_events:
-            path, seconds_synth = _timed(lambda: synthesize(Path(tmp) / "synth", SynthConfig(events=synth_events),
-                                                            progress=True))
+            path, timing = _timed(lambda: synthesize(Path(tmp) / "synth", SynthConfig(events=synth_events),
+                                                     progress=True))
             datasets[f"synth-{synth_events}"] = path
-            report["datasets"][f"synth-{synth_events}"] = {"prepare_s": round(seconds_synth, 2)}
+            report["datasets"][f"synth-{synth_events}"] = timing
         for name, path in datasets.items():
             ds = Dataset.open(path)
             entry = report["datasets"][name]
@@ -126,6 +128,7 @@ def run(out: Path | None, synth_events: int, seq_lens: list[int], batch_size: in
                          history_p99=ds.manifest["max_seq_len"]["p99"], history_max=ds.manifest["max_seq_len"]["max"])
             entry["collation"] = [collation(ds, "train", L, batch_size, seconds, peer=True) for L in seq_lens]
             print(json.dumps({name: entry}, indent=1), flush=True)
+    report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     if out is not None:
         Path(out).parent.mkdir(parents=True, exist_ok=True)
         Path(out).write_text(json.dumps(report, indent=2) + "\n")
@@ -145,13 +148,14 @@ def _cpu_name() -> str:
 
 
 def markdown(report: dict) -> list[str]:
-    lines = ["| dataset | events | prepare s | max_seq_len | collate ex/s/core | tokens/s/core | wall ex/s | "
+    lines = ["| dataset | events | prepare s (CPU s) | max_seq_len | collate ex/s/core | tokens/s/core | wall ex/s | "
              "python-loop peer ex/s/core | tokens/example |", "|---|---|---|---|---|---|---|---|---|"]
     for name, entry in report["datasets"].items():
         for c in entry["collation"]:
             peer = c.get("python_loop", {}).get("examples_per_s")
             peer = f"{peer:,}" if peer is not None else "-"
-            lines.append(f"| {name} | {entry['events']:,} | {entry['prepare_s']} | {c['max_seq_len']} | "
+            lines.append(f"| {name} | {entry['events']:,} | {entry['prepare_s']} ({entry['prepare_cpu_s']}) | "
+                         f"{c['max_seq_len']} | "
                          f"{c['collate']['examples_per_s']:,} | {c['collate']['tokens_per_s']:,} | "
                          f"{c['collate']['wall_examples_per_s']:,} | "
                          f"{peer} | {c['collate']['mean_tokens_per_example']} |")
