@@ -114,6 +114,7 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, attn_bias, pos_table,
                           time_table, q_timestamps, kv_timestamps)
+    ctx.set_materialize_grads(False)  # lse gets no gradient: skip allocating zeros for it
     ctx.params = (max_q_len, max_kv_len, mode, causal, scale, norm)
     ctx.bias_params = (pos_max_distance, time_log_base)
 
@@ -255,9 +256,10 @@ def _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation
             scale=scale, normalize=normalize, attn_bias=attn_bias, pos_table=rel.position, time_table=rel.time,
             q_timestamps=rel.q_timestamps, kv_timestamps=rel.kv_timestamps, pos_max_distance=rel.max_distance,
             time_log_base=rel.time_log_base)
+    q_offsets, kv_offsets = q_offsets.to(torch.int32), kv_offsets.to(torch.int32)  # once, reused by backward
     if q_offsets.numel() == 2 and kv_offsets.numel() > 2:
         num_seqs = kv_offsets.numel() - 1
-        out_offsets = torch.arange(num_seqs + 1, device=q.device, dtype=torch.int64) * q.shape[0]
+        out_offsets = torch.arange(0, (num_seqs + 1) * q.shape[0], q.shape[0], device=q.device, dtype=torch.int32)
     else:
         out_offsets = q_offsets
     contiguous = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, attn_bias)]

@@ -402,6 +402,21 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, 
              (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
+@triton.jit
+def _delta_kernel(Out, DO, DELTA, num_items, stride_ot, stride_oh, stride_dot, stride_doh, num_heads,
+                  HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """delta[row, h] = sum_d out * grad_out, in fp32 (softmax backward), over flattened (row, head) items."""
+    item = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    ok = item < num_items
+    row = (item // num_heads).to(tl.int64)
+    h = item % num_heads
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    o = tl.load(Out + row[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + row[:, None] * stride_dot + h[:, None] * stride_doh + offs_d[None, :], mask=mask, other=0.0)
+    tl.store(DELTA + item, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+
+
 def _configs(kind: str) -> list:
     """Candidate tiles per kernel; pruned by head dim in `_prune`."""
     out = []
@@ -548,10 +563,16 @@ def backward(p: Problem, grad_out, out, lse):
     dab = torch.zeros_like(p.attn_bias) if p.attn_bias is not None else None
     dpt = torch.zeros(p.pos_table.shape, dtype=torch.float32, device=q.device) if p.pos_table is not None else None
     dtt = torch.zeros(p.time_table.shape, dtype=torch.float32, device=q.device) if p.time_table is not None else None
+    delta = lse  # unused by pointwise modes
     if p.mode == 0:
-        delta = (out.float() * grad_out.float()).sum(-1)
-    else:
-        delta = lse
+        delta = torch.empty_like(lse)
+        num_items = p.total_out * p.heads
+        block_r = 16 if INTERPRET else 64
+        if num_items > 0:
+            _delta_kernel[(triton.cdiv(num_items, block_r),)](
+                out, grad_out, delta, num_items, out.stride(0), out.stride(1), grad_out.stride(0),
+                grad_out.stride(1), p.heads, HEAD_DIM=p.head_dim, BLOCK_R=block_r,
+                BLOCK_D=max(16, triton.next_power_of_2(p.head_dim)))
     if p.kv_shared:
         dkv_off = torch.arange(p.num_seqs + 1, device=q.device, dtype=torch.int32) * k.shape[0]
     else:
