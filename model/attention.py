@@ -3,15 +3,19 @@
 Layout (the same as `gemrec.kernels` and FlashAttention varlen): q `(total_q, heads, head_dim)`,
 k and v `(total_kv, heads, head_dim)`; sequence i owns query rows `q_offsets[i]:q_offsets[i+1]` and
 key/value rows `kv_offsets[i]:kv_offsets[i+1]`; `max_q_len`/`max_kv_len` are host ints. Empty and
-length-1 sequences are legal; a query whose sequence has no keys gets a zero output.
+length-1 sequences are legal; a query whose sequence has no keys gets a zero output. A 2-entry
+`q_offsets` with B > 1 shares one query sequence across all B key sequences (PMA seeds; the output has
+B * len_q rows); a 2-entry `kv_offsets` likewise shares one key/value sequence.
 
 Semantics, per sequence, with s_ij = scale * q_i . k_j and `scale` defaulting to head_dim ** -0.5:
 - kind="softmax": out_i = sum_j softmax_j(s_ij) v_j
 - kind="silu":    out_i = sum_j silu(s_ij) v_j / n_kv   (n_kv: that sequence's key count; pointwise, HSTU-style)
-- causal=True: query i sees keys j <= i (positions counted from each sequence's start).
+- causal=True: bottom-right aligned, query i of a length-Lq sequence sees keys j <= i + (Lkv - Lq)
+  (self-attention: j <= i).
 
-`attention` runs the pure-PyTorch reference `jagged_attention_reference` everywhere; this is where the
-Triton kernels of `gemrec.kernels` plug in for CUDA tensors.
+These match `gemrec.kernels.jagged_attention` (softmax) and `gemrec.kernels.gdpa(activation="silu",
+normalize="kv_len")`. `attention` runs the pure-PyTorch reference `jagged_attention_reference`
+everywhere; this is where those Triton kernels plug in for CUDA tensors.
 """
 
 from __future__ import annotations
@@ -61,11 +65,18 @@ def _check(q, k, v, q_offsets, kv_offsets, kind):
         raise ValueError(
             f"attention: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if q_offsets.shape != kv_offsets.shape or q_offsets.dim() != 1:
+    nq, nkv = q_offsets.numel(), kv_offsets.numel()
+    if q_offsets.dim() != 1 or kv_offsets.dim() != 1 or not (nq == nkv or nq == 2 or nkv == 2):
         raise ValueError(
-            f"attention: q_offsets and kv_offsets must both be (B+1,), got {tuple(q_offsets.shape)} and "
-            f"{tuple(kv_offsets.shape)}"
+            f"attention: q_offsets and kv_offsets must both be (B+1,) (or (2,) for a shared q or kv), got "
+            f"{tuple(q_offsets.shape)} and {tuple(kv_offsets.shape)}"
         )
+
+
+def _repeat(x: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence shared by all `batch` sequences of the other side, repeated: (rows, offsets)."""
+    repeated = x.unsqueeze(0).expand(batch, *x.shape).reshape(batch * x.shape[0], *x.shape[1:])
+    return repeated, torch.arange(batch + 1, device=x.device) * x.shape[0]
 
 
 def _length_groups(q_len: list[int], kv_len: list[int], heads: int, max_padding: float) -> list[list[int]]:
@@ -109,6 +120,10 @@ def jagged_attention_reference(
     _check(q, k, v, q_offsets, kv_offsets, kind)
     heads, head_dim = q.shape[1], q.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
+    if q_offsets.numel() == 2 and kv_offsets.numel() > 2:
+        q, q_offsets = _repeat(q, kv_offsets.numel() - 1)
+    elif kv_offsets.numel() == 2 and q_offsets.numel() > 2:
+        (k, kv_offsets), (v, _) = _repeat(k, q_offsets.numel() - 1), _repeat(v, q_offsets.numel() - 1)
     q_off = q_offsets.detach().to("cpu", torch.long)
     kv_off = kv_offsets.detach().to("cpu", torch.long)
     q_len = (q_off[1:] - q_off[:-1]).tolist()
@@ -140,7 +155,8 @@ def jagged_attention_reference(
         padded_rows += len(group) * lq
         allowed = kv_valid[:, None, None, :]
         if causal:
-            allowed = allowed & (kv_pos <= q_pos[:, None])[None, None]
+            shift = torch.tensor([kv_len[i] - q_len[i] for i in group])[:, None, None]
+            allowed = allowed & (kv_pos <= q_pos[:, None] + shift)[:, None]
         plans.append((len(group), lq, lkv, allowed.to(device), kv_lens.to(device)))
     result_shape = (q.shape[0], heads, v.shape[2])
     if not plans:
@@ -157,11 +173,10 @@ def jagged_attention_reference(
         vg = vg.view(b, lkv, heads, v.shape[2]).transpose(1, 2)
         scores = torch.matmul(qg, kg.transpose(-1, -2)) * scale  # (b, H, lq, lkv)
         if kind == "softmax":
-            probs = (
-                scores.to(torch.promote_types(scores.dtype, torch.float32))
-                .masked_fill(~allowed, float("-inf"))
-                .softmax(-1)
-                .to(v.dtype)
+            # A finite fill keeps rows without any visible key finite; the mask then zeroes them.
+            wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
+            probs = (wide.masked_fill(~allowed, torch.finfo(wide.dtype).min).softmax(-1) * allowed).to(
+                v.dtype
             )
         else:
             norm = (1.0 / kv_lens.to(scores.dtype))[:, None, None, None]

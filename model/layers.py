@@ -40,8 +40,9 @@ def attention_pairs(q: Jagged, kv: Jagged, causal: bool) -> int:
         return sum(lq * lk for lq, lk in zip(q.lengths, kv.lengths))
     total = 0
     for lq, lk in zip(q.lengths, kv.lengths):
-        inside = min(lq, lk)  # query i < lk sees i + 1 keys; later queries see all lk
-        total += inside * (inside + 1) // 2 + (lq - inside) * lk
+        # Bottom-right aligned: query i sees min(lk, max(0, i + lk - lq + 1)) keys.
+        hidden = max(0, lk - lq)
+        total += lk * (lk + 1) // 2 - hidden * (hidden + 1) // 2
     return total
 
 
@@ -143,6 +144,7 @@ class PMA(nn.Module):
         super().__init__()
         self.num_seeds = seeds
         self.seeds = nn.Parameter(torch.empty(seeds, dim))
+        self.register_buffer("seed_offsets", torch.tensor([0, seeds]), persistent=False)
         nn.init.trunc_normal_(self.seeds, std=init_std)
         self.norm_kv, self.norm_out = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = JaggedAttention(dim, heads, kind)
@@ -152,20 +154,10 @@ class PMA(nn.Module):
         k = self.num_seeds
         dim, heads = self.seeds.shape[1], self.attn.heads
         kv = self.norm_kv(seq)
-        # The K seed queries are projected once and shared by every sequence (expanded, not copied per B).
-        q = self.attn.wq(self.seeds).view(1, k, heads, -1).expand(batch, k, heads, dim // heads)
+        # The K seed queries are projected once and shared by every sequence (a 2-entry q_offsets).
+        q = self.attn.wq(self.seeds).view(k, heads, dim // heads)
         keys, values = self.attn.wkv(kv).view(kv.shape[0], 2, heads, dim // heads).unbind(1)
-        q_offsets = torch.arange(batch + 1, device=seq.device) * k
-        out = attention(
-            q.reshape(batch * k, heads, -1),
-            keys,
-            values,
-            q_offsets,
-            seq_offsets,
-            k,
-            max_len,
-            kind=self.attn.kind,
-        )
+        out = attention(q, keys, values, self.seed_offsets, seq_offsets, k, max_len, kind=self.attn.kind)
         x = self.seeds.unsqueeze(0) + self.attn.wo(out.reshape(batch, k, dim))
         return x + self.mlp(self.norm_out(x))
 

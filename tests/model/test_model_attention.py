@@ -19,9 +19,9 @@ def naive(q, k, v, q_offsets, kv_offsets, kind, causal, scale=None):
         s = qi @ ki.transpose(-1, -2) * scale
         mask = torch.ones(qe - qs, ke - ks, dtype=torch.bool)
         if causal:
-            mask = torch.tril(mask)
+            mask = torch.tril(mask, diagonal=(ke - ks) - (qe - qs))  # bottom-right aligned
         if kind == "softmax":
-            p = s.masked_fill(~mask, float("-inf")).softmax(-1)
+            p = s.masked_fill(~mask, float("-inf")).softmax(-1).nan_to_num(0.0)
         else:
             p = F.silu(s).masked_fill(~mask, 0.0) / (ke - ks)
         out[qs:qe] = (p @ vi).transpose(0, 1)
@@ -115,3 +115,24 @@ def test_reference_never_materialises_whole_batch(monkeypatch):
     attention(q, k, v, qo, ko, 256, 256)
     assert max(sizes) <= 256 * 256 * 1 and sum(sizes) < 64 * 256 * 256 / 10
     assert math.isfinite(float(sum(sizes)))
+
+
+@pytest.mark.parametrize("kind", ["softmax", "silu"])
+def test_shared_query_or_key_sequence(kind):
+    kv_lengths = [6, 0, 1, 9]
+    q, k, v, _, ko = make([3], kv_lengths, seed=2)
+    shared = attention(q, k, v, torch.tensor([0, 3]), ko, 3, 9, kind=kind)
+    q_rep = q.detach().repeat(4, 1, 1)
+    torch.testing.assert_close(shared, naive(q_rep, k, v, [0, 3, 6, 9, 12], ko.tolist(), kind, False))
+    q, k, v, qo, _ = make([2, 5, 0], [4], seed=3)
+    shared = attention(q, k, v, qo, torch.tensor([0, 4]), 5, 4, kind=kind, causal=True)
+    k_rep, v_rep = k.detach().repeat(3, 1, 1), v.detach().repeat(3, 1, 1)
+    torch.testing.assert_close(shared, naive(q, k_rep, v_rep, qo.tolist(), [0, 4, 8, 12], kind, True))
+
+
+def test_causal_is_bottom_right_aligned():
+    # 2 queries over 5 keys: query 0 sees keys 0..3, query 1 all 5; 4 queries over 2 keys: the first two see none.
+    q, k, v, qo, ko = make([2, 4], [5, 2], seed=4)
+    out = attention(q, k, v, qo, ko, 4, 5, causal=True)
+    torch.testing.assert_close(out, naive(q, k, v, qo.tolist(), ko.tolist(), "softmax", True))
+    assert torch.all(out[2:4] == 0) and torch.all(out[4:6] != 0)

@@ -71,7 +71,8 @@ def test_flops_follow_the_real_lengths():
 def test_causal_pairs():
     assert attention_pairs(Jagged([4]), Jagged([4]), causal=True) == 10
     assert attention_pairs(Jagged([4, 0, 1]), Jagged([4, 0, 1]), causal=False) == 17
-    assert attention_pairs(Jagged([3]), Jagged([2]), causal=True) == 1 + 2 + 2
+    assert attention_pairs(Jagged([3]), Jagged([2]), causal=True) == 0 + 1 + 2  # bottom-right aligned
+    assert attention_pairs(Jagged([2]), Jagged([5]), causal=True) == 4 + 5
 
 
 def test_single_layers_forward_and_backward(monkeypatch):
