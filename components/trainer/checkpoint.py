@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -75,7 +76,9 @@ class CheckpointManager:
                 shutil.rmtree(tmp)
         self.barrier()
         start = time.perf_counter()
-        dcp.save(state, checkpoint_id=str(tmp))
+        with warnings.catch_warnings():  # alone, DCP warns that it saves "in a single process": intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=str(tmp))
         self.barrier()
         if self.rank == 0:
             _write_atomic(tmp / "meta.json", json.dumps({"step": step, "time": time.time(), **(meta or {})}))
@@ -99,5 +102,7 @@ class CheckpointManager:
         path = path or self.latest()
         if path is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.dir}")
-        dcp.load(state, checkpoint_id=str(path))
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path))
         return json.loads((path / "meta.json").read_text())

@@ -66,6 +66,21 @@ class CheckpointConfig:
 
 
 @dataclass
+class BenchConfig:
+    """Synthetic production-shaped batches for `gpu_bench` (the GPU machine has no dataset)."""
+
+    steps: int = 30  # timed steps
+    warmup_steps: int = 10
+    distinct_batches: int = 4  # generated up front and rotated
+    profile_steps: int = 3
+    mean_seq_len: float = 256.0  # lognormal history lengths, capped at data.max_seq_len
+    length_sigma: float = 1.0
+    num_users: int = 1_000_000
+    num_items: int = 1_000_000
+    num_dense: int = 16
+
+
+@dataclass
 class TrainConfig:
     recipe: str = "custom"
     model: dict[str, Any] = field(default_factory=lambda: {"arch": "gem"})  # -> gemrec.model.ModelConfig
@@ -74,6 +89,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
 
     @property
     def arch(self) -> str:
@@ -94,7 +110,8 @@ class TrainConfig:
         return out
 
 
-SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": LoopConfig, "checkpoint": CheckpointConfig}
+SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": LoopConfig, "checkpoint": CheckpointConfig,
+            "bench": BenchConfig}
 
 
 def available_recipes() -> list[str]:

@@ -29,14 +29,16 @@ def sparse_optimizer_class() -> tuple[type[torch.optim.Optimizer], str]:
     return RowWiseAdagrad, "torchrec.optim.RowWiseAdagrad"
 
 
+TABLE_MODULES = ("EmbeddingBagCollection", "EmbeddingCollection", "TorchTables")
+
+
 def embedding_parameter_names(model: nn.Module) -> list[str]:
-    """Names of the embedding-table weights: every parameter of an Embedding/EmbeddingBag/torchrec table."""
+    """Names of the embedding-table weights: every parameter of an Embedding/EmbeddingBag, a torchrec table
+    collection or the model's fused torch tables (`gemrec.model.embeddings.TorchTables`)."""
     names = []
     table_types: tuple[type, ...] = (nn.Embedding, nn.EmbeddingBag)
     for module_name, module in model.named_modules():
-        if isinstance(module, table_types) or type(module).__name__ in (
-            "EmbeddingBagCollection", "EmbeddingCollection"
-        ):
+        if isinstance(module, table_types) or type(module).__name__ in TABLE_MODULES:
             for param_name, _ in module.named_parameters(recurse=True):
                 names.append(f"{module_name}.{param_name}" if module_name else param_name)
     return sorted(set(names))

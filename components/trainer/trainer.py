@@ -441,6 +441,8 @@ class Trainer:
             "auc": {n: v["auc"] for n, v in final_eval["tasks"].items()},
             "calibration": {n: v["calibration"] for n, v in final_eval["tasks"].items()},
             "base_rate": {n: v["base_rate"] for n, v in final_eval["tasks"].items()},
+            # NE of always predicting the training split's positive rate (the "base rate" arm).
+            "ne_train_base_rate": {n: v.get("ne_train_base_rate_predictor") for n, v in final_eval["tasks"].items()},
             "eval_examples": final_eval["examples"],
             "qps": qps,
             "tokens_per_s": totals["tokens"] / seconds if seconds else float("nan"),

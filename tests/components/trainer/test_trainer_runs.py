@@ -1,0 +1,157 @@
+"""Real training runs of the `tiny` recipe on prepared MovieLens: MLflow, metrics JSON, SIGKILL + resume,
+the NaN guard, torchrun with two ranks, CLI errors."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from gemrec.cli import main as gemrec_main
+from gemrec.components.trainer.checkpoint import CheckpointManager
+from gemrec.components.trainer.config import load_recipe
+from gemrec.components.trainer.run import run_training
+
+REPO = Path(__file__).resolve().parents[3]
+STEPS = 40  # tiny recipe, checkpoint every 5 steps
+
+
+def _env(tracking_uri: str) -> dict:
+    env = {**os.environ, "MLFLOW_TRACKING_URI": tracking_uri, "PYTHONUNBUFFERED": "1"}
+    env.pop("WORLD_SIZE", None)
+    return env
+
+
+def _train_cmd(dataset: Path, run_dir: Path, metrics: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "gemrec.cli", "train", "--dataset", str(dataset), "--recipe", "tiny",
+            "--run-dir", str(run_dir), "--metrics-out", str(metrics), "--no-progress", "--no-log-model",
+            "--set", f"train.steps={STEPS}", *extra]
+
+
+@pytest.fixture(scope="module")
+def tracking_uri(tmp_path_factory) -> str:
+    return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlruns.db'}"
+
+
+def test_train_logs_everything_to_mlflow_and_metrics_json(movielens_dataset, tmp_path):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    metrics_out = tmp_path / "metrics.json"
+    config = load_recipe("tiny")
+    summary = run_training(config, dataset=movielens_dataset, data_addr=None, run_dir=tmp_path / "run",
+                           tracking_uri=uri, experiment="trainer-test", metrics_out=metrics_out, resume=False,
+                           progress=False)
+    written = json.loads(metrics_out.read_text())
+    assert written["tasks"] == ["like", "love"]
+    for task in written["tasks"]:
+        assert 0.3 < written["ne"][task] < 1.5 and 0.0 <= written["auc"][task] <= 1.0
+    assert written["qps"] > 0 and written["tokens_per_s"] > 0
+    assert 0 < written["mfu"]["e2e"] < 1 and 0 < written["mfu"]["local"] < 1
+    assert written["mfu"]["scaling_ratio"] == pytest.approx(written["mfu"]["e2e"] / written["mfu"]["local"])
+    assert set(written["mfu"]["layers"]) >= {"seq_tower.0", "pma", "interaction.0", "heads"}
+    assert written["steps"] == config.train.steps == summary["steps"]
+
+    client = mlflow.MlflowClient(uri)
+    run = client.get_run(written["mlflow"]["run_id"])
+    assert run.info.status == "FINISHED"
+    assert run.data.params["optim.dense_lr"] == str(config.optim.dense_lr)
+    assert run.data.params["model.arch"] == "gem" and run.data.params["train.steps"] == str(config.train.steps)
+    assert run.data.tags["dataset_checksum"] == written["dataset"]["checksum"]
+    assert re.fullmatch(r"[0-9a-f]{40}|unknown", run.data.tags["git_commit"]) and run.data.tags["device"]
+    for key in ("train/loss", "train/ne_like", "train/qps", "train/mfu", "eval/ne_like", "eval/auc_love",
+                "eval/calibration_like", "final/mfu_local", "final/scaling_ratio"):
+        assert key in run.data.metrics, key
+    history = client.get_metric_history(run.info.run_id, "train/loss")
+    assert [m.step for m in history] == list(range(5, config.train.steps + 1, 5))
+    artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
+    assert artifacts == {"plots/loss_ne_curves.png", "plots/layer_mfu.png", "plots/seq_length_hist.png"}
+    assert client.list_artifacts(run.info.run_id, "config")[0].path == "config/config.json"
+    model_dir = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="model",
+                                                    tracking_uri=uri, dst_path=str(tmp_path / "model"))
+    assert (Path(model_dir) / "MLmodel").exists()
+
+
+def test_sigkill_then_resume_matches_uninterrupted_run(movielens_dataset, tmp_path, tracking_uri):
+    env = _env(tracking_uri)
+    full = subprocess.run(_train_cmd(movielens_dataset, tmp_path / "full", tmp_path / "full.json"), env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen(_train_cmd(movielens_dataset, run_dir, tmp_path / "killed.json"), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    manager = CheckpointManager(run_dir / "checkpoints", keep=2)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        latest = manager.latest()
+        if latest is not None and latest.name >= "step_00000010":
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    killed_at = manager.latest()
+    assert killed_at is not None and killed_at.name < f"step_{STEPS:08d}", "the run finished before the kill"
+    assert not (tmp_path / "killed.json").exists()
+
+    resumed = subprocess.run(_train_cmd(movielens_dataset, run_dir, tmp_path / "killed.json", "--resume"), env=env,
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {killed_at}" in resumed.stderr
+    a = json.loads((tmp_path / "full.json").read_text())
+    b = json.loads((tmp_path / "killed.json").read_text())
+    assert b["steps"] == a["steps"] == STEPS
+    assert b["ne"] == a["ne"] and b["auc"] == a["auc"]  # bit-identical in deterministic mode
+
+    # The NaN guard: continue the finished run with an absurd learning rate. Training must stop naming the
+    # first bad step, and the last good checkpoint must stay complete and untouched.
+    full_dir = tmp_path / "full" / "checkpoints"
+    good = CheckpointManager(full_dir, keep=2).latest()
+    assert good.name == f"step_{STEPS:08d}"
+    before = {p.name: p.read_bytes() for p in good.iterdir()}
+    nan = subprocess.run(_train_cmd(movielens_dataset, tmp_path / "full", tmp_path / "nan.json", "--resume",
+                                    "--set", f"train.steps={STEPS + 20}", "--set", "optim.dense_lr=1e30"),
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert nan.returncode == 2, nan.stderr[-3000:]
+    match = re.search(r"loss is (nan|inf|-inf) at step (\d+)", nan.stderr)
+    assert match, nan.stderr[-3000:]
+    assert STEPS < int(match.group(2)) <= STEPS + 5
+    assert f"last good checkpoint is {good}" in nan.stderr
+    assert CheckpointManager(full_dir, keep=2).latest() == good
+    assert {p.name: p.read_bytes() for p in good.iterdir()} == before
+    assert not (tmp_path / "nan.json").exists()
+
+
+def test_torchrun_two_ranks_logs_once(movielens_dataset, tmp_path):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "gemrec.cli",
+           "train", "--dataset", str(movielens_dataset), "--recipe", "tiny", "--run-dir", str(tmp_path / "run"),
+           "--metrics-out", str(tmp_path / "metrics.json"), "--no-progress", "--no-log-model",
+           "--experiment", "ddp", "--set", "train.steps=6"]
+    env = _env(uri)
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["world_size"] == 2 and metrics["steps"] == 6
+    runs = mlflow.MlflowClient(uri).search_runs([mlflow.MlflowClient(uri).get_experiment_by_name("ddp").experiment_id])
+    assert len(runs) == 1 and runs[0].data.params["world_size"] == "2"
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_00000005",
+                                                                                        "step_00000006"]
+    assert done.stderr.count("training tiny (gem") == 1  # rank 0 speaks for the run
+
+
+def test_cli_errors_name_the_problem(tmp_path, capsys, movielens_dataset):
+    assert gemrec_main(["train", "--dataset", str(tmp_path / "missing"), "--recipe", "tiny"]) == 2
+    assert "missing: no such directory" in capsys.readouterr().err
+    assert gemrec_main(["train", "--dataset", str(movielens_dataset), "--recipe", "nope"]) == 2
+    assert "unknown recipe 'nope'" in capsys.readouterr().err
+    assert gemrec_main(["train", "--dataset", str(movielens_dataset), "--recipe", "tiny", "--set", "data.batch_size=0"]) == 2
+    assert "data.batch_size must be > 0" in capsys.readouterr().err
+    assert gemrec_main(["train", "--dataset", str(tmp_path), "--recipe", "tiny"]) == 2
+    assert "not a complete dataset" in capsys.readouterr().err

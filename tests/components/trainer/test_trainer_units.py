@@ -1,0 +1,122 @@
+"""Trainer pieces without a training run: metrics, recipes, LR schedule, checkpoints, data order."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from gemrec.components.trainer import metrics as qm
+from gemrec.components.trainer.checkpoint import CheckpointManager
+from gemrec.components.trainer.config import RecipeError, available_recipes, load_recipe
+from gemrec.components.trainer.data import eval_row_chunks
+from gemrec.components.trainer.mfu import measure_local_mfu
+from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+
+
+def test_ne_matches_hand_computation():
+    labels = np.array([1, 0, 0, 1])
+    preds = np.array([0.8, 0.3, 0.1, 0.6])
+    log_loss = -(math.log(0.8) + math.log(0.7) + math.log(0.9) + math.log(0.6)) / 4
+    entropy = -(0.5 * math.log(0.5) + 0.5 * math.log(0.5))
+    assert qm.normalized_entropy(labels, preds) == pytest.approx(log_loss / entropy, rel=1e-12)
+    # Predicting the base rate itself scores exactly 1.
+    assert qm.normalized_entropy(labels, np.full(4, 0.5)) == pytest.approx(1.0, rel=1e-12)
+    # An explicit base rate (e.g. from the training labels) changes only the denominator.
+    rate = 0.25
+    h = -(rate * math.log(rate) + (1 - rate) * math.log(1 - rate))
+    assert qm.normalized_entropy(labels, preds, base_rate=rate) == pytest.approx(log_loss / h, rel=1e-12)
+    assert math.isnan(qm.normalized_entropy(np.ones(3), np.full(3, 0.9)))
+
+
+def test_auc_matches_hand_computation_with_ties():
+    # Positives 0.35, 0.8; negatives 0.1, 0.4: pairs (pos > neg) = 0.8>0.1, 0.8>0.4, 0.35>0.1 -> 3 of 4.
+    assert qm.roc_auc(np.array([0, 0, 1, 1]), np.array([0.1, 0.4, 0.35, 0.8])) == pytest.approx(0.75)
+    # A tie between a positive and a negative counts one half: pairs 1 + 0.5 + 1 + 1 = 3.5 of 4.
+    assert qm.roc_auc(np.array([1, 0, 1, 0]), np.array([0.5, 0.5, 0.9, 0.2])) == pytest.approx(0.875)
+    assert qm.roc_auc(np.array([1, 1, 0]), np.array([0.9, 0.8, 0.1])) == 1.0
+    assert math.isnan(qm.roc_auc(np.zeros(4), np.arange(4.0)))
+
+
+def test_calibration_and_task_metrics():
+    labels = np.array([[1, 0], [0, 0], [1, 1], [0, 0]], dtype=np.float32)
+    logits = np.zeros((4, 2))  # every prediction 0.5
+    out = qm.task_metrics(labels, logits, ["like", "love"])
+    assert out["like"]["calibration"] == pytest.approx(1.0)  # 0.5 / 0.5
+    assert out["love"]["calibration"] == pytest.approx(2.0)  # 0.5 / 0.25
+    assert out["like"]["ne"] == pytest.approx(1.0)
+    assert out["love"]["base_rate"] == 0.25 and out["love"]["count"] == 4
+
+
+def test_recipes_load_and_overrides_are_checked():
+    assert {"tiny", "movielens", "synth", "h200-bench"} <= set(available_recipes())
+    config = load_recipe("tiny", ["train.steps=7", "optim.dense_lr=0.5", "model.d_model=16"], arch="dlrm")
+    assert (config.train.steps, config.optim.dense_lr, config.arch, config.model["d_model"]) == (7, 0.5, "dlrm", 16)
+    with pytest.raises(RecipeError, match="unknown recipe 'nope'"):
+        load_recipe("nope")
+    with pytest.raises(RecipeError, match="train.stepz"):
+        load_recipe("tiny", ["train.stepz=3"])
+    with pytest.raises(RecipeError, match="train.steps must be an integer"):
+        load_recipe("tiny", ["train.steps=many"])
+    with pytest.raises(RecipeError, match="section.key"):
+        load_recipe("tiny", ["steps=3"])
+
+
+def _toy_model():
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"table": torch.nn.Embedding(10, 4), "dense": torch.nn.Linear(4, 1)})
+
+
+def test_lr_schedule_and_fused_sparse_optimizer():
+    config = load_recipe("tiny", ["optim.warmup_steps=4", "optim.min_lr_ratio=0.1", "optim.decay=\"cosine\""]).optim
+    model = _toy_model()
+    apply_sparse_optimizer(model, config)
+    opts = Optimizers(model, config, total_steps=20)
+    assert set(opts.sparse_params) == {"table.weight"}
+    assert [round(opts.lr_factor(s), 6) for s in (0, 3, 4)] == [0.25, 1.0, 1.0]
+    assert opts.lr_factor(20) == pytest.approx(0.1)
+    before = model["table"].weight.detach().clone()
+    out = model["dense"](model["table"](torch.tensor([1, 2]))).sum()
+    out.backward()
+    # The table was updated in backward (rows 1 and 2 only) and its gradient freed.
+    assert model["table"].weight.grad is None
+    changed = (model["table"].weight.detach() != before).any(1)
+    assert changed.tolist() == [i in (1, 2) for i in range(10)]
+    opts.clip_and_step()
+    assert opts.scheduler.last_epoch == 1
+
+
+def test_checkpoint_is_atomic_and_restores_state(tmp_path):
+    manager = CheckpointManager(tmp_path / "ckpt", keep=2)
+    state = {"w": torch.arange(4.0), "cursor": {"position": 3}}
+    manager.save(5, state)
+    manager.save(10, {"w": torch.arange(4.0) * 2, "cursor": {"position": 7}})
+    # A crash mid-save leaves a partial temporary folder: `latest` still names the last complete one.
+    (tmp_path / "ckpt" / ".step_00000015.tmp").mkdir()
+    assert manager.latest().name == "step_00000010"
+    template = {"w": torch.zeros(4), "cursor": {"position": 0}}
+    meta = manager.load(template)
+    assert meta["step"] == 10 and template["cursor"]["position"] == 7 and torch.equal(template["w"], torch.arange(4.0) * 2)
+    manager.save(15, state)
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000010", "step_00000015"]
+
+
+def test_eval_chunks_cover_rows_once_with_equal_batch_counts():
+    chunks = [eval_row_chunks(103, 0, 10, rank, 3) for rank in range(3)]
+    assert len({len(c) for c in chunks}) == 1
+    rows = np.concatenate([np.concatenate(c) for c in chunks])
+    assert sorted(rows.tolist()) == list(range(103))
+    subset = np.concatenate(eval_row_chunks(1000, 100, 32, 0, 1))
+    assert len(subset) == 100 and len(set(subset.tolist())) == 100
+
+
+def test_local_mfu_measures_each_layer_without_touching_the_model():
+    model = _toy_model()
+    apply_sparse_optimizer(model, load_recipe("tiny").optim)
+    ids = torch.tensor([1, 2, 3])
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flops = {"dense": (2 * 3 * 4, 4 * 3 * 4), "table": (0, 0)}
+    local, rows = measure_local_mfu(model, flops, lambda: model["dense"](model["table"](ids)), 1e9,
+                                    torch.device("cpu"), repeats=2)
+    assert [r.name for r in rows] == ["dense"] and rows[0].seconds > 0
+    assert local == pytest.approx(rows[0].mfu)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
