@@ -135,8 +135,8 @@ def bench_balance(dataset, world_size: int, batch_size: int, max_seq_len: int, s
     key = core.plan(StreamRequest("train", 0, world_size, batch_size, max_seq_len, 0, 0, True)).key
     parts = [core.step_rows(key, s)[1] for s in range(steps)]
     return {"world_size": world_size, "batch_size": batch_size, "max_seq_len": max_seq_len, "steps": steps,
-            "balanced_cost_max_over_mean": round(float(np.mean([p.cost_imbalance for p in parts])), 4),
-            "contiguous_cost_max_over_mean": round(float(np.mean([p.naive_cost_imbalance for p in parts])), 4)}
+            "balanced_cost_max_over_mean": round(float(np.mean([p.cost_imbalance for p in parts])), 6),
+            "contiguous_cost_max_over_mean": round(float(np.mean([p.naive_cost_imbalance for p in parts])), 6)}
 
 
 def _datasets(args, out: Path) -> tuple[Path, Path]:
