@@ -69,15 +69,18 @@ def gemrec_command(*args: str) -> list[str]:
 class Process:
     """A child process in its own session with its output in a log file."""
 
-    def __init__(self, name: str, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
+    def __init__(self, name: str, command: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None,
                  echo: bool = False):
+        """`log_path` None: the child writes to our stdout and stderr directly."""
         self.name, self.command, self.log_path = name, list(command), log_path
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")  # closed in stop()
+        self._log = None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log = open(log_path, "ab")  # closed in stop()
         self.popen = subprocess.Popen(
             self.command,
             stdout=subprocess.PIPE if echo else self._log,
-            stderr=subprocess.STDOUT,
+            stderr=subprocess.STDOUT if self._log or echo else None,
             stdin=subprocess.DEVNULL,
             env={**os.environ, **(env or {})},
             start_new_session=True,
@@ -96,7 +99,8 @@ class Process:
         for line in iter(self.popen.stdout.readline, b""):
             sys.stdout.buffer.write(line)
             sys.stdout.flush()
-            self._log.write(line)
+            if self._log:
+                self._log.write(line)
         return self.popen.wait()
 
     def stop(self, grace_s: float = 10.0) -> None:
@@ -112,7 +116,8 @@ class Process:
         self._signal(signal.SIGKILL)
         if self.popen.stdout is not None:
             self.popen.stdout.close()
-        self._log.close()
+        if self._log:
+            self._log.close()
 
     def _signal(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -157,7 +162,7 @@ class ProcessGroup(contextlib.AbstractContextManager):
         self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         return self
 
-    def start(self, name: str, command: Sequence[str], log_path: Path, env: dict[str, str] | None = None,
+    def start(self, name: str, command: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None,
               echo: bool = False) -> Process:
         process = Process(name, command, log_path, env=env, echo=echo)
         self.processes.append(process)

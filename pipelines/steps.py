@@ -213,9 +213,7 @@ def train_local(dataset: str, recipe: str, nproc: int, tracking_uri: str, experi
         for process in group.processes[:2]:
             if not process.alive():
                 raise StepError(f"the {process.name} died during training (log: {process.log_path})")
-    result = read_trainer_metrics(metrics_out)
-    result.setdefault("run_id", tracking.find_training_run(tracking_uri, experiment, started_ms))
-    return result
+    return with_run_id(read_trainer_metrics(metrics_out), tracking_uri, experiment, started_ms)
 
 
 ERROR_LINE = re.compile(r"^\s*(gemrec \w+: error: .*|([\w.]+\.)?\w*(Error|Exception): .*)$")
@@ -230,6 +228,13 @@ def last_error(log_path: Path) -> str:
     errors = [line.strip() for line in lines if ERROR_LINE.match(line) and "ChildFailedError" not in line]
     cli_errors = [line for line in errors if line.startswith("gemrec ")]
     return (cli_errors or errors or ["see the log"])[-1]
+
+
+def with_run_id(result: dict[str, Any], tracking_uri: str, experiment: str, started_ms: int) -> dict[str, Any]:
+    """The trainer's metrics with `run_id`: the one it reports, else its newest run in the experiment."""
+    run_id = (result.get("mlflow") or {}).get("run_id")
+    result["run_id"] = run_id or tracking.find_training_run(tracking_uri, experiment, started_ms)
+    return result
 
 
 def read_trainer_metrics(path: str) -> dict[str, Any]:
@@ -255,9 +260,16 @@ def headline(metrics: dict[str, Any], labels: list[str]) -> dict[str, float]:
                 out[key] = float(value[first])
         elif value is not None:
             out[key] = float(value)
-    for key in ("qps", "mfu", "local_mfu", "scaling_ratio", "tokens_per_s"):
+    for key in ("qps", "tokens_per_s"):
         if isinstance(metrics.get(key), (int, float)):
             out[key] = float(metrics[key])
+    mfu = metrics.get("mfu")
+    if isinstance(mfu, dict):  # {"e2e", "local", "scaling_ratio", ...}: MFU means end-to-end MFU
+        for key, name in (("e2e", "mfu"), ("local", "local_mfu"), ("scaling_ratio", "scaling_ratio")):
+            if isinstance(mfu.get(key), (int, float)):
+                out[name] = float(mfu[key])
+    elif isinstance(mfu, (int, float)):
+        out["mfu"] = float(mfu)
     return {k: v for k, v in out.items() if math.isfinite(v)}
 
 
@@ -277,9 +289,7 @@ def train_in_pod(recipe: str, nproc: int, tracking_uri: str, experiment: str, da
         code = group.start("trainer", torchrun, Path(metrics_out).parent / "trainer.log", echo=True).stream()
     if code != 0:
         raise StepError(f"the trainer exited with code {code}: {last_error(Path(metrics_out).parent / 'trainer.log')}")
-    result = read_trainer_metrics(metrics_out)
-    result.setdefault("run_id", tracking.find_training_run(tracking_uri, experiment, started_ms))
-    return result
+    return with_run_id(read_trainer_metrics(metrics_out), tracking_uri, experiment, started_ms)
 
 
 def train_trainjob(recipe: str, nproc: int, tracking_uri: str, experiment: str, data_addr: str,
@@ -325,11 +335,13 @@ def train(mode: str, dataset: str, recipe: str, nproc: int, tracking_uri: str, e
         raise StepError(f"unknown train mode {mode!r}: use local, pod or trainjob")
     numbers = headline(result, labels)
     require_ne(numbers)
+    if isinstance(result.get("mfu"), dict) and "device" in result["mfu"]:
+        result.setdefault("device", result["mfu"]["device"])
     commit = tracking.git_commit()
     tracking.label_run(tracking_uri, result["run_id"], tracking.run_name(recipe, commit), {
         "git_commit": commit, "dataset_checksum": dataset_checksum, "device": result.get("device", ""),
         "pipeline": "gemrec-train", "pipeline_run": pipeline_run, "recipe": recipe, "train_mode": mode,
-    })
+    }, numbers, tracking.describe(recipe, commit, dataset_checksum, numbers))
     return {"run_id": result["run_id"], "numbers": numbers, "trainer": result, "git_commit": commit,
             "dataset_checksum": dataset_checksum}
 

@@ -76,14 +76,32 @@ def find_training_run(tracking_uri: str, experiment: str, started_after_ms: int)
     return runs[0].info.run_id
 
 
-def label_run(tracking_uri: str, run_id: str, name: str, tags: dict[str, str]) -> None:
-    """Name the run and add the tags the trainer did not set (never overwrite the trainer's values)."""
+HEADLINE = ("ne", "auc", "qps", "mfu")
+
+
+def label_run(tracking_uri: str, run_id: str, name: str, tags: dict[str, str], numbers: dict[str, float],
+              description: str) -> None:
+    """Name the run, describe it, add the tags and headline metrics the trainer did not set (never
+    overwriting the trainer's values) and show its experiment in MLflow's model-training view."""
     mlflow_client = client(tracking_uri)
-    existing = mlflow_client.get_run(run_id).data.tags
+    run = mlflow_client.get_run(run_id)
     mlflow_client.update_run(run_id, name=name)
     for key, value in tags.items():
-        if value and (key not in existing or existing[key] in ("", "unknown")):
+        if value and (key not in run.data.tags or run.data.tags[key] in ("", "unknown")):
             mlflow_client.set_tag(run_id, key, value)
+    mlflow_client.set_tag(run_id, "mlflow.note.content", description)
+    for key in HEADLINE:
+        if key in numbers and key not in run.data.metrics:
+            mlflow_client.log_metric(run_id, key, numbers[key])
+    mlflow_client.set_experiment_tag(run.info.experiment_id, "mlflow.experimentKind", "custom_model_development")
+
+
+def describe(recipe: str, commit: str, dataset_checksum: str, numbers: dict[str, float]) -> str:
+    """The run's description (markdown) in the MLflow UI."""
+    rows = "\n".join(f"| {key.upper()} | {numbers[key]:.4g} |" for key in HEADLINE if key in numbers)
+    return (f"**gemrec-train** pipeline run, recipe `{recipe}`, commit `{commit[:12]}`, dataset `{dataset_checksum[:19]}`."
+            f"\n\n| metric | value |\n|---|---|\n{rows}\n\nNE is eval normalized entropy (lower is better), "
+            "QPS training examples per second, MFU model FLOP utilization.")
 
 
 @dataclass
@@ -170,14 +188,16 @@ def register(tracking_uri: str, run_id: str, name: str, metrics: dict[str, float
 
 
 def metrics_from_run(logged: dict[str, float]) -> dict:
-    """The trainer's metrics-out shape (`ne`/`auc` per label, `qps`, `mfu`) rebuilt from a run's metrics."""
+    """The trainer's metrics-out shape (`ne`/`auc` per label, `qps`, `mfu`) rebuilt from its `final/*` metrics."""
     import re
 
     out: dict = {}
     for key, value in logged.items():
-        match = re.fullmatch(r"(?:eval[/_.])?(ne|auc)[/_.](\w+)", key)
+        match = re.fullmatch(r"final/(ne|auc)_(\w+)", key)
         if match:
             out.setdefault(match.group(1), {})[match.group(2)] = value
-        elif key in ("qps", "mfu", "local_mfu", "scaling_ratio"):
-            out[key] = value
+        elif key in ("final/qps", "final/tokens_per_s"):
+            out[key.split("/")[1]] = value
+        elif key in ("final/mfu_e2e", "final/mfu_local", "final/scaling_ratio"):
+            out.setdefault("mfu", {})[key.split("/")[1].removeprefix("mfu_")] = value
     return out

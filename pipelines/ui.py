@@ -1,11 +1,10 @@
 """`gemrec ui`: the MLflow web UI over the project's store, on 127.0.0.1."""
 
-import subprocess
 import sys
 from pathlib import Path
 
 from . import tracking
-from .services import LOCALHOST, claim_port
+from .services import LOCALHOST, ProcessGroup, claim_port
 
 
 def server_command(tracking_uri: str, port: int) -> list[str]:
@@ -25,7 +24,7 @@ def check_store(tracking_uri: str) -> None:
 
 
 def serve(tracking_uri: str | None, port: int) -> int:
-    """Run the MLflow server in the foreground until Ctrl-C; return its exit code."""
+    """Run the MLflow server in the foreground until Ctrl-C or SIGTERM; return its exit code."""
     tracking_uri = tracking.resolve_tracking_uri(tracking_uri)
     check_store(tracking_uri)
     claim_port(port, "MLflow UI")
@@ -33,13 +32,9 @@ def serve(tracking_uri: str | None, port: int) -> int:
     if artifacts is not None:
         Path(artifacts).mkdir(parents=True, exist_ok=True)
     print(f"MLflow UI at http://{LOCALHOST}:{port} over {tracking_uri} (Ctrl-C stops it)", flush=True)
-    process = subprocess.Popen(server_command(tracking_uri, port))
-    try:
-        return process.wait()
-    except KeyboardInterrupt:
-        process.terminate()
+    with ProcessGroup(grace_s=15) as group:
+        server = group.start("MLflow UI", server_command(tracking_uri, port), log_path=None)
         try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        return 0
+            return server.popen.wait()
+        except KeyboardInterrupt:
+            return 0

@@ -63,3 +63,73 @@ def recording_endpoint():
     endpoint = RecordingEndpoint()
     yield endpoint
     endpoint.close()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def gemrec_cli() -> str:
+    """The environment's `gemrec` console script."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "gemrec"
+    return str(script) if script.is_file() else shutil.which("gemrec")
+
+
+def live_processes_mentioning(text: str) -> list[str]:
+    """Command lines of live (non-zombie) processes that mention `text`: orphan detection."""
+    from pathlib import Path
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        if text in cmdline and state != "Z":
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(tmp_path_factory, movielens_raw):
+    """The whole local pipeline, once per session, on the `tiny` recipe (the real CLI in a subprocess)."""
+    import subprocess
+    import time
+
+    work = tmp_path_factory.mktemp("pipeline")
+    store = f"sqlite:///{work}/mlruns.db"
+    ui_port = _free_port()
+    started = time.monotonic()
+    result = subprocess.run(
+        [gemrec_cli(), "pipeline", "run", "--recipe", "tiny", "--data", str(movielens_raw), "--runs",
+         str(work / "runs"), "--tracking-uri", store, "--ui-port", str(ui_port)],
+        cwd=work, capture_output=True, text=True, timeout=600,
+    )
+    seconds = time.monotonic() - started
+    run_dirs = sorted((work / "runs").glob("*-tiny"))
+    summary_path = run_dirs[-1] / "summary.json" if run_dirs else None
+    summary = json.loads(summary_path.read_text()) if summary_path and summary_path.is_file() else None
+    return {"result": result, "work": work, "store": store, "ui_port": ui_port, "seconds": seconds,
+            "run_dir": run_dirs[-1] if run_dirs else None, "summary": summary}
+
+
+@pytest.fixture(scope="session")
+def gemrec_script() -> str:
+    return gemrec_cli()
+
+
+@pytest.fixture(scope="session")
+def orphans():
+    """orphans(text): live processes whose command line mentions `text`."""
+    return live_processes_mentioning

@@ -1,0 +1,127 @@
+"""End to end in a browser: `gemrec ui` serves the pipeline's MLflow store; headless Chromium finds the run
+with its NE, QPS and MFU, and the registered champion; screenshots go to test-artifacts/."""
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[2]
+ARTIFACTS = REPO / "test-artifacts"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--window-size=1500,1100"]
+
+
+@pytest.fixture(scope="module")
+def ui(pipeline_run, gemrec_script, orphans):
+    """`gemrec ui` on a free port over the pipeline's store; stopped (with its server) at the end."""
+    assert pipeline_run["result"].returncode == 0, pipeline_run["result"].stderr[-3000:]
+    port = pipeline_run["ui_port"]
+    log = open(pipeline_run["work"] / "ui.log", "w")
+    process = subprocess.Popen([gemrec_script, "ui", "--port", str(port), "--tracking-uri", pipeline_run["store"]],
+                               cwd=pipeline_run["work"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        assert process.poll() is None, (pipeline_run["work"] / "ui.log").read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "gemrec ui did not come up"
+        time.sleep(0.5)
+    yield url
+    os.kill(process.pid, signal.SIGTERM)  # gemrec ui stops its MLflow server on SIGTERM
+    process.wait(timeout=60)
+    log.close()
+    deadline = time.monotonic() + 30
+    while orphans(f"--port {port}") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert orphans(f"--port {port}") == [], "the MLflow server outlived gemrec ui"
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.skip("chromium and chromium-driver are not installed (make system-deps installs them)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}"):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
+    yield driver
+    driver.quit()
+
+
+def page_text_when(driver, predicate, timeout_s: float = 90.0) -> str:
+    from selenium.webdriver.common.by import By
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        text = driver.find_element(By.TAG_NAME, "body").text
+        if predicate(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)
+
+
+def metric_value(text: str, name: str) -> float | None:
+    match = re.search(rf"^{re.escape(name)}\n([-+0-9.e]+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def close_assistant_panel(driver) -> None:
+    from selenium.webdriver.common.by import By
+
+    for button in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):
+        if button.is_displayed():
+            button.click()
+
+
+def test_run_page_shows_ne_qps_mfu(ui, browser, pipeline_run):
+    from selenium.webdriver.common.by import By
+
+    summary = pipeline_run["summary"]
+    client_run = summary["run_id"]
+    from gemrec.pipelines import tracking
+
+    mlflow_run = tracking.client(pipeline_run["store"]).get_run(client_run)
+    browser.get(f"{ui}/#/experiments/{mlflow_run.info.experiment_id}/runs/{client_run}")
+    text = page_text_when(browser, lambda t: all(metric_value(t, k) is not None for k in ("ne", "qps", "mfu")))
+    assert mlflow_run.info.run_name in text
+    assert "gemrec-train" in text
+    for key in ("ne", "qps", "mfu"):
+        value = metric_value(text, key)
+        assert value is not None, f"{key} not on the run page:\n{text[:3000]}"
+        assert value == pytest.approx(summary["metrics"][key], rel=1e-3), key
+    assert "dataset_checksum" in text and "git_commit" in text
+    close_assistant_panel(browser)
+    metrics_heading = browser.find_element(By.XPATH, "//*[starts-with(normalize-space(.), 'Metrics (')]")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", metrics_heading)
+    time.sleep(0.5)
+    ARTIFACTS.mkdir(exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "mlflow-run.png"))
+
+
+def test_model_page_shows_the_champion(ui, browser, pipeline_run):
+    browser.get(f"{ui}/#/models/gemrec-tiny")
+    text = page_text_when(browser, lambda t: "champion" in t and "Version 1" in t)
+    assert "champion" in text and "Version 1" in text, text[:3000]
+    close_assistant_panel(browser)
+    ARTIFACTS.mkdir(exist_ok=True)
+    assert browser.save_screenshot(str(ARTIFACTS / "mlflow-model.png"))
