@@ -206,15 +206,15 @@ def check_ep(rank: int, world: int) -> dict:
 
 def check_metrics(rank: int, world: int) -> dict:
     """RankBalance (profiled compute, exposed communication) on a real FSDP + sharded-table step; rank 1 gets a
-    batch eight times as large, so the imbalance must show."""
+    batch 16 times as large, so the imbalance must show."""
     from gemrec.components.trainer.parallel.balance import RankBalance
 
     model = build()
     attach_sparse_sgd(model)
     model, _ = parallelize(model, ParallelDims(world), ParallelConfig(), CPU)
     opt = torch.optim.SGD(dense_params(model), lr=0.1)
-    kjt, dense, labels = make_batch(5 + rank, 256 * (1 + 7 * rank))
-    balance = RankBalance(CPU, profile_every=2)
+    kjt, dense, labels = make_batch(5 + rank, 256 * (1 + 15 * rank))
+    balance = RankBalance(CPU, profile_every=1)
     for _ in range(4):
         with balance.step():
             F.binary_cross_entropy_with_logits(model(kjt, dense), labels).backward()
@@ -286,6 +286,40 @@ def check_gem(backend: str, rank: int, world: int) -> dict:
         losses.append(value.item() / world)
     return {"ref": ref_losses, "dist": losses, "plan": report.embedding_plan, "blocks": report.fsdp_blocks,
             "ep_layers": report.expert_parallel, "tokens": [inputs[s][rank].num_tokens for s in range(steps)]}
+
+
+def check_pipeline(rank: int, world: int) -> dict:
+    """The sparse/dense pipeline (next batch's lookup all-to-all in flight during this step) trains the real
+    GEM model exactly as the plain loop does, and every lookup used the prefetched input."""
+    from gemrec.components.trainer.parallel.pipeline import SparseDistPipeline, gem_lookup_call
+    from gemrec.model import FeatureSchema, ModelConfig, build_model
+    from gemrec.model.synthetic import random_input
+
+    schema = FeatureSchema.from_manifest(GEM_MANIFEST)
+    config = ModelConfig(embedding_dim=8, d_model=16, num_heads=2, moe_hidden=16, head_hidden=16, pma_seeds=2)
+    batches = [random_input(schema, 6, 8, seed=50 * s + rank) for s in range(5)]
+    labels = [(torch.rand(6, 2, generator=torch.Generator().manual_seed(s)) < 0.4).float() for s in range(5)]
+
+    def run(pipelined: bool):
+        torch.manual_seed(0)
+        model = build_model(config, schema)
+        _apply_optimizer_in_backward(torch.optim.SGD, list(model.embeddings.tables.parameters()), {"lr": 0.5})
+        model, _ = parallelize(model, ParallelDims(world), ParallelConfig(), CPU)
+        opt = torch.optim.SGD(dense_params(model), lr=0.1)
+        pipeline = SparseDistPipeline(model, gem_lookup_call(model), CPU) if pipelined else None
+        stream = pipeline(batches) if pipelined else iter(batches)
+        losses = []
+        for step, inp in enumerate(stream):
+            loss = F.binary_cross_entropy_with_logits(model(inp).logits, labels[step])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses, (pipeline.hits, pipeline.misses) if pipeline else (0, 0)
+
+    plain, _ = run(False)
+    piped, (hits, misses) = run(True)
+    return {"plain": plain, "pipelined": piped, "hits": hits, "misses": misses}
 
 
 def full_state(state: dict) -> dict:
@@ -384,6 +418,8 @@ def main() -> None:
                 result = check_sharding(arg, rank, world)
             elif name == "gem":
                 result = check_gem(arg, rank, world)
+            elif name == "pipeline":
+                result = check_pipeline(rank, world)
             elif name == "metrics":
                 result = check_metrics(rank, world)
             elif name == "ep":

@@ -1,0 +1,124 @@
+"""Sparse/dense pipelining: the next batch's host-to-device copy and embedding input all-to-all run while the
+current batch computes (what TorchRec's `TrainPipelineSparseDist` does for models it can FX-trace; the gemrec
+model builds its lookup batch inside `forward`, examples and history tokens together, so the batch is captured
+by running the model's own `embeddings` module up to the sharded lookup instead of by tracing).
+
+    batches ──copy (side stream)──▶ batch i+1 ──input_dist (async all-to-all)──▶ queued on the sharded tables
+                                    batch i   ──forward/backward/optimizer──▶ the sharded tables pop their queue
+
+A sharded table whose next call does not match the queued input (a different batch) drops the stale entry and
+runs the normal synchronous path, so the pipeline can never change results, only timing.
+"""
+
+from __future__ import annotations
+
+import types
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+
+import torch
+from gemrec.components.trainer.parallel import sharding
+from torch import nn
+
+
+class _Captured(Exception):
+    def __init__(self, features):
+        super().__init__("lookup input captured")
+        self.features = features
+
+
+def gem_lookup_call(model: nn.Module) -> Callable:
+    """How the gemrec models call their `embeddings` module for one `ModelInput` (gem: with the history)."""
+    embeddings = model.embeddings
+
+    def call(inp) -> None:
+        if type(model).__name__ == "DLRMModel":
+            embeddings(inp.sparse_features, batch_size=inp.batch_size)
+        else:
+            embeddings(inp.sparse_features, inp.seq_item_ids, inp.seq_item_features, batch_size=inp.batch_size)
+
+    return call
+
+
+class SparseDistPipeline:
+    def __init__(self, model: nn.Module, lookup_call: Callable, device: torch.device):
+        """`model`: the parallelized model (its sharded tables are found inside); `lookup_call(batch)` runs the
+        part of the model's forward that leads to the sharded lookups (see `gem_lookup_call`)."""
+        self.tables = sharding.sharded_embedding_modules(model)
+        self.lookup_call = lookup_call
+        self.device = device
+        self.hits = self.misses = 0
+        self._capturing = False
+        self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        for table in self.tables:
+            table._gemrec_queue = deque()
+            table.forward = types.MethodType(self._forward(type(table).forward), table)
+            # Runs after the equal-stride padding hook: captures exactly what the lookup would see.
+            table.register_forward_pre_hook(self._capture_hook)
+
+    def _capture_hook(self, module, args):
+        if self._capturing:
+            raise _Captured(args[0])
+
+    def _forward(self, plain_forward):
+        pipeline = self
+
+        def forward(table, features):
+            queue = table._gemrec_queue
+            while queue:
+                lengths, ctx, pending = queue.popleft()
+                if lengths.shape == features.lengths().shape and torch.equal(lengths, features.lengths()):
+                    pipeline.hits += 1
+                    return table.compute_and_output_dist(ctx, pending.wait().wait())
+                pending.wait().wait()  # stale: finish its collective so every rank stays in step
+            pipeline.misses += 1
+            return plain_forward(table, features)
+
+        return forward
+
+    def start(self, batch) -> None:
+        """Capture the lookup input of `batch` (already on the device) and start its input all-to-all."""
+        if not self.tables:
+            return
+        self._capturing = True
+        try:
+            with torch.no_grad():
+                self.lookup_call(batch)
+        except _Captured as captured:
+            features = captured.features
+        else:
+            raise RuntimeError("the lookup call of the sparse pipeline never reached a sharded table")
+        finally:
+            self._capturing = False
+        table = self.tables[0]
+        ctx = table.create_context()
+        table._gemrec_queue.append((features.lengths(), ctx, table.input_dist(ctx, features)))
+
+    def _to_device(self, batch):
+        if self._copy_stream is None:
+            return batch.to(self.device)
+        with torch.cuda.stream(self._copy_stream):
+            moved = batch.to(self.device, non_blocking=True)
+        return moved
+
+    def __call__(self, batches: Iterable) -> Iterator:
+        """Yield the batches on the device; when batch i is yielded, batch i+1 is already copied and its
+        embedding input all-to-all is in flight."""
+        iterator = iter(batches)
+        try:
+            current = self._to_device(next(iterator))
+        except StopIteration:
+            return
+        self._wait_copy()
+        self.start(current)
+        for upcoming in iterator:
+            upcoming = self._to_device(upcoming)
+            self._wait_copy()
+            self.start(upcoming)
+            yield current
+            current = upcoming
+        yield current
+
+    def _wait_copy(self) -> None:
+        if self._copy_stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
