@@ -21,6 +21,7 @@ REGISTRARS = [
     "gemrec.components.feature_service.cli",
     "gemrec.components.trainer.cli",
     "gemrec.kernels.cli",
+    "gemrec.model.cli",
     "gemrec.pipelines.cli",
 ]
 
