@@ -1,0 +1,325 @@
+"""Model benchmark: correctness of the device paths, then forward/backward time of the whole model and of
+each layer alone, on random production-shaped batches (torch embeddings, no torchrec, no data service).
+
+    gemrec bench model --out DIR [--device cuda] [--batch-size 256] [--mean-len 512] [--max-len 3072]
+                       [--set model_key=value ...]
+
+Checks (device vs a float32 reference on the same device): the attention dispatch against
+`jagged_attention_reference`, the MoE grouped path against the per-expert loop, bf16-autocast logits
+against float32 logits; and host syncs inside one training step (CUDA sync debug mode). Writes
+`model_bench.json` and prints a per-layer table (milliseconds, achieved TFLOP/s).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+import warnings
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+from gemrec.model import attention as attention_module
+from gemrec.model.config import FeatureSchema, ModelConfig, SparseFeature
+from gemrec.model.gem import build_model, loss, model_flops
+from gemrec.model.synthetic import random_input
+
+PRODUCTION = dict(
+    arch="gem",
+    embedding_backend="torch",
+    embedding_dim=128,
+    d_model=512,
+    num_heads=4,
+    seq_layers=4,
+    nonseq_layers=2,
+    interaction_layers=4,
+    moe_every=2,
+    moe_num_experts=8,
+    moe_top_k=2,
+    moe_hidden=2048,
+    head_hidden=1024,
+    pma_seeds=16,
+)
+
+
+def production_schema(num_users: int = 1_000_000, num_items: int = 1_000_000) -> FeatureSchema:
+    sparse = (
+        SparseFeature("user_id", num_users, source="user"),
+        SparseFeature("item_id", num_items, source="item"),
+        SparseFeature("item_category", 1000, source="item"),
+        SparseFeature("item_brand", 50_000, source="item"),
+        SparseFeature("item_tags", 20_000, multi_valued=True, source="item"),
+        SparseFeature("user_interests", 1000, multi_valued=True, source="user"),
+        SparseFeature("user_segment", 10_000, source="user"),
+        SparseFeature("ctx_position", 64, source="context"),
+    )
+    return FeatureSchema(
+        sparse_features=sparse,
+        seq_item_features=("item_category", "item_brand", "item_tags"),
+        dense_features=tuple(f"dense_{i}" for i in range(8)),
+        labels=("click", "convert"),
+        actions=("click", "convert", "like", "dwell"),
+    )
+
+
+def lognormal_lengths(batch: int, mean: float, cap: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    sigma = 0.8
+    mu = math.log(mean) - sigma**2 / 2
+    return torch.exp(mu + sigma * torch.randn(batch, generator=gen)).long().clamp(1, cap)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm().clamp(min=1e-12))
+
+
+def _timer(device: torch.device):
+    """Returns `measure(fn, repeats) -> median milliseconds` (CUDA events on a GPU, host clock on a CPU)."""
+
+    def measure(fn, repeats: int) -> float:
+        fn()  # warm-up
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return measure
+
+
+def check_attention(device: torch.device, seed: int = 0) -> dict[str, float]:
+    """The dispatch (kernels on CUDA once wired) vs the float32 reference, bf16 inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.cat([torch.tensor([0, 1, 2]), torch.randint(1, 700, (13,), generator=gen)])
+    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device)
+    total, max_len, heads, dim = int(lengths.sum()), int(lengths.max()), 4, 64
+    results = {}
+    for kind in ("softmax", "silu"):
+        for causal in (False, True):
+            q, k, v = (
+                torch.randn(total, heads, dim, generator=gen).to(device, torch.bfloat16) for _ in range(3)
+            )
+            got = attention_module.attention(
+                q, k, v, offsets, offsets, max_len, max_len, kind=kind, causal=causal
+            )
+            want = attention_module.jagged_attention_reference(
+                q.float(), k.float(), v.float(), offsets, offsets, max_len, max_len, kind=kind, causal=causal
+            )
+            results[f"{kind}{'_causal' if causal else ''}"] = rel_error(got, want)
+    seeds = torch.randn(16, heads, dim, generator=gen).to(device, torch.bfloat16)
+    k, v = (torch.randn(total, heads, dim, generator=gen).to(device, torch.bfloat16) for _ in range(2))
+    shared = torch.tensor([0, 16], device=device)
+    got = attention_module.attention(seeds, k, v, shared, offsets, 16, max_len)
+    want = attention_module.jagged_attention_reference(
+        seeds.float(), k.float(), v.float(), shared, offsets, 16, max_len
+    )
+    results["shared_q"] = rel_error(got, want)
+    return results
+
+
+def check_moe(model, device: torch.device) -> float | None:
+    from gemrec.model.moe import MoEFeedForward
+
+    moe = next((m for m in model.modules() if isinstance(m, MoEFeedForward)), None)
+    if moe is None:
+        return None
+    x = torch.randn(4096, moe.experts.dim, device=device)
+    with torch.no_grad():
+        x_sorted, counts, _ = moe.dispatch(x, moe.route(x)[1])
+        with torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext():
+            fast = moe.experts(x_sorted, counts)
+        reference = moe.experts._looped(x_sorted, counts)
+    return rel_error(fast, reference)
+
+
+def count_host_syncs(step) -> tuple[int, list[str]]:
+    """Host syncs CUDA's sync debug mode reports during one step (with where they came from)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [w for w in caught if "synchroniz" in str(w.message)]
+    return len(syncs), sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+
+
+def capture_layer_inputs(model, names, run_forward) -> dict:
+    """(args, kwargs) each named submodule was called with during one forward, float tensors as fresh leaves."""
+    captured, handles = {}, []
+    modules = dict(model.named_modules())
+
+    def leaf(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return x.detach().requires_grad_(True)
+        return x
+
+    for name in names:
+
+        def hook(module, args, kwargs, _name=name):
+            if _name not in captured:
+                captured[_name] = ([leaf(a) for a in args], {k: leaf(v) for k, v in kwargs.items()})
+
+        handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            run_forward()
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def _first_tensor(out) -> torch.Tensor:
+    return out[0] if isinstance(out, tuple) else out
+
+
+def run(args) -> dict:
+    device = torch.device(
+        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    )
+    config = ModelConfig.from_dict({**PRODUCTION, **args.model_overrides})
+    schema = production_schema(args.num_users, args.num_users)
+    torch.manual_seed(0)
+    model = build_model(config, schema).to(device)
+    amp = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    inputs = []
+    for i in range(args.distinct_batches):
+        lengths = lognormal_lengths(args.batch_size, args.mean_len, args.max_len, seed=i)
+        inp = random_input(schema, args.batch_size, args.max_len, lengths=lengths, seed=i).to(device)
+        inputs.append((inp, torch.randint(0, 2, (args.batch_size, schema.num_tasks), device=device).float()))
+    report: dict = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "config": {k: getattr(config, k) for k in PRODUCTION} | dict(args.model_overrides),
+        "batch_size": args.batch_size,
+        "tokens_per_batch": [inp.num_tokens for inp, _ in inputs],
+        "max_seq_len": [inp.max_seq_len for inp, _ in inputs],
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    print(
+        f"device {report['device']}, {report['params'] / 1e6:.1f}M params, tokens/batch {report['tokens_per_batch']}"
+    )
+
+    report["check_attention_rel_error"] = check_attention(device)
+    report["check_moe_grouped_rel_error"] = check_moe(model, device)
+    with torch.no_grad():
+        inp0 = inputs[0][0]
+        full = model(inp0).logits
+        with amp:
+            low = model(inp0).logits
+    report["check_bf16_logits_rel_error"] = rel_error(low, full)
+    print("checks:", json.dumps({k: v for k, v in report.items() if k.startswith("check")}, indent=None))
+
+    counter = {"i": 0}
+
+    def step():
+        inp, labels = inputs[counter["i"] % len(inputs)]
+        counter["i"] += 1
+        with amp:
+            out = model(inp)
+        loss(out, labels).backward()
+
+    if device.type == "cuda":
+        step()
+        syncs, where = count_host_syncs(step)
+        report["host_syncs_per_step"] = {"count": syncs, "where": where}
+        print(f"host syncs in one step: {syncs} at {where}")
+
+    measure = _timer(device)
+    step_ms = measure(step, args.steps)
+    flops = [model_flops(model, inp) for inp, _ in inputs]
+    step_flops = statistics.mean(sum(f + b for f, b in fl.values()) for fl in flops)
+    tokens = statistics.mean(inp.num_tokens for inp, _ in inputs)
+    report["step_ms"] = step_ms
+    report["examples_per_s"] = args.batch_size / step_ms * 1e3
+    report["tokens_per_s"] = tokens / step_ms * 1e3
+    report["step_tflop"] = step_flops / 1e12
+    report["achieved_tflops"] = step_flops / step_ms / 1e9
+    print(
+        f"step {step_ms:.1f} ms, {report['examples_per_s']:.0f} examples/s, {report['tokens_per_s'] / 1e6:.2f}M tok/s, "
+        f"{report['achieved_tflops']:.1f} TFLOP/s achieved ({report['step_tflop']:.2f} TFLOP/step)"
+    )
+
+    # Each layer alone, on the inputs it saw in a real forward: forward, then forward + backward.
+    layer_flops = flops[0]
+    captured = capture_layer_inputs(model, list(layer_flops), lambda: model(inp0))
+    modules = dict(model.named_modules())
+    layers = []
+    for name, (fwd_flops, bwd_flops) in layer_flops.items():
+        module, (largs, lkwargs) = modules[name], captured[name]
+
+        def forward(module=module, largs=largs, lkwargs=lkwargs):
+            with amp:
+                return _first_tensor(module(*largs, **lkwargs))
+
+        def forward_backward(forward=forward):
+            out = forward()
+            out.float().sum().backward()
+
+        with torch.no_grad():
+            fwd_ms = measure(forward, args.layer_repeats)
+        both_ms = measure(forward_backward, args.layer_repeats)
+        layers.append(
+            {
+                "layer": name,
+                "fwd_ms": fwd_ms,
+                "fwd_bwd_ms": both_ms,
+                "tflop": (fwd_flops + bwd_flops) / 1e12,
+                "tflops": (fwd_flops + bwd_flops) / both_ms / 1e9,
+            }
+        )
+    report["layers"] = layers
+    print(f"{'layer':<18}{'fwd ms':>10}{'fwd+bwd ms':>12}{'TFLOP':>9}{'TFLOP/s':>9}")
+    for row in layers:
+        print(
+            f"{row['layer']:<18}{row['fwd_ms']:>10.2f}{row['fwd_bwd_ms']:>12.2f}{row['tflop']:>9.3f}{row['tflops']:>9.1f}"
+        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "model_bench.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`key=value` model-config overrides; values parsed as Python literals when they are one."""
+    import ast
+
+    overrides = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        try:
+            overrides[key] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            overrides[key] = value
+    return overrides
+
+
+def main(argv: list[str] | None = None) -> dict:
+    import argparse
+
+    from gemrec.model.cli import add_arguments
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.model_overrides = parse_overrides(args.overrides)
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
