@@ -1,5 +1,6 @@
 """`gemrec ui`: the MLflow web UI over the project's store, on 127.0.0.1."""
 
+import os
 import sys
 from pathlib import Path
 
@@ -33,7 +34,10 @@ def serve(tracking_uri: str | None, port: int) -> int:
         Path(artifacts).mkdir(parents=True, exist_ok=True)
     print(f"MLflow UI at http://{LOCALHOST}:{port} over {tracking_uri} (Ctrl-C stops it)", flush=True)
     with ProcessGroup(grace_s=15) as group:
-        server = group.start("MLflow UI", server_command(tracking_uri, port), log_path=None)
+        # Server-side jobs (GenAI evaluation workers) are not needed to browse runs: keep the UI light.
+        jobs = os.environ.get("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
+        server = group.start("MLflow UI", server_command(tracking_uri, port), log_path=None,
+                             env={"MLFLOW_SERVER_ENABLE_JOB_EXECUTION": jobs})
         try:
             return server.popen.wait()
         except KeyboardInterrupt:

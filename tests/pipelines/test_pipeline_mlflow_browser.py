@@ -23,8 +23,33 @@ CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--window-size=1500,1100"]
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below `pid` (children, grandchildren, ...)."""
+    children: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                ppid = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (FileNotFoundError, ProcessLookupError, PermissionError):
+                continue
+            children.setdefault(ppid, []).append(int(proc.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
 @pytest.fixture(scope="module")
-def ui(pipeline_run, gemrec_script, orphans):
+def ui(pipeline_run, gemrec_script):
     """`gemrec ui` on a free port over the pipeline's store; stopped (with its server) at the end."""
     assert pipeline_run["result"].returncode == 0, pipeline_run["result"].stderr[-3000:]
     port = pipeline_run["ui_port"]
@@ -44,13 +69,15 @@ def ui(pipeline_run, gemrec_script, orphans):
         assert time.monotonic() < deadline, "gemrec ui did not come up"
         time.sleep(0.5)
     yield url
+    server_processes = descendants(process.pid)
+    assert server_processes, "gemrec ui started no MLflow server"
     os.kill(process.pid, signal.SIGTERM)  # gemrec ui stops its MLflow server on SIGTERM
     process.wait(timeout=60)
     log.close()
     deadline = time.monotonic() + 30
-    while orphans(f"--port {port}") and time.monotonic() < deadline:
+    while any(map(alive, server_processes)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert orphans(f"--port {port}") == [], "the MLflow server outlived gemrec ui"
+    assert not [p for p in server_processes if alive(p)], "the MLflow server outlived gemrec ui"
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +112,18 @@ def metric_value(text: str, name: str) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def close_assistant_panel(driver) -> None:
+def tidy_view(driver) -> None:
+    """The model-training view of the UI, without the assistant side panel (for the screenshot)."""
     from selenium.webdriver.common.by import By
 
+    for toggle in driver.find_elements(By.XPATH, "//*[normalize-space(text())='Model training']"):
+        if toggle.is_displayed():
+            toggle.click()
+            break
     for button in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):
         if button.is_displayed():
             button.click()
+    time.sleep(1)
 
 
 def test_run_page_shows_ne_qps_mfu(ui, browser, pipeline_run):
@@ -110,7 +143,7 @@ def test_run_page_shows_ne_qps_mfu(ui, browser, pipeline_run):
         assert value is not None, f"{key} not on the run page:\n{text[:3000]}"
         assert value == pytest.approx(summary["metrics"][key], rel=1e-3), key
     assert "dataset_checksum" in text and "git_commit" in text
-    close_assistant_panel(browser)
+    tidy_view(browser)
     metrics_heading = browser.find_element(By.XPATH, "//*[starts-with(normalize-space(.), 'Metrics (')]")
     browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", metrics_heading)
     time.sleep(0.5)
@@ -122,6 +155,6 @@ def test_model_page_shows_the_champion(ui, browser, pipeline_run):
     browser.get(f"{ui}/#/models/gemrec-tiny")
     text = page_text_when(browser, lambda t: "champion" in t and "Version 1" in t)
     assert "champion" in text and "Version 1" in text, text[:3000]
-    close_assistant_panel(browser)
+    tidy_view(browser)
     ARTIFACTS.mkdir(exist_ok=True)
     assert browser.save_screenshot(str(ARTIFACTS / "mlflow-model.png"))
