@@ -128,8 +128,11 @@ class _AuthAndLogInterceptor(grpc.ServerInterceptor):
         method = handler_call_details.method
         authorized = self._authorized(handler_call_details)
 
-        def finish(context, start: float, messages: int) -> None:
-            code = context.code() or grpc.StatusCode.OK
+        def finish(context, start: float, messages: int, raised: bool) -> None:
+            code = context.code()
+            if code is None:  # not set by abort: a handler bug, a cancelled stream, or success
+                code = grpc.StatusCode.UNKNOWN if raised else grpc.StatusCode.OK
+                code = grpc.StatusCode.CANCELLED if not context.is_active() and not raised else code
             record = {
                 "event": "rpc",
                 "method": method,
@@ -150,28 +153,34 @@ class _AuthAndLogInterceptor(grpc.ServerInterceptor):
             behavior = handler.unary_unary
 
             def unary_unary(request, context):
-                start = time.perf_counter()
+                start, raised = time.perf_counter(), True
                 try:
                     if not authorized:
                         deny(context)
-                    return behavior(request, context)
+                    reply = behavior(request, context)
+                    raised = False
+                    return reply
                 finally:
-                    finish(context, start, 1)
+                    finish(context, start, 1, raised)
 
             return handler._replace(unary_unary=unary_unary)
         if handler.unary_stream is not None:
             behavior = handler.unary_stream
 
             def unary_stream(request, context):
-                start, sent = time.perf_counter(), 0
+                start, sent, raised = time.perf_counter(), 0, True
                 try:
                     if not authorized:
                         deny(context)
                     for message in behavior(request, context):
                         sent += 1
                         yield message
+                    raised = False
+                except GeneratorExit:  # the client went away
+                    raised = False
+                    raise
                 finally:
-                    finish(context, start, sent)
+                    finish(context, start, sent, raised)
 
             return handler._replace(unary_stream=unary_stream)
         if handler.stream_stream is not None:  # reflection
