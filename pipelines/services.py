@@ -93,15 +93,33 @@ class Process:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
-    def stream(self) -> int:
-        """Copy the child's output to our stdout and its log until it exits; return its exit code."""
+    def stream(self, progress_every_s: float = 5.0) -> int:
+        """Copy the child's output to our stdout (and its log) until it exits; return its exit code.
+
+        Progress bars redraw a line with carriage returns; through a pipe that would be one endless
+        line, so every `progress_every_s` the current state is printed as a line of its own.
+        """
         assert self.popen.stdout is not None
-        for line in iter(self.popen.stdout.readline, b""):
-            sys.stdout.buffer.write(line)
-            sys.stdout.flush()
+        pending, last_progress = b"", 0.0
+        while chunk := self.popen.stdout.read1(65536):
             if self._log:
-                self._log.write(line)
+                self._log.write(chunk)
+            pending += chunk.replace(b"\r\n", b"\n")
+            while (cut := min((i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0), default=-1)) >= 0:
+                line, separator, pending = pending[:cut], pending[cut:cut + 1], pending[cut + 1:]
+                if separator == b"\n":
+                    self._echo(line)
+                elif line.strip() and time.monotonic() - last_progress >= progress_every_s:
+                    self._echo(line)
+                    last_progress = time.monotonic()
+        if pending.strip():
+            self._echo(pending)
         return self.popen.wait()
+
+    @staticmethod
+    def _echo(line: bytes) -> None:
+        sys.stdout.buffer.write(line + b"\n")
+        sys.stdout.flush()
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the whole process group (graceful shutdown), SIGKILL after `grace_s`."""

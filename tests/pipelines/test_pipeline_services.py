@@ -94,3 +94,19 @@ def test_a_port_in_use_is_named():
         with pytest.raises(ServiceError, match=f"port {port} on 127.0.0.1 is already in use \\(wanted by the data service\\)"):
             claim_port(port, "data service")
     assert claim_port(0, "data service") > 0
+
+
+def test_progress_bars_become_throttled_lines(tmp_path, capfd):
+    """A child's carriage-return progress bar reaches the console as a few lines, all of it reaches the log."""
+    code = ("import sys, time\n"
+            "for i in range(40):\n"
+            "    sys.stderr.write(f'\\rstep {i}/40'); sys.stderr.flush(); time.sleep(0.02)\n"
+            "print('\\neval NE 0.83', flush=True)\n")
+    with ProcessGroup() as group:
+        process = group.start("trainer", [sys.executable, "-c", code], tmp_path / "trainer.log", echo=True)
+        assert process.stream(progress_every_s=0.3) == 0
+    lines = capfd.readouterr().out.splitlines()
+    assert lines[0] == "step 0/40" and lines[-1] == "eval NE 0.83"
+    assert 3 <= len(lines) <= 10, lines
+    assert "step 39/40" in lines
+    assert (tmp_path / "trainer.log").read_bytes().count(b"\rstep") == 40
