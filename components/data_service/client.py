@@ -99,6 +99,13 @@ class DataClient:
             "manifest": json.loads(reply.manifest_json),
         }
 
+    def steps_per_epoch(self) -> int:
+        """Batches each rank receives per epoch (every rank gets the same number; the last may be short)."""
+        examples = self.info()["split_sizes"].get(self.request.split)
+        if examples is None:
+            raise KeyError(f"the data service has no split {self.request.split!r}")
+        return -(-examples // (self.request.batch_size * self.request.world_size))
+
     def _put(self, q: queue.Queue, item) -> bool:
         while not self._stop.is_set():
             try:

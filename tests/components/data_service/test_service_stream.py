@@ -78,6 +78,7 @@ def test_every_example_once_per_epoch_across_ranks(address, split_keys, world_si
         steps.append(batches)
     assert seen == split_keys
     assert len(set(steps)) == 1 and steps[0] == -(-sum(split_keys.values()) // (300 * world_size))
+    assert client.steps_per_epoch() == steps[0]
 
 
 def test_batches_are_the_collated_rows_of_the_plan(address, core, ds):
