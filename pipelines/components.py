@@ -12,12 +12,12 @@ CUDA_IMAGE = "ghcr.io/gemrec/gemrec-cuda:0.1.0"
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def ingest(data: str, run_dir: str, dataset: Output[Dataset]):
-    """Raw events (or a prepared dataset) -> the dataset folder."""
+def ingest(data: str, publish_dir: str, run_dir: str, dataset: Output[Dataset]):
+    """Raw events (or a prepared dataset) -> the dataset folder (also published for the services)."""
     from gemrec.pipelines import steps
 
     with steps.step_guard(run_dir, "ingest"):
-        manifest = steps.ingest(data, dataset.path)
+        manifest = steps.ingest(data, dataset.path, publish_dir)
         dataset.metadata.update({"name": manifest["name"], "dataset_checksum": manifest.get("dataset_checksum", ""),
                                  "num_events": manifest["num_events"], "labels": manifest.get("labels", [])})
 

@@ -41,8 +41,9 @@ def build(target: str = "local"):
         trainer_image: str = c.CUDA_IMAGE,
         namespace: str = "gemrec",
         ui_address: str = "http://gemrec-mlflow.gemrec:5000" if cluster else "http://127.0.0.1:5000",
+        publish_dir: str = f"{DATA_MOUNT}/datasets/movielens" if cluster else "",
     ):
-        ingest = c.ingest(data=data, run_dir=run_dir).set_display_name("ingest")
+        ingest = c.ingest(data=data, publish_dir=publish_dir, run_dir=run_dir).set_display_name("ingest")
         validate = c.validate(dataset=ingest.outputs["dataset"], run_dir=run_dir).set_display_name("validate")
         materialize = c.materialize_features(dataset=ingest.outputs["dataset"], store=feature_store,
                                              redis_url=redis_url, run_dir=run_dir)

@@ -57,8 +57,11 @@ def step_guard(run_dir: str, step: str):
 
 # ---- ingest ---------------------------------------------------------------------------------------------
 
-def ingest(data: str, out: str) -> dict[str, Any]:
-    """Prepare a dataset folder at `out` from raw MovieLens (`data` holds ratings.csv) or copy a prepared one."""
+def ingest(data: str, out: str, publish_dir: str = "") -> dict[str, Any]:
+    """Prepare a dataset folder at `out` from raw MovieLens (`data` holds ratings.csv) or copy a prepared one.
+
+    `publish_dir` (cluster): also place the dataset where the service Deployments read it, swapped in whole.
+    """
     source = Path(data)
     if not source.exists():
         raise StepError(f"data path {source} does not exist")
@@ -74,7 +77,22 @@ def ingest(data: str, out: str) -> dict[str, Any]:
             raise StepError(f"cannot prepare {source}: {err}") from err
     else:
         raise StepError(f"{source} is neither a prepared dataset (manifest.json) nor raw MovieLens (ratings.csv)")
+    if publish_dir:
+        publish(Path(out), Path(publish_dir))
     return json.loads((Path(out) / "manifest.json").read_text())
+
+
+def publish(dataset: Path, target: Path) -> None:
+    """Copy `dataset` to `target`, replacing what was there only once the copy is complete."""
+    staging = target.with_name(target.name + ".incoming")
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(dataset, staging)
+    previous = target.with_name(target.name + ".previous")
+    shutil.rmtree(previous, ignore_errors=True)
+    if target.exists():
+        target.rename(previous)
+    staging.rename(target)
+    shutil.rmtree(previous, ignore_errors=True)
 
 
 # ---- validate -------------------------------------------------------------------------------------------

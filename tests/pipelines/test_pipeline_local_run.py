@@ -142,3 +142,58 @@ def test_a_port_in_use_is_refused(movielens_raw, tmp_path, capsys):
                      "--runs", str(tmp_path / "runs")])
     err = capsys.readouterr().err
     assert code == 2 and f"port {port} on 127.0.0.1 is already in use (wanted by the feature service)" in err
+
+
+def test_materialize_into_a_real_redis(run, tmp_path):
+    """The materialize step with the Redis store writes what the feature service reads."""
+    import time
+
+    redis_server = shutil.which("redis-server")
+    if redis_server is None:
+        pytest.skip("redis-server not installed (make system-deps installs it)")
+    import redis
+
+    (dataset_dir,) = run["run_dir"].glob("kfp/*/ingest/dataset")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = subprocess.Popen([redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    try:
+        client = redis.Redis(port=port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.1)
+        info = steps.materialize(str(dataset_dir), "redis", f"redis://127.0.0.1:{port}/0")
+        assert info["store"] == "redis" and info["fields"] > 0
+        assert client.exists(f"{info['prefix']}:schema")
+        assert info["entities"]["item"]["ids"] == json.loads((dataset_dir / "manifest.json").read_text())["num_items"]
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    with pytest.raises(steps.StepError, match="cannot materialize features into Redis at redis://127.0.0.1:"):
+        steps.materialize(str(dataset_dir), "redis", f"redis://127.0.0.1:{port}/0")
+
+
+def test_ingest_names_what_is_wrong_with_the_data(tmp_path):
+    with pytest.raises(steps.StepError, match="data path .*/missing does not exist"):
+        steps.ingest(str(tmp_path / "missing"), str(tmp_path / "out"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(steps.StepError, match="neither a prepared dataset .* nor raw MovieLens"):
+        steps.ingest(str(tmp_path / "empty"), str(tmp_path / "out"))
+
+
+def test_publish_swaps_the_served_dataset_whole(tmp_path):
+    (tmp_path / "served").mkdir()
+    for version in ("v1", "v2"):
+        source = tmp_path / version
+        source.mkdir()
+        (source / "manifest.json").write_text(json.dumps({"version": version}))
+        steps.publish(source, tmp_path / "served" / "movielens")
+        assert json.loads((tmp_path / "served" / "movielens" / "manifest.json").read_text()) == {"version": version}
+    assert sorted(p.name for p in (tmp_path / "served").iterdir()) == ["movielens"]
