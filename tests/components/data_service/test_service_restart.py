@@ -78,5 +78,7 @@ def test_server_dies_mid_stream_and_client_resumes_exactly(movielens_dataset, sp
             proc.wait(timeout=30)
         log.close()
     assert exits == [-signal.SIGKILL] and len(procs) == 2
+    assert procs[-1].returncode == 0  # SIGTERM: graceful stop, logged
+    assert '"event": "stopped"' in (tmp_path / "server.log").read_text()
     assert client.reconnects >= 1
     assert seen == split_keys
