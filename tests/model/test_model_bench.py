@@ -1,0 +1,49 @@
+import json
+
+from gemrec.model.bench import main
+
+
+def test_bench_model_runs_on_cpu_and_writes_its_report(tmp_path):
+    report = main(
+        [
+            "--out",
+            str(tmp_path),
+            "--device",
+            "cpu",
+            "--batch-size",
+            "4",
+            "--mean-len",
+            "6",
+            "--max-len",
+            "12",
+            "--num-users",
+            "50",
+            "--distinct-batches",
+            "1",
+            "--steps",
+            "1",
+            "--layer-repeats",
+            "1",
+            "--set",
+            "d_model=32",
+            "--set",
+            "embedding_dim=8",
+            "--set",
+            "moe_hidden=32",
+            "--set",
+            "head_hidden=16",
+            "--set",
+            "seq_layers=1",
+            "--set",
+            "interaction_layers=2",
+            "--set",
+            "nonseq_layers=1",
+        ]
+    )
+    written = json.loads((tmp_path / "model_bench.json").read_text())
+    assert written["batch_size"] == 4 and written["config"]["d_model"] == 32
+    assert [row["layer"] for row in written["layers"]][:2] == ["seq_input", "seq_tower.0"]
+    assert all(row["fwd_bwd_ms"] > 0 for row in written["layers"])
+    # On the CPU both sides of each check are the same reference, up to bf16 input rounding.
+    assert max(report["check_attention_rel_error"].values()) < 2e-2
+    assert report["check_moe_grouped_rel_error"] < 1e-5
