@@ -1,6 +1,7 @@
 """The data service over real gRPC on 127.0.0.1: exact epochs across ranks, balance, resume, bad input."""
 
 import threading
+import time
 from collections import Counter
 
 import grpc
@@ -271,3 +272,19 @@ def test_three_ranks_on_synthetic_heavy_tailed_data(synth_dataset):
         assert balanced < naive and balanced < 1.1
     finally:
         server.stop(0)
+
+
+def test_stream_deadline_resumes_transparently(address, split_keys):
+    client = DataClient(address, SPLIT, batch_size=2000, max_seq_len=8, seed=6, prefetch=1, stream_deadline_s=0.4)
+    seen = Counter()
+    for batch in client:
+        seen.update(example_keys(batch))
+        time.sleep(0.15)  # a slow consumer: the stream outlives its deadline
+    assert client.reconnects >= 1 and seen == split_keys
+
+
+def test_client_gives_up_when_no_server_comes_back(free_port):
+    client = DataClient(f"127.0.0.1:{free_port}", SPLIT, max_retries=2, backoff_s=0.01, max_backoff_s=0.02)
+    with pytest.raises(grpc.RpcError) as err:
+        next(iter(client))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and client.reconnects == 2
