@@ -98,8 +98,13 @@ class JaggedAttention(nn.Module):
     def forward(self, xq, xkv, q_offsets, kv_offsets, max_q_len, max_kv_len, q_pos=None, kv_pos=None):
         h = self.heads
         hd = self.dim // h
-        q = self.wq(xq).view(xq.shape[0], h, hd)
-        k, v = self.wkv(xkv).view(xkv.shape[0], 2, h, hd).unbind(1)
+        if xq is xkv:  # self-attention: one GEMM for q, k and v
+            weight = torch.cat([self.wq.weight, self.wkv.weight])
+            bias = torch.cat([self.wq.bias, self.wkv.bias])
+            q, k, v = F.linear(xq, weight, bias).view(xq.shape[0], 3, h, hd).unbind(1)
+        else:
+            q = self.wq(xq).view(xq.shape[0], h, hd)
+            k, v = self.wkv(xkv).view(xkv.shape[0], 2, h, hd).unbind(1)
         if self.rotary is not None:
             q, k = self.rotary(q, q_pos), self.rotary(k, kv_pos)
         out = attention(
