@@ -1,0 +1,132 @@
+"""The Triton kernels under the CPU interpreter (TRITON_INTERPRET=1) against the torch reference.
+
+Forward and every gradient (q, k, v, attn_bias, position and time tables). The interpreter must be chosen
+before triton is first imported, so when this process imported triton without it these tests are skipped
+here and run in a subprocess by test_attention_interpreter_subprocess.py.
+"""
+
+import pytest
+import torch
+from gemrec.kernels import RelativeBias, attention_flops, gdpa, jagged_attention
+from gemrec.kernels import triton_attention as kernels_module
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytestmark = pytest.mark.skipif(not kernels_module.INTERPRET,
+                                reason="triton was imported without TRITON_INTERPRET=1 (run in a subprocess)")
+HEADS, DIM = 2, 16
+
+
+def offsets_of(lengths):
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+
+
+def compare(q_lens, kv_lens, op="jfa", causal=False, normalize="kv_len", bias=False, dim=DIM,
+            dtype=torch.float32, seed=0, tol=2e-5):
+    gen = torch.Generator().manual_seed(seed)
+    shared_q = len(q_lens) == 1 and len(kv_lens) > 1
+    rows = q_lens[0] * len(kv_lens) if shared_q else sum(q_lens)
+    q = torch.randn(sum(q_lens), HEADS, dim, generator=gen)
+    k = torch.randn(sum(kv_lens), HEADS, dim, generator=gen)
+    v = torch.randn(sum(kv_lens), HEADS, dim, generator=gen)
+    max_q, max_kv = max(q_lens), max(kv_lens)
+    extra = {}
+    if bias:
+        extra = {"attn_bias": torch.randn(rows, HEADS, max_kv, generator=gen),
+                 "pos": torch.randn(HEADS, 8, generator=gen), "time": torch.randn(HEADS, 6, generator=gen)}
+    q_ts = torch.randint(0, 400, (rows,), generator=gen)
+    kv_ts = torch.randint(0, 400, (k.shape[0],), generator=gen)
+    grad = torch.randn(rows, HEADS, dim, generator=gen)
+
+    def run(backend):
+        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        b = {n: t.to(dtype).requires_grad_() for n, t in extra.items()}
+        rel = RelativeBias(position=b["pos"], time=b["time"], q_timestamps=q_ts, kv_timestamps=kv_ts,
+                           max_distance=24, time_log_base=2.5) if bias else None
+        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend)
+        if op == "jfa":
+            out = jagged_attention(*leaves, offsets_of(q_lens), offsets_of(kv_lens), max_q, max_kv, **kw)
+        else:
+            out = gdpa(*leaves, offsets_of(q_lens), offsets_of(kv_lens), max_q, max_kv, activation=op,
+                       normalize=normalize, **kw)
+        inputs = leaves + list(b.values())
+        grads = torch.autograd.grad(out, inputs, grad.to(dtype), allow_unused=True) if out.numel() else [
+            torch.zeros_like(t) for t in inputs]
+        return [out.detach(), *grads]
+
+    got, want = run("triton"), run("reference")
+    assert got[0].shape == (rows, HEADS, dim)
+    for name, g, w in zip(["out", "dq", "dk", "dv", "d_attn_bias", "d_pos", "d_time"], got, want):
+        w = torch.zeros_like(g) if w is None else w
+        assert g.shape == w.shape, name
+        if g.numel() == 0:
+            continue
+        scale = w.double().abs().max().clamp(min=1.0)
+        err = float((g.double() - w.double()).abs().max() / scale)
+        assert err < tol, f"{name}: max error {err:.2e} (relative to {float(scale):.2e})"
+
+
+EDGE = [5, 0, 17, 1, 33]  # empty, length 1, lengths not multiples of the 16-wide interpreter tiles
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("op", ["jfa", "silu"])
+def test_self_attention_with_all_biases(op, causal):
+    compare(EDGE, EDGE, op=op, causal=causal, bias=True, seed=int(causal))
+
+
+@pytest.mark.parametrize("op,normalize", [("gelu", "max_len"), ("gelu_tanh", "none"), ("relu", "kv_len"),
+                                          ("relu2", "max_len")])
+def test_activations(op, normalize):
+    compare([7, 18], [7, 18], op=op, causal=True, normalize=normalize, seed=3)
+
+
+@pytest.mark.parametrize("op", ["jfa", "silu"])
+def test_asymmetric_lengths(op):
+    compare([4], [20, 0, 37], op=op, bias=True, seed=4)  # PMA: shared seeds, never copied B times
+    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=5)  # cross-attention: long q over few keys
+    compare([20, 3], [6], op=op, seed=6)  # one key/value sequence shared by every query sequence
+    compare([1, 50], [50, 1], op=op, causal=True, bias=True, seed=7)  # very unequal, both ways
+
+
+def test_batch_of_one_fp16_and_odd_head_dim():
+    compare([19], [19], causal=True, dtype=torch.float16, tol=1e-2, seed=8)
+    compare([19], [19], op="silu", dtype=torch.float16, tol=1e-2, seed=9)
+    compare([9, 4], [9, 4], dim=24, causal=True, bias=True, seed=10)  # head_dim not a power of two
+
+
+def test_all_sequences_empty():
+    compare([0, 0], [0, 0])
+    compare([0, 3], [2, 0], op="silu", causal=True)
+
+
+@settings(max_examples=6, deadline=None, derandomize=True)
+@given(
+    lens=st.lists(st.tuples(st.integers(0, 24), st.integers(0, 24)), min_size=1, max_size=3),
+    op=st.sampled_from(["jfa", "silu", "gelu_tanh"]),
+    causal=st.booleans(),
+    bias=st.booleans(),
+)
+def test_random_jagged_shapes(lens, op, causal, bias):
+    q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
+    if max(q_lens) == 0 or max(kv_lens) == 0:
+        q_lens, kv_lens = [a + 1 for a in q_lens], [b + 1 for b in kv_lens]
+    compare(q_lens, kv_lens, op=op, causal=causal, bias=bias, seed=sum(q_lens) * 7 + sum(kv_lens))
+
+
+def test_custom_op_compiles_fullgraph_and_counts_flops():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    lens = [5, 0, 20, 1]
+    off = offsets_of(lens)
+    q, k, v = (torch.randn(sum(lens), HEADS, 32, requires_grad=True) for _ in range(3))
+    compiled = torch.compile(lambda q, k, v: gdpa(q, k, v, off, off, 20, 20, causal=True, backend="triton"),
+                             fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, gdpa(q, k, v, off, off, 20, 20, causal=True, backend="triton"))
+    with FlopCounterMode(display=False) as counter:
+        jagged_attention(q, k, v, off, off, 20, 20, causal=True, backend="triton").sum().backward()
+    fwd, bwd = attention_flops(off, off, HEADS, 32, causal=True)
+    pairs = sum(n * (n + 1) // 2 for n in lens)
+    assert (fwd, bwd) == (4 * pairs * HEADS * 32, 10 * pairs * HEADS * 32)
+    assert counter.get_total_flops() == fwd + bwd
