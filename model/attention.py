@@ -14,8 +14,8 @@ Semantics, per sequence, with s_ij = scale * q_i . k_j and `scale` defaulting to
   (self-attention: j <= i).
 
 These match `gemrec.kernels.jagged_attention` (softmax) and `gemrec.kernels.gdpa(activation="silu",
-normalize="kv_len")`. `attention` runs the pure-PyTorch reference `jagged_attention_reference`
-everywhere; this is where those Triton kernels plug in for CUDA tensors.
+normalize="kv_len")`. `attention` runs those Triton kernels for CUDA tensors (same dtype, equal q/v head
+dims in 16..256) and the pure-PyTorch reference `jagged_attention_reference` everywhere else.
 """
 
 from __future__ import annotations
@@ -48,6 +48,26 @@ def attention(
 ) -> torch.Tensor:
     """Jagged multi-head attention; returns `(total_q, heads, v_head_dim)`. See the module docstring."""
     _check(q, k, v, q_offsets, kv_offsets, kind)
+    if q.is_cuda and v.shape[2] == q.shape[2] and 16 <= q.shape[2] <= 256 and q.dtype == k.dtype == v.dtype:
+        from gemrec.kernels import gdpa, jagged_attention
+
+        if kind == "softmax":
+            return jagged_attention(
+                q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal=causal, scale=scale
+            )
+        return gdpa(
+            q,
+            k,
+            v,
+            q_offsets,
+            kv_offsets,
+            max_q_len,
+            max_kv_len,
+            activation="silu",
+            causal=causal,
+            scale=scale,
+            normalize="kv_len",
+        )
     return jagged_attention_reference(
         q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, kind=kind, causal=causal, scale=scale
     )
