@@ -112,6 +112,7 @@ class ModelConfig:
     rotary_base: float = 10000.0
     time_encoding: str = "log_bucket"  # "log_bucket" | "continuous" (of time since the target event)
     num_time_buckets: int = 64
+    recency_buckets: int = 32  # embedding of each token's rank from the end of its history; 0 = off
     # PMA: K learned seed queries -> K summary tokens per sequence.
     pma_seeds: int = 4
     # Non-sequence tower: self-attention among feature tokens, then cross-attention into the sequence.
@@ -157,7 +158,7 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
-        for name in ("seq_layers", "nonseq_layers", "interaction_layers", "moe_every"):
+        for name in ("seq_layers", "nonseq_layers", "interaction_layers", "moe_every", "recency_buckets"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model config: {name} must be >= 0, got {getattr(self, name)}")
         self.dlrm_bottom_mlp = tuple(self.dlrm_bottom_mlp)

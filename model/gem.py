@@ -110,8 +110,19 @@ class TimeEncoding(nn.Module):
         return linear_flops(tokens, self.proj.in_features, self.proj.out_features, input_grad=False)
 
 
+def recency_bucket(events_before_target: torch.Tensor, buckets: int) -> torch.Tensor:
+    """Exact for the 16 most recent events, then quarter-octaves: 16 + floor(4 * log2(n / 16))."""
+    n = events_before_target.clamp(min=0)
+    far = 16 + (4 * torch.log2(n.clamp(min=16).float() / 16)).long()
+    return torch.where(n < 16, n, far).clamp(max=buckets - 1)
+
+
 class SeqInput(nn.Module):
-    """History token vectors: item and side-feature embeddings, action and time encodings."""
+    """History token vectors: item and side-feature embeddings, action, time and recency encodings.
+
+    Time is seconds before the target event; recency is the token's rank from the end of its history
+    (0 = the most recent event), so "the last k events" is visible to attention from outside the sequence.
+    """
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig):
         super().__init__()
@@ -121,11 +132,18 @@ class SeqInput(nn.Module):
             nn.Linear(schema.num_actions, config.d_model, bias=False) if schema.num_actions else None
         )
         self.time = TimeEncoding(config.time_encoding, config.d_model, config.num_time_buckets)
+        self.recency = (
+            nn.Embedding(config.recency_buckets, config.d_model) if config.recency_buckets else None
+        )
+        if self.recency is not None:
+            nn.init.normal_(self.recency.weight, std=0.02)
 
-    def forward(self, token_emb, seq_actions, seconds_before_target):
+    def forward(self, token_emb, seq_actions, seconds_before_target, events_before_target):
         x = self.token_proj(token_emb.flatten(1))
         if self.action_proj is not None:
             x = x + self.action_proj(seq_actions.to(x.dtype))
+        if self.recency is not None:
+            x = x + self.recency(recency_bucket(events_before_target, self.recency.num_embeddings))
         return x + self.time(seconds_before_target)
 
     def flops(self, tokens: int) -> tuple[int, int]:
@@ -212,8 +230,9 @@ class GEMModel(nn.Module):
             torch.arange(batch, device=device), inp.seq_lengths(), output_size=tokens
         )
         positions = torch.arange(tokens, device=device) - offsets[token_example]
+        from_end = offsets[1:][token_example] - 1 - torch.arange(tokens, device=device)
         seconds = inp.timestamps[token_example] - inp.seq_timestamps
-        seq = self.seq_input(token_emb, inp.seq_actions, seconds)
+        seq = self.seq_input(token_emb, inp.seq_actions, seconds, from_end)
         for layer in self.seq_tower:
             seq = layer(seq, offsets, max_len, positions)
         seq = self.seq_norm(seq)

@@ -146,3 +146,34 @@ def test_same_seed_same_model_and_output(arch):
         assert torch.equal(x, y), name
     assert torch.equal(a(inp).logits, b(inp).logits)
     assert not torch.equal(a(inp).logits, c(inp).logits)
+
+
+def test_recency_buckets_exact_then_log():
+    from gemrec.model.gem import recency_bucket
+
+    ranks = torch.tensor([0, 1, 15, 16, 31, 32, 64, 10_000])
+    assert recency_bucket(ranks, 32).tolist() == [0, 1, 15, 16, 19, 20, 24, 31]
+
+
+def reversed_rows(features):
+    """The same JaggedFeatures with the row order reversed (per key)."""
+    flipped = {}
+    for key in features.keys():
+        values, lengths = features[key]
+        rows = list(torch.split(values, lengths.tolist()))[::-1]
+        flipped[key] = (torch.cat(rows) if rows else values, lengths.flip(0))
+    return JaggedFeatures.from_dict(flipped, stride=features.stride())
+
+
+def test_the_model_sees_the_order_of_events():
+    # Same tokens, same timestamps, reversed order: only the recency (and rotary) encodings can tell.
+    inp = random_input(SCHEMA, 1, 0, lengths=[5], seed=9)
+    inp.seq_timestamps = torch.full_like(inp.seq_timestamps, int(inp.timestamps[0]) - 100)
+    flipped = random_input(SCHEMA, 1, 0, lengths=[5], seed=9)
+    flipped.seq_timestamps = inp.seq_timestamps
+    flipped.seq_item_ids, flipped.seq_actions = inp.seq_item_ids.flip(0), inp.seq_actions.flip(0)
+    flipped.seq_item_features = reversed_rows(inp.seq_item_features)
+    with_recency = build(seq_causal=False, rotary=False).eval()
+    without = build(seq_causal=False, rotary=False, recency_buckets=0).eval()
+    assert not torch.allclose(with_recency(flipped).logits, with_recency(inp).logits)
+    torch.testing.assert_close(without(flipped).logits, without(inp).logits)
