@@ -149,3 +149,65 @@ def eval_row_chunks(num_examples: int, max_examples: int, batch_size: int, rank:
     num_batches = max(1, -(-n // (batch_size * world_size)))
     chunks = np.array_split(rows, num_batches * world_size)
     return [c for i, c in enumerate(chunks) if i % world_size == rank]
+
+
+class RemoteStream:
+    """Training batches of one rank from the gRPC data service, epoch after epoch, resumable by cursor."""
+
+    kind = "remote"
+
+    def __init__(self, address: str, batch_size: int, max_seq_len: int, seed: int, rank: int = 0,
+                 world_size: int = 1, token: str | None = None):
+        from gemrec.components.data_service.client import DataClient
+
+        self.address = address
+        self.batch_size = batch_size
+        self.max_seq_len = max_seq_len
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.token = token
+        self._client_cls = DataClient
+        info = self._client(TRAIN_SPLIT, epoch=0, shuffle=True).info()
+        self.manifest = info["manifest"]
+        sizes = info["split_sizes"]
+        for split in (TRAIN_SPLIT, EVAL_SPLIT):
+            if split not in sizes:
+                raise ValueError(f"the data service at {address} has no {split!r} split (has {sorted(sizes)})")
+        self.batches_per_epoch = -(-sizes[TRAIN_SPLIT] // (batch_size * world_size))
+        self.eval_examples = sizes[EVAL_SPLIT]
+        self.epoch = 0
+        self.cursor = b""
+
+    def _client(self, split: str, epoch: int, shuffle: bool, cursor: bytes = b"", batch_size: int | None = None):
+        return self._client_cls(self.address, split=split, rank=self.rank, world_size=self.world_size,
+                                batch_size=batch_size or self.batch_size, max_seq_len=self.max_seq_len,
+                                epoch=epoch, seed=self.seed, shuffle=shuffle, cursor=cursor, token=self.token)
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            client = self._client(TRAIN_SPLIT, self.epoch, shuffle=True, cursor=self.cursor)
+            for batch in client:
+                self.cursor = client.cursor
+                yield batch
+            self.epoch += 1
+            self.cursor = b""
+
+    def eval_batches(self, batch_size: int, max_examples: int) -> Iterator[Batch]:
+        """This rank's share of the eval split in order (every rank gets the same number of batches)."""
+        limit = -(-max_examples // self.world_size) if max_examples > 0 else None
+        seen = 0
+        for batch in self._client(EVAL_SPLIT, epoch=0, shuffle=False, batch_size=batch_size):
+            yield batch
+            seen += batch.batch_size
+            if limit is not None and seen >= limit:
+                return
+
+    def state(self) -> dict:
+        return {"kind": self.kind, "epoch": self.epoch, "cursor": bytes(self.cursor)}
+
+    def load_state(self, state: dict) -> None:
+        if state.get("kind") != self.kind:
+            raise ValueError(f"checkpoint data cursor is for a {state.get('kind')!r} stream, not {self.kind!r}")
+        self.epoch = int(state["epoch"])
+        self.cursor = bytes(state["cursor"])

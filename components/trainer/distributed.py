@@ -88,7 +88,7 @@ def _average_before_optimizer(param: nn.Parameter, world_size: int) -> None:
     param_to_acc_grad_map[param].register_prehook(hook)
 
 
-def parallelize_model(model: nn.Module, ctx: DistContext) -> nn.Module:
+def parallelize_model(model: nn.Module, ctx: DistContext, parallel: dict | None = None) -> nn.Module:
     """The model to train, from the unmodified model already on `ctx.device` (sparse optimizer attached).
 
     The seam for `components/trainer/parallel/` (FSDP2/HSDP, expert parallelism, torchrec sharding):
@@ -98,6 +98,10 @@ def parallelize_model(model: nn.Module, ctx: DistContext) -> nn.Module:
     """
     if not ctx.distributed:
         return model
+    if parallel is not None:  # the recipe's [parallel] table: FSDP2/HSDP, EP, torchrec sharding
+        from gemrec.components.trainer.parallel.integration import parallelize_for_training
+
+        return parallelize_for_training(model, ctx.world_size, ctx.device, parallel)
     tables = [(n, p) for n, p in model.named_parameters() if hasattr(p, "_in_backward_optimizers")]
     for _, param in tables:
         dist.broadcast(param.data, src=0)
@@ -111,7 +115,7 @@ def parallelize_model(model: nn.Module, ctx: DistContext) -> nn.Module:
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model under DDP/compile wrappers (for FLOP accounting and export)."""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
+        if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DMPCollection":
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod

@@ -15,6 +15,7 @@ import math
 
 import torch
 from gemrec.components.trainer.config import OptimConfig
+from gemrec.components.trainer.parallel.grads import clip_grad_norm_, total_grad_norm
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward
 
@@ -94,14 +95,17 @@ class Optimizers:
         for opt in self.sparse_optimizers().values():
             for group in opt.param_groups:
                 group["lr"] = self.config.sparse_lr * factor
+            if getattr(opt, "_emb_module", None) is not None:
+                opt.step()  # a torchrec fused (sharded) table optimizer takes a new lr only in step()
 
     def clip_and_step(self) -> float:
         """Clip dense grads, step AdamW and the schedule; returns the pre-clip dense grad norm."""
         grads = [p for _, p in self.dense_named if p.grad is not None]
+        # Mesh-aware: under expert parallelism the gradients are DTensors on different meshes.
         if self.config.grad_clip > 0 and grads:
-            norm = torch.nn.utils.clip_grad_norm_(grads, self.config.grad_clip, foreach=True)
+            norm = clip_grad_norm_(grads, self.config.grad_clip)
         elif grads:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.grad) for g in grads]))
+            norm = total_grad_norm(grads)
         else:
             norm = torch.zeros(())
         self.dense.step()

@@ -50,10 +50,15 @@ def dataset_source(config: TrainConfig, dataset_dir: Path, rank: int, world_size
 
 
 def remote_source(config: TrainConfig, addr: str, rank: int, world_size: int):
+    import grpc
     from gemrec.components.trainer.data import RemoteStream
 
-    stream = RemoteStream(addr, config.data.batch_size, config.data.max_seq_len, config.train.seed, rank,
-                          world_size)
+    try:
+        stream = RemoteStream(addr, config.data.batch_size, config.data.max_seq_len, config.train.seed, rank,
+                              world_size, token=os.environ.get("GEMREC_AUTH_TOKEN"))
+    except grpc.RpcError as err:
+        raise CLIError(f"--data-addr {addr}: the data service did not answer ({err.code().name}: "
+                       f"{err.details()})") from err
     manifest = stream.manifest
 
     def eval_batches():
@@ -108,6 +113,10 @@ def run_training(config: TrainConfig, *, dataset: Path | None, data_addr: str | 
             return trainer.run()
         except TrainingError as err:
             raise CLIError(str(err)) from err
+        except Exception as err:
+            if data_addr is not None and type(err).__module__.startswith("grpc"):
+                raise CLIError(f"--data-addr {data_addr}: the batch stream failed: {err}") from err
+            raise
     finally:
         if os.environ.get("WORLD_SIZE", "1") != "1":
             shutdown_distributed()

@@ -21,6 +21,8 @@ from gemrec.components.trainer.config import TrainConfig
 from gemrec.components.trainer.distributed import DistContext, parallelize_model, unwrap
 from gemrec.components.trainer.mfu import Peak, device_peak, measure_local_mfu, total_flops
 from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+from gemrec.components.trainer.parallel.balance import RankBalance
+from gemrec.components.trainer.parallel.integration import after_step
 from gemrec.components.trainer.tracking import (
     Tracker,
     git_commit,
@@ -146,7 +148,8 @@ class Trainer:
         model_config = ModelConfig.from_dict(config.model)
         self.model = build_model(model_config, schema).to(self.device)
         self.sparse_kind = apply_sparse_optimizer(self.model, config.optim)
-        self.train_model = parallelize_model(self.model, ctx)
+        self.train_model = parallelize_model(self.model, ctx, config.parallel)
+        self.balance = RankBalance(self.device, profile_every=config.train.log_every)
         if config.train.compile:
             self.train_model = torch.compile(self.train_model)
         self.total_steps = total_steps_for(config, dataset_info["batches_per_epoch"])
@@ -338,11 +341,13 @@ class Trainer:
             # FLOPs from the host-side lengths: no device sync.
             window.flops += total_flops(model_flops(unwrap(self.train_model), host_inp))
             inp = host_inp.to(self.device, non_blocking=True)
-            with self.autocast():
-                out = self.train_model(inp)
-            loss = model_loss(out, labels, self.weights)
-            loss.backward()
-            self.optimizers.clip_and_step()
+            with self.balance.step():  # per-rank compute time; every log_every-th step profiled
+                with self.autocast():
+                    out = self.train_model(inp)
+                loss = model_loss(out, labels, self.weights)
+                loss.backward()
+                self.optimizers.clip_and_step()
+            after_step(self.train_model, self.step + 1)
             self.step += 1
             if window.first_step is None:
                 window.first_step = self.step
@@ -398,6 +403,7 @@ class Trainer:
         preds = qm.sigmoid(logits)
         for j, name in enumerate(self.task_names):
             record[f"ne_{name}"] = qm.normalized_entropy(labels[:, j], preds[:, j])
+        record.update(self.balance.window())  # rank_imbalance, exposed_comm_s, ... (a collective)
         self.history.append(record)
         self.tracker.log_metrics({f"train/{k}": v for k, v in record.items() if k != "step"}, step=self.step)
         bar.set_postfix(loss=f"{loss:.4f}", qps=f"{record['qps']:.0f}", mfu=f"{100 * record['mfu']:.2f}%")
@@ -425,6 +431,11 @@ class Trainer:
         local, layers = float("nan"), []
         if cfg.train.local_mfu and last_inp is not None:
             model = unwrap(self.train_model)
+            if hasattr(self.train_model, "gemrec_parallel"):
+                # Sharded layers cannot run alone on one rank: time them on an unsharded single-device replica.
+                from gemrec.model import ModelConfig, build_model
+
+                model = build_model(ModelConfig.from_dict(cfg.model), self.schema).to(self.device)
             layer_flops = model_flops(model, last_inp)
             local, layers = measure_local_mfu(model, layer_flops, lambda: model(last_inp), peak.flops, self.device,
                                               self.autocast, cfg.train.local_mfu_repeats)
