@@ -133,6 +133,37 @@ def _backward(ctx, grad_out, grad_lse):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+class _Attention(torch.autograd.Function):
+    """The public ops' autograd path over the same two custom ops.
+
+    Calls `attention_fwd` with grad mode off, which skips the per-call schema walk of the op's registered
+    autograd (`fill_defaults`: about a millisecond of host time per step, which dominated small configs).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_bias, pos_table, time_table, q_offsets, kv_offsets, out_offsets, q_timestamps,
+                kv_timestamps, params, bias_params):
+        # None: the same tensor as q_offsets (torch.compile refuses one tensor passed twice to a Function)
+        kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+        out_offsets = q_offsets if out_offsets is None else out_offsets
+        out, lse = attention_fwd(q, k, v, q_offsets, kv_offsets, out_offsets, *params, attn_bias, pos_table,
+                                 time_table, q_timestamps, kv_timestamps, *bias_params)
+        ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, attn_bias, pos_table,
+                              time_table, q_timestamps, kv_timestamps)
+        ctx.params, ctx.bias_params = params, bias_params
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, attn_bias, pos_table, time_table, q_timestamps,
+         kv_timestamps) = ctx.saved_tensors
+        dq, dk, dv, dab, dpt, dtt = attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, out_offsets,
+                                                  *ctx.params, attn_bias, pos_table, time_table, q_timestamps,
+                                                  kv_timestamps, *ctx.bias_params)
+        return (dq, dk, dv, dab if attn_bias is not None else None, dpt if pos_table is not None else None,
+                dtt if time_table is not None else None, None, None, None, None, None, None, None)
+
+
 def attention_pairs(q_offsets, kv_offsets, causal: bool) -> int:
     """Number of (query, key) pairs that are really computed: the unit of the FLOP count."""
     q_off = [int(x) for x in q_offsets.tolist()]
@@ -263,10 +294,17 @@ def _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation
     else:
         out_offsets = q_offsets
     contiguous = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, attn_bias)]
-    out, _ = attention_fwd(
-        *contiguous[:3], q_offsets, kv_offsets, out_offsets, int(max_q_len), int(max_kv_len),
-        ACTIVATIONS[activation], bool(causal), scale, NORMALIZE[normalize], contiguous[3], rel.position, rel.time,
-        rel.q_timestamps, rel.kv_timestamps, int(rel.max_distance), float(rel.time_log_base))
+    params = (int(max_q_len), int(max_kv_len), ACTIVATIONS[activation], bool(causal), scale, NORMALIZE[normalize])
+    bias_params = (int(rel.max_distance), float(rel.time_log_base))
+    kv_arg = None if kv_offsets is q_offsets else kv_offsets
+    out_arg = None if out_offsets is q_offsets else out_offsets
+    inputs = [*contiguous, rel.position, rel.time, q_offsets, kv_arg, out_arg, rel.q_timestamps, rel.kv_timestamps]
+    present = [t for t in inputs if t is not None]
+    if len({id(t) for t in present}) == len(present):
+        return _Attention.apply(*inputs, params, bias_params)
+    # one tensor in two roles (k is v, say): the op's registered autograd handles that under torch.compile too
+    out, _ = attention_fwd(*contiguous[:3], q_offsets, kv_offsets, out_offsets, *params, contiguous[3],
+                           rel.position, rel.time, rel.q_timestamps, rel.kv_timestamps, *bias_params)
     return out
 
 

@@ -130,3 +130,16 @@ def test_custom_op_compiles_fullgraph_and_counts_flops():
     pairs = sum(n * (n + 1) // 2 for n in lens)
     assert (fwd, bwd) == (4 * pairs * HEADS * 32, 10 * pairs * HEADS * 32)
     assert counter.get_total_flops() == fwd + bwd
+
+
+def test_one_tensor_in_several_roles_under_compile():
+    off = offsets_of([5, 0, 12])
+    x = torch.randn(17, HEADS, DIM, requires_grad=True)
+    compiled = torch.compile(lambda x: jagged_attention(x, x, x, off, off, 12, 12, causal=True, backend="triton"),
+                             fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    ref = jagged_attention(x, x, x, off, off, 12, 12, causal=True, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    grad = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(ref, x, grad)[0],
+                               rtol=1e-5, atol=1e-5)
