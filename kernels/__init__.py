@@ -1,4 +1,28 @@
-"""Triton kernels: jagged flash attention (`jagged_attention`) and generalized dot-product attention (`gdpa`)."""
+"""Triton kernels: jagged flash attention (`jagged_attention`) and generalized dot-product attention (`gdpa`).
+
+Layout: q `(total_q, heads, head_dim)`, k/v `(total_kv, heads, head_dim)`, offsets `(B+1,)` int64 (int32
+inside the kernels); sequence i owns rows `offsets[i]:offsets[i+1]`. `max_q_len`/`max_kv_len` are host
+ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust them, no sync).
+
+- Sharing (PMA seeds, shared context): a 2-entry `q_offsets` with B > 1 key sequences means one query
+  sequence attends to every key sequence; the kernels index the same q rows for all B (no B copies), the
+  output has `B * len_q` rows and dq is reduced over B. A 2-entry `kv_offsets` shares one key/value
+  sequence the same way.
+- Causal, bottom-right aligned: query i of a length-Lq sequence sees keys j <= i + (Lkv - Lq). For
+  self-attention that is j <= i; for 32 seeds over 1000 keys, seed 31 sees all keys and seed 0 the first
+  969; a query that sees no key outputs zeros.
+- Scores: `scale * q.k + attn_bias[row, h, j] + rel.position[h, bucket(|i + Lkv - Lq - j|)] +
+  rel.time[h, bucket(|ts_q - ts_k|)]`; `attn_bias` is `(output rows, H, max_kv_len)` (dense, per query
+  row, meant for short key sequences); the bucket tables are learnable and indexed in-kernel (see
+  `RelativeBias`); every bias gets its gradient, and no `[B, H, N, N]` tensor is ever built.
+- `jagged_attention`: softmax. `gdpa`: `act(scores) v * norm`, act in silu, gelu, gelu_tanh, relu, relu2;
+  norm 1/kv_len (per sequence), 1/max_kv_len (HSTU) or none.
+- Backends: "auto" runs the Triton kernels on CUDA and the pure-torch reference (`reference.py`)
+  elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before triton is first imported.
+- The Triton path is the custom ops `gemrec::attention_fwd` / `gemrec::attention_bwd` (fake impls for
+  `torch.compile(fullgraph=True)`, FLOP formulas for `FlopCounterMode` counting real pairs only),
+  autotuned on (bucketed max length, head dim, variant); GEMREC_KERNEL_AUTOTUNE=0 uses fixed tiles.
+"""
 
 from gemrec.kernels.ops import RelativeBias, attention_flops, attention_pairs, gdpa, jagged_attention
 
