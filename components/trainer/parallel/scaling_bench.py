@@ -1,0 +1,160 @@
+"""Scaling benchmark: the `h200-bench` recipe (plain-torch embeddings, synthetic production-shaped batches) on
+1..N GPUs under torchrun, through `parallelize` (FSDP2 over all ranks, optionally expert parallelism).
+
+Weak scaling: every rank trains on its own batch of the recipe's size, so the global batch grows with the world.
+
+    torchrun --nproc_per_node N -m gemrec.components.trainer.parallel.scaling_bench --out DIR [--ep 2] [--set k=v]
+
+Writes DIR/scaling_w<N>[_ep<E>].json: QPS (all ranks), E2E MFU (model FLOPs of all ranks / time / (peak x N)),
+step time, and from one profiled step per rank: compute imbalance (max/mean) and exposed communication.
+The scaling ratio is E2E MFU at N GPUs / E2E MFU at 1 GPU (the weak-scaling efficiency; `report` computes it
+from the files of several runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def run(argv: list[str]) -> dict:
+    from gemrec.components.trainer.config import load_recipe
+    from gemrec.components.trainer.gpu_bench import synthetic_batch, synthetic_schema
+    from gemrec.components.trainer.mfu import device_peak, total_flops
+    from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+    from gemrec.components.trainer.parallel import ParallelConfig, ParallelDims, parallelize
+    from gemrec.components.trainer.parallel.balance import RankBalance
+    from gemrec.model import ModelConfig, build_model, model_flops
+    from gemrec.model import loss as model_loss
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipe", default="h200-bench")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--ep", type=int, default=1)
+    parser.add_argument("--dp-replicate", type=int, default=1)
+    args = parser.parse_args(argv)
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+    if world > 1:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+
+    config = load_recipe(args.recipe, args.overrides)
+    bench = config.bench
+    torch.manual_seed(config.train.seed)
+    schema = synthetic_schema(bench)
+    model = build_model(ModelConfig.from_dict({**config.model, "embedding_backend": "torch"}), schema).to(device)
+    apply_sparse_optimizer(model, config.optim)
+    layout = "single device, no wrapper"
+    train_model = model
+    if world > 1:
+        pconfig = ParallelConfig(dp_replicate=args.dp_replicate, ep=args.ep)
+        train_model, report = parallelize(model, ParallelDims.from_config(pconfig, world), pconfig, device)
+        layout = report.layout
+    optimizers = Optimizers(train_model, config.optim, bench.warmup_steps + bench.steps + 1)
+    bf16 = cuda and config.train.precision in ("auto", "bf16")
+
+    gen = torch.Generator().manual_seed(1000 + rank)  # every rank its own batches
+    host = [synthetic_batch(schema, bench, config.data.batch_size, config.data.max_seq_len, gen)
+            for _ in range(bench.distinct_batches)]
+    flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
+    batches = [(inp.to(device), labels.to(device)) for inp, labels in host]
+    balance = RankBalance(device, profile_every=10**9)  # the first step of the timed window is profiled
+    state = {"i": 0}
+
+    def step():
+        inp, labels = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            out = train_model(inp)
+        model_loss(out, labels).backward()
+        optimizers.clip_and_step()
+
+    def barrier():
+        if cuda:
+            torch.cuda.synchronize(device)
+        if world > 1:
+            dist.barrier()
+
+    for _ in range(bench.warmup_steps):
+        step()
+    barrier()
+    with balance.step():  # profiled (not in the timed window)
+        step()
+    balance_metrics = balance.window()
+    barrier()
+    first = state["i"]
+    start = time.perf_counter()
+    for _ in range(bench.steps):
+        step()
+    barrier()
+    seconds = time.perf_counter() - start
+    local_flops = sum(flops[(first + k) % len(flops)] for k in range(bench.steps))
+    totals = torch.tensor([local_flops, float(config.data.batch_size * bench.steps)], dtype=torch.float64,
+                          device=device if cuda else "cpu")
+    if world > 1:
+        dist.all_reduce(totals)
+    peak = device_peak(device, bf16)
+    result = {
+        "world_size": world,
+        "ep": args.ep,
+        "layout": layout,
+        "device": peak.device,
+        "torch": torch.__version__,
+        "recipe": config.recipe,
+        "overrides": args.overrides,
+        "batch_size_per_rank": config.data.batch_size,
+        "steps": bench.steps,
+        "step_ms": 1000 * seconds / bench.steps,
+        "qps": float(totals[1]) / seconds,
+        "mfu_e2e": float(totals[0]) / seconds / (peak.flops * world),
+        "model_tflop_per_step_all_ranks": float(totals[0]) / bench.steps / 1e12,
+        "peak_flops": peak.flops,
+        "peak_source": peak.source,
+        **{f"profiled_{k}": v for k, v in balance_metrics.items()},
+    }
+    if rank == 0:
+        args.out.mkdir(parents=True, exist_ok=True)
+        name = f"scaling_w{world}" + (f"_ep{args.ep}" if args.ep > 1 else "") + ".json"
+        (args.out / name).write_text(json.dumps(result, indent=2))
+        print(json.dumps(result, indent=2))
+    if world > 1:
+        dist.destroy_process_group()
+    return result
+
+
+def report(paths: list[Path]) -> str:
+    """Markdown table of several runs; scaling ratio against the 1-GPU run."""
+    runs = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: (r["world_size"], r["ep"]))
+    base = next((r for r in runs if r["world_size"] == 1), None)
+    lines = ["| GPUs | layout | QPS | step ms | E2E MFU | scaling ratio | rank imbalance | exposed comm ms/step |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in runs:
+        ratio = r["mfu_e2e"] / base["mfu_e2e"] if base else float("nan")
+        lines.append(
+            f"| {r['world_size']} | {'EP ' + str(r['ep']) + ', ' if r['ep'] > 1 else ''}{r['layout'].split(';')[0]} "
+            f"| {r['qps']:.0f} | {r['step_ms']:.1f} | {100 * r['mfu_e2e']:.1f}% | {ratio:.3f} "
+            f"| {r['profiled_rank_imbalance']:.3f} | {1000 * r['profiled_exposed_comm_s']:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["report"]:
+        print(report([Path(p) for p in sys.argv[2:]]))
+    else:
+        run(sys.argv[1:])
