@@ -59,12 +59,15 @@ def plan_embedding_sharding(
     sharding_types: list[str] | None = None,
     local_world_size: int | None = None,
     batch_size: int | None = None,
+    shard_world_size: int | None = None,
 ):
-    """A planner-chosen `ShardingPlan` for every EBC of `model` over `group` (collective: all ranks call it)."""
+    """A planner-chosen `ShardingPlan` for every EBC of `model`, computed on rank 0 of `group` and broadcast
+    (collective: all ranks call it). `shard_world_size`: ranks to shard over when smaller than the group
+    (2D: one sharding group's plan, which DMPCollection remaps onto every group)."""
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-    world = dist.get_world_size(group)
+    world = shard_world_size or dist.get_world_size(group)
     constraints = None
     if sharding_types:
         tables = [
@@ -194,7 +197,8 @@ def shard_embedding_tables_2d(
     weights = {name: model.get_submodule(name).state_dict() for name in names}
     sparse_mesh: DeviceMesh = parallel_dims.sparse_mesh
     shard_group = sparse_mesh.get_group("sparse_shard")
-    plan = plan_embedding_sharding(model, shard_group, device, config.sharding_types)
+    plan = plan_embedding_sharding(model, dist.group.WORLD, device, config.sharding_types,
+                                   shard_world_size=parallel_dims.sparse_shard)
     dmp = DMPCollection(
         module=model,
         device=device,
