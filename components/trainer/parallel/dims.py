@@ -39,7 +39,6 @@ class ParallelConfig:
     reduce_dtype: str | None = None
     # Planner constraint on the embedding tables; empty lets the planner choose per table.
     sharding_types: list[str] = field(default_factory=list)
-    sparse_pipeline: bool = True  # start the next batch's embedding input all-to-all before this step's compute
     dmp_sync_interval: int = 1  # 2D sparse: all-reduce embedding replicas every N steps
 
     def __post_init__(self) -> None:
@@ -51,6 +50,8 @@ class ParallelConfig:
         if self.dmp_sync_interval < 1:
             raise ParallelConfigError(f"dmp_sync_interval must be >= 1, got {self.dmp_sync_interval}")
         for name in ("param_dtype", "reduce_dtype"):
+            if getattr(self, name) == "":  # TOML has no null: "" means unset
+                setattr(self, name, None)
             value = getattr(self, name)
             if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
                 raise ParallelConfigError(f"{name} {value!r} is not a torch dtype name (e.g. 'bfloat16')")

@@ -140,6 +140,7 @@ def train_losses(model: nn.Module, batches, rank: int, world: int, steps: int, f
 
 def check_train(mesh: str, rank: int, world: int) -> dict:
     """dp_replicate x dp_shard (x ep) mesh, tables sharded by the planner: loss trajectory vs one process."""
+    mesh, _, option = mesh.partition("+")
     rep, shard, ep = (int(x) for x in mesh.split("x"))
     steps, global_batch = 6, 16
     batches = [make_batch(100 + s, global_batch) for s in range(steps)]
@@ -150,7 +151,9 @@ def check_train(mesh: str, rank: int, world: int) -> dict:
     model = build()
     attach_sparse_sgd(model)
     dims = ParallelDims(world, dp_replicate=rep, dp_shard=shard, ep=ep)
-    model, report = parallelize(model, dims, ParallelConfig(dp_replicate=rep, dp_shard=shard, ep=ep), CPU)
+    config = ParallelConfig(dp_replicate=rep, dp_shard=shard, ep=ep,
+                            activation_checkpoint="full" if option == "ac" else "none")
+    model, report = parallelize(model, dims, config, CPU)
     losses = train_losses(model, batches, rank, world, steps, grads)
     # Relative error of every dense gradient of step 1 (a wrong average shows as 0.5 or 2 here).
     grad_err = {n: ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in ref_grads.items()}
