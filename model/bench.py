@@ -150,9 +150,9 @@ def count_host_syncs(step) -> tuple[int, list[str]]:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
-            torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     return len(syncs), sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
 

@@ -116,7 +116,8 @@ class SparseEmbeddings(nn.Module):
         self.schema = schema
         self.features = schema.feature_names
         self.token_features = ["item_id", *schema.seq_item_features]
-        self.token_columns = [self.features.index(name) for name in self.token_features]
+        columns = torch.tensor([self.features.index(name) for name in self.token_features])
+        self.register_buffer("token_columns", columns, persistent=False)  # on the device: no host copy
         tables = TorchrecTables if config.embedding_backend == "torchrec" else TorchTables
         self.tables = tables(schema, config.embedding_dim)
 
@@ -131,7 +132,7 @@ class SparseEmbeddings(nn.Module):
         values, lengths = self._merge(sparse_features, seq_item_ids, seq_item_features, batch)
         tokens = seq_item_ids.numel()
         pooled = self.tables(values, lengths, batch + tokens)
-        return pooled[:batch], pooled[batch:, self.token_columns]
+        return pooled[:batch], pooled[batch:].index_select(1, self.token_columns)
 
     def _reorder(self, features, batch: int):
         """The features' rows in schema key order (a no-op gather when already in order)."""
