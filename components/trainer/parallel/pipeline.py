@@ -21,6 +21,17 @@ from gemrec.components.trainer.parallel import sharding
 from torch import nn
 
 
+def _same_batch(a, b) -> bool:
+    """Same keys, lengths and ids (lengths alone repeat across batches of single-valued features)."""
+    return (
+        list(a.keys()) == list(b.keys())
+        and a.lengths().shape == b.lengths().shape
+        and a.values().shape == b.values().shape
+        and torch.equal(a.lengths(), b.lengths())
+        and torch.equal(a.values(), b.values())
+    )
+
+
 class _Captured(Exception):
     def __init__(self, features):
         super().__init__("lookup input captured")
@@ -66,8 +77,8 @@ class SparseDistPipeline:
         def forward(table, features):
             queue = table._gemrec_queue
             while queue:
-                lengths, ctx, pending = queue.popleft()
-                if lengths.shape == features.lengths().shape and torch.equal(lengths, features.lengths()):
+                captured, ctx, pending = queue.popleft()
+                if _same_batch(captured, features):
                     pipeline.hits += 1
                     return table.compute_and_output_dist(ctx, pending.wait().wait())
                 pending.wait().wait()  # stale: finish its collective so every rank stays in step
@@ -92,29 +103,31 @@ class SparseDistPipeline:
             self._capturing = False
         table = self.tables[0]
         ctx = table.create_context()
-        table._gemrec_queue.append((features.lengths(), ctx, table.input_dist(ctx, features)))
+        table._gemrec_queue.append((features, ctx, table.input_dist(ctx, features)))
 
-    def _to_device(self, batch):
+    def _to_device(self, batch, move: Callable):
         if self._copy_stream is None:
-            return batch.to(self.device)
+            return move(batch)
         with torch.cuda.stream(self._copy_stream):
-            moved = batch.to(self.device, non_blocking=True)
-        return moved
+            return move(batch)
 
-    def __call__(self, batches: Iterable) -> Iterator:
-        """Yield the batches on the device; when batch i is yielded, batch i+1 is already copied and its
-        embedding input all-to-all is in flight."""
+    def __call__(self, batches: Iterable, move: Callable | None = None,
+                 lookup_input: Callable = lambda item: item) -> Iterator:
+        """Yield the batches moved to the device (`move(item)`, default `item.to(device)`); when batch i is
+        yielded, batch i+1 is already moved and its embedding input all-to-all is in flight.
+        `lookup_input(moved_item)` is what `lookup_call` takes (the model input inside a larger item)."""
+        move = move or (lambda item: item.to(self.device, non_blocking=True))
         iterator = iter(batches)
         try:
-            current = self._to_device(next(iterator))
+            current = self._to_device(next(iterator), move)
         except StopIteration:
             return
         self._wait_copy()
-        self.start(current)
+        self.start(lookup_input(current))
         for upcoming in iterator:
-            upcoming = self._to_device(upcoming)
+            upcoming = self._to_device(upcoming, move)
             self._wait_copy()
-            self.start(upcoming)
+            self.start(lookup_input(upcoming))
             yield current
             current = upcoming
         yield current
