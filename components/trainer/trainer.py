@@ -22,7 +22,7 @@ from gemrec.components.trainer.distributed import DistContext, parallelize_model
 from gemrec.components.trainer.mfu import Peak, device_peak, measure_local_mfu, total_flops
 from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
 from gemrec.components.trainer.parallel.balance import RankBalance
-from gemrec.components.trainer.parallel.integration import after_step
+from gemrec.components.trainer.parallel.integration import after_step, training_inputs
 from gemrec.components.trainer.tracking import (
     Tracker,
     git_commit,
@@ -158,7 +158,11 @@ class Trainer:
         self.checkpoints = CheckpointManager(options.run_dir / "checkpoints", config.checkpoint.keep, ctx.rank,
                                              ctx.barrier)
         self.step = 0
+        self.stream_state: dict | None = None  # the data stream's state after the last trained batch
         self.history: list[dict] = []
+        self.seen_label_sums = torch.zeros(len(self.task_names), dtype=torch.float64)
+        self.seen_examples = 0
+        self.seen_lengths: list[np.ndarray] = []
         self.eval_history: list[dict] = []
         self.last_checkpoint: Path | None = None
         self.tracker: Tracker | None = None
@@ -174,7 +178,7 @@ class Trainer:
         return {
             "model": get_model_state_dict(self.train_model),
             "optim": self.optimizers.state_dict(),
-            "data": {f"rank{self.ctx.rank}": self.stream.state()},
+            "data": {f"rank{self.ctx.rank}": self.stream_state or self.stream.state()},
             "rng": {f"rank{self.ctx.rank}": rng},
             "progress": {"step": self.step},
         }
@@ -247,13 +251,13 @@ class Trainer:
         num_tasks = len(self.task_names)
         local = (np.concatenate(labels) if labels else np.zeros((0, num_tasks), np.float32),
                  np.concatenate(logits) if logits else np.zeros((0, num_tasks), np.float32))
+        train_rates = self.dataset_info.get("train_base_rates") or self.observed_train_rates()  # collective
         gathered = self.ctx.gather_objects(local)
         if gathered is None:
             return None
         all_labels = np.concatenate([g[0] for g in gathered])
         all_logits = np.concatenate([g[1] for g in gathered])
         result = qm.task_metrics(all_labels, all_logits, self.task_names)
-        train_rates = self.dataset_info.get("train_base_rates", {})
         for name in self.task_names:
             rate = train_rates.get(name)
             if rate is not None:  # NE of the constant prediction "training base rate", for reference
@@ -269,6 +273,12 @@ class Trainer:
         state = {k: v.detach().cpu() for k, v in unwrap(self.train_model).state_dict().items()}
         model.load_state_dict(state)
         return model.eval()
+
+    def observed_train_rates(self) -> dict[str, float]:
+        """Positive rate per label over the training batches this run consumed (all ranks)."""
+        examples = self.ctx.all_reduce_sum(float(self.seen_examples))
+        sums = [self.ctx.all_reduce_sum(float(v)) for v in self.seen_label_sums]
+        return {n: sums[i] / examples for i, n in enumerate(self.task_names)} if examples else {}
 
     def to_input(self, batch):
         from gemrec.components.trainer.data import to_model_input
@@ -332,15 +342,14 @@ class Trainer:
         last_inp = None
         bar = tqdm(total=self.total_steps, initial=self.step, disable=not (ctx.is_main and self.options.progress),
                    desc=f"train {cfg.arch}", unit="step", mininterval=1.0, dynamic_ncols=True)
-        batches = iter(self.stream)
+        # (batch, host input, device input, stream state after it); pipelined when the tables are sharded
+        batches = training_inputs(self.train_model, self.stream, self.device, to_model_input)
         self.train_model.train()
         while self.step < self.total_steps:
-            batch = next(batches)
+            batch, host_inp, inp, self.stream_state = next(batches)
             labels = batch.labels.to(self.device, non_blocking=True)
-            host_inp = to_model_input(batch)
             # FLOPs from the host-side lengths: no device sync.
             window.flops += total_flops(model_flops(unwrap(self.train_model), host_inp))
-            inp = host_inp.to(self.device, non_blocking=True)
             with self.balance.step():  # per-rank compute time; every log_every-th step profiled
                 with self.autocast():
                     out = self.train_model(inp)
@@ -354,6 +363,10 @@ class Trainer:
             window.losses.append(loss.detach())
             window.logits.append(out.logits.detach().float())
             window.labels.append(labels)
+            self.seen_label_sums += batch.labels.sum(0).double()
+            self.seen_examples += batch.batch_size
+            if self.dataset_info.get("train_seq_lengths") is None and len(self.seen_lengths) < 200:
+                self.seen_lengths.append(batch.seq_lengths().numpy())
             window.examples += batch.batch_size
             window.tokens += batch.num_tokens
             last_inp = inp
@@ -486,6 +499,10 @@ class Trainer:
             fig = plot_curves(self.history, self.eval_history)
             tracker.log_figure(fig, "plots/loss_ne_curves.png")
             plt.close(fig)
+            if self.seen_lengths:  # the data service gives no length table: plot what training saw
+                fig = plot_seq_lengths(np.concatenate(self.seen_lengths), cfg.data.max_seq_len)
+                tracker.log_figure(fig, "plots/seq_length_hist.png")
+                plt.close(fig)
             if layer_rows:
                 fig = plot_layer_mfu(layer_rows, local, e2e)
                 tracker.log_figure(fig, "plots/layer_mfu.png")
