@@ -192,9 +192,9 @@ class GEMModel(nn.Module):
         hidden = int(config.mlp_ratio * d)
         self.embeddings = SparseEmbeddings(schema, config)
         self.seq_input = SeqInput(schema, config)
-        rotary = Rotary(d // heads, config.rotary_base) if config.rotary else None
+        self.rotary = Rotary(d // heads, config.rotary_base) if config.rotary else None
         self.seq_tower = nn.ModuleList(
-            SeqLayer(d, heads, hidden, config.seq_attention, config.seq_causal, rotary)
+            SeqLayer(d, heads, hidden, config.seq_attention, config.seq_causal)
             for _ in range(config.seq_layers)
         )
         self.seq_norm = nn.LayerNorm(d)
@@ -230,11 +230,12 @@ class GEMModel(nn.Module):
             torch.arange(batch, device=device), inp.seq_lengths(), output_size=tokens
         )
         positions = torch.arange(tokens, device=device) - offsets[token_example]
+        rope = self.rotary(positions) if self.rotary is not None else None
         from_end = offsets[1:][token_example] - 1 - torch.arange(tokens, device=device)
         seconds = inp.timestamps[token_example] - inp.seq_timestamps
         seq = self.seq_input(token_emb, inp.seq_actions, seconds, from_end)
         for layer in self.seq_tower:
-            seq = layer(seq, offsets, max_len, positions)
+            seq = layer(seq, offsets, max_len, rope)
         seq = self.seq_norm(seq)
         summaries = self.pma(seq, offsets, max_len, batch)
         x = self.feature_input(example_emb, inp.dense_features)

@@ -56,18 +56,26 @@ def add(*pairs: tuple[int, int]) -> tuple[int, int]:
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding on (tokens, heads, head_dim) with one position per token."""
+    """Rotary position embedding, one position per token; angles once per forward, rotation in x's dtype."""
 
     def __init__(self, head_dim: int, base: float):
         super().__init__()
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        angles = positions.float()[:, None] * self.inv_freq  # (tokens, head_dim / 2)
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).to(x.dtype)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), float32, shape (tokens, 1, head_dim / 2): broadcast over (tokens, heads, head_dim / 2)."""
+        angles = positions.float()[:, None] * self.inv_freq
+        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary on the last dim of x (tokens, ..., head_dim), computed in x's dtype."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    while cos.dim() < x.dim():
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 class Mlp(nn.Module):
@@ -88,25 +96,26 @@ class Mlp(nn.Module):
 class JaggedAttention(nn.Module):
     """Multi-head attention from query tokens to key/value tokens, jagged on both sides."""
 
-    def __init__(
-        self, dim: int, heads: int, kind: str = "softmax", causal: bool = False, rotary: Rotary | None = None
-    ):
+    def __init__(self, dim: int, heads: int, kind: str = "softmax", causal: bool = False):
         super().__init__()
-        self.dim, self.heads, self.kind, self.causal, self.rotary = dim, heads, kind, causal, rotary
+        self.dim, self.heads, self.kind, self.causal = dim, heads, kind, causal
         self.wq, self.wkv, self.wo = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
 
-    def forward(self, xq, xkv, q_offsets, kv_offsets, max_q_len, max_kv_len, q_pos=None, kv_pos=None):
+    def forward(self, xq, xkv, q_offsets, kv_offsets, max_q_len, max_kv_len, rope=None):
+        """`rope`: (cos, sin) from `Rotary` for self-attention (xq is xkv), or None."""
         h = self.heads
         hd = self.dim // h
-        if xq is xkv:  # self-attention: one GEMM for q, k and v
+        if xq is xkv:  # self-attention: one GEMM for q, k and v, one rotation for q and k
             weight = torch.cat([self.wq.weight, self.wkv.weight])
             bias = torch.cat([self.wq.bias, self.wkv.bias])
-            q, k, v = F.linear(xq, weight, bias).view(xq.shape[0], 3, h, hd).unbind(1)
+            qkv = F.linear(xq, weight, bias).view(xq.shape[0], 3, h, hd)
+            qk = qkv[:, :2] if rope is None else rotate(qkv[:, :2], *rope)
+            (q, k), v = qk.unbind(1), qkv[:, 2]
         else:
+            if rope is not None:
+                raise ValueError("rotary positions apply to self-attention only")
             q = self.wq(xq).view(xq.shape[0], h, hd)
             k, v = self.wkv(xkv).view(xkv.shape[0], 2, h, hd).unbind(1)
-        if self.rotary is not None:
-            q, k = self.rotary(q, q_pos), self.rotary(k, kv_pos)
         out = attention(
             q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, kind=self.kind, causal=self.causal
         )
@@ -127,15 +136,15 @@ class JaggedAttention(nn.Module):
 class SeqLayer(nn.Module):
     """Pre-norm self-attention + MLP over the jagged history tokens."""
 
-    def __init__(self, dim: int, heads: int, hidden: int, kind: str, causal: bool, rotary: Rotary | None):
+    def __init__(self, dim: int, heads: int, hidden: int, kind: str, causal: bool):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = JaggedAttention(dim, heads, kind, causal, rotary)
+        self.attn = JaggedAttention(dim, heads, kind, causal)
         self.mlp = Mlp(dim, hidden)
 
-    def forward(self, x, offsets, max_len, positions):
+    def forward(self, x, offsets, max_len, rope=None):
         y = self.norm1(x)
-        x = x + self.attn(y, y, offsets, offsets, max_len, max_len, positions, positions)
+        x = x + self.attn(y, y, offsets, offsets, max_len, max_len, rope)
         return x + self.mlp(self.norm2(x))
 
     def flops(self, seq: Jagged) -> tuple[int, int]:

@@ -1,0 +1,34 @@
+import torch
+from gemrec.model.layers import Rotary, rotate
+
+
+def test_rotary_is_a_rotation_that_keeps_only_relative_position():
+    rotary = Rotary(8, 10000.0)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (
+        torch.randn(1, 2, 8, generator=gen, dtype=torch.float64),
+        torch.randn(1, 2, 8, generator=gen, dtype=torch.float64),
+    )
+
+    def score(pq, pk):
+        cq, sq = rotary(torch.tensor([pq]))
+        ck, sk = rotary(torch.tensor([pk]))
+        return (rotate(q, cq.double(), sq.double()) * rotate(k, ck.double(), sk.double())).sum(-1)
+
+    torch.testing.assert_close(score(3, 1), score(10, 8))
+    torch.testing.assert_close(score(0, 0), (q * k).sum(-1))
+    assert not torch.allclose(score(3, 1), score(3, 2))
+    cos, sin = rotary(torch.tensor([5]))
+    rotated = rotate(q, cos.double(), sin.double())
+    torch.testing.assert_close(rotated.norm(dim=-1), q.norm(dim=-1))  # norms kept
+    # q and k rotated together as (tokens, 2, heads, head_dim) equals rotating each.
+    both = rotate(torch.stack([q, k], 1), cos.double(), sin.double())
+    torch.testing.assert_close(both[:, 0], rotated)
+
+
+def test_rotary_runs_in_the_input_dtype():
+    cos, sin = Rotary(16, 10000.0)(torch.arange(4))
+    x = torch.randn(4, 2, 16).bfloat16()
+    out = rotate(x, cos, sin)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), rotate(x.float(), cos, sin), rtol=2e-2, atol=2e-2)
