@@ -40,6 +40,7 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--dp-replicate", type=int, default=1)
+    parser.add_argument("--param-dtype", default="", help="FSDP2 all-gather dtype, e.g. bfloat16 ('' = fp32)")
     args = parser.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -62,11 +63,12 @@ def run(argv: list[str]) -> dict:
     layout = "single device, no wrapper"
     train_model = model
     if world > 1:
-        pconfig = ParallelConfig(dp_replicate=args.dp_replicate, ep=args.ep)
+        pconfig = ParallelConfig(dp_replicate=args.dp_replicate, ep=args.ep, param_dtype=args.param_dtype,
+                                 reduce_dtype="float32" if args.param_dtype else "")
         train_model, report = parallelize(model, ParallelDims.from_config(pconfig, world), pconfig, device)
         layout = report.layout
     optimizers = Optimizers(train_model, config.optim, bench.warmup_steps + bench.steps + 1)
-    bf16 = cuda and config.train.precision in ("auto", "bf16")
+    bf16 = config.train.precision == "bf16" or (cuda and config.train.precision == "auto")
 
     gen = torch.Generator().manual_seed(1000 + rank)  # every rank its own batches
     host = [synthetic_batch(schema, bench, config.data.batch_size, config.data.max_seq_len, gen)
@@ -112,6 +114,7 @@ def run(argv: list[str]) -> dict:
     result = {
         "world_size": world,
         "ep": args.ep,
+        "fsdp_param_dtype": args.param_dtype or "float32",
         "layout": layout,
         "device": peak.device,
         "torch": torch.__version__,
@@ -129,7 +132,8 @@ def run(argv: list[str]) -> dict:
     }
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = f"scaling_w{world}" + (f"_ep{args.ep}" if args.ep > 1 else "") + ".json"
+        name = (f"scaling_w{world}" + (f"_ep{args.ep}" if args.ep > 1 else "")
+                + (f"_{args.param_dtype}" if args.param_dtype and world > 1 else "") + ".json")
         (args.out / name).write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
     if world > 1:
@@ -139,15 +143,16 @@ def run(argv: list[str]) -> dict:
 
 def report(paths: list[Path]) -> str:
     """Markdown table of several runs; scaling ratio against the 1-GPU run."""
-    runs = sorted((json.loads(p.read_text()) for p in paths), key=lambda r: (r["world_size"], r["ep"]))
+    runs = sorted((json.loads(p.read_text()) for p in paths),
+                  key=lambda r: (r["world_size"], r["ep"], r["fsdp_param_dtype"]))
     base = next((r for r in runs if r["world_size"] == 1), None)
-    lines = ["| GPUs | layout | QPS | step ms | E2E MFU | scaling ratio | rank imbalance | exposed comm ms/step |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| GPUs | layout | FSDP params | QPS | step ms | E2E MFU | scaling ratio | rank imbalance "
+             "| exposed comm ms/step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         ratio = r["mfu_e2e"] / base["mfu_e2e"] if base else float("nan")
         lines.append(
             f"| {r['world_size']} | {'EP ' + str(r['ep']) + ', ' if r['ep'] > 1 else ''}{r['layout'].split(';')[0]} "
-            f"| {r['qps']:.0f} | {r['step_ms']:.1f} | {100 * r['mfu_e2e']:.1f}% | {ratio:.3f} "
+            f"| {r['fsdp_param_dtype'] if r['world_size'] > 1 else '-'} | {r['qps']:.0f} | {r['step_ms']:.1f} | {100 * r['mfu_e2e']:.1f}% | {ratio:.3f} "
             f"| {r['profiled_rank_imbalance']:.3f} | {1000 * r['profiled_exposed_comm_s']:.1f} |"
         )
     return "\n".join(lines)
