@@ -93,3 +93,18 @@ def test_fsdp_blocks_are_the_outermost_module_list_elements():
     names = [name for name, _ in fsdp_blocks(net)]
     assert names == ["tower.0", "tower.2", "head.towers.0"]  # Identity has no parameters; nested lists stay inside
     assert [name for name, _ in fsdp_blocks(net, skip={id(net.head)})] == ["tower.0", "tower.2"]
+
+
+def test_training_inputs_carry_the_stream_state_after_each_batch(movielens_dataset):
+    """The train loop checkpoints this state, not the stream's own, which may be read ahead."""
+    from gemrec.components.data_service.dataset import Dataset
+    from gemrec.components.trainer.data import DatasetStream, to_model_input
+    from gemrec.components.trainer.parallel.integration import training_inputs
+
+    stream = DatasetStream(Dataset.open(movielens_dataset), batch_size=8, max_seq_len=16, seed=0, prefetch=0)
+    inputs = training_inputs(nn.Linear(1, 1), stream, torch.device("cpu"), to_model_input)
+    items = [next(inputs) for _ in range(3)]
+    assert [state["position"] for *_, state in items] == [1, 2, 3]
+    batch, host, device_input, _ = items[0]
+    assert batch.batch_size == host.batch_size == device_input.batch_size == 8
+    assert torch.equal(host.seq_item_ids, batch.seq_item_ids)
