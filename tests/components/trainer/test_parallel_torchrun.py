@@ -58,7 +58,7 @@ def runs(tmp_path_factory):
     four = torchrun(4, base / "four", ["train:2x2x1", "train:2x2x2", "train:1x4x2", "ep", "dcp_save"], port())
     two = torchrun(
         2, base / "two",
-        ["train:1x2x1", "train:2x1x1", "train:1x2x2+ac", "ep", "metrics", "pipeline", "gem:torchrec", "gem:torch",
+        ["train:1x2x1", "train:2x1x1", "train:1x2x2+ac", "ep", "metrics", "pipeline", "gem:torchrec", "gem:torch", "sparse2d_cpu",
          "sharding:table_wise", "sharding:column_wise",
          "sharding:row_wise", "sharding:planner", f"dcp_load:{base / 'four' / 'ckpt'}"],
         port(),
@@ -140,3 +140,9 @@ def test_sparse_dist_pipeline_is_exact_and_prefetches(runs):
     for result in runs["2/pipeline"]:
         assert result["pipelined"] == result["plain"]  # same arithmetic, only the timing of the all-to-all moves
         assert (result["hits"], result["misses"]) == (5, 0)
+
+
+def test_2d_sparse_is_refused_on_cpu_with_the_reason(runs):
+    for result in runs["2/sparse2d_cpu"]:
+        assert result["refused"] and "DMPCollection, which needs CUDA" in result["refused"]
+        assert "sparse_shard 1 < world size 2" in result["refused"]

@@ -325,6 +325,17 @@ def check_pipeline(rank: int, world: int) -> dict:
     return {"plain": plain, "pipelined": piped, "hits": hits, "misses": misses}
 
 
+def check_sparse_2d_on_cpu(rank: int, world: int) -> dict:
+    """2D sparse parallelism is CUDA-only (DMPCollection): on CPU parallelize must refuse it, saying what to do."""
+    from gemrec.components.trainer.parallel import ParallelConfigError
+
+    try:
+        parallelize(build(), ParallelDims(world, sparse_shard=1), ParallelConfig(sparse_shard=1), CPU)
+    except ParallelConfigError as err:
+        return {"refused": str(err)}
+    return {"refused": None}
+
+
 def full_state(state: dict) -> dict:
     """Every tensor of a (nested) state dict as a full tensor on every rank (collective)."""
     from torch.distributed._shard.sharded_tensor import ShardedTensor
@@ -423,6 +434,8 @@ def main() -> None:
                 result = check_gem(arg, rank, world)
             elif name == "pipeline":
                 result = check_pipeline(rank, world)
+            elif name == "sparse2d_cpu":
+                result = check_sparse_2d_on_cpu(rank, world)
             elif name == "metrics":
                 result = check_metrics(rank, world)
             elif name == "ep":
