@@ -1,5 +1,6 @@
 """Scaling benchmark: the `h200-bench` recipe (plain-torch embeddings, synthetic production-shaped batches) on
-1..N GPUs under torchrun, through `parallelize` (FSDP2 over all ranks, optionally expert parallelism).
+1..N GPUs under torchrun, through `parallelize` (FSDP2 over all ranks, optionally expert parallelism); run
+without torchrun it trains the plain model on one device (the `gpu_bench` setup).
 
 Weak scaling: every rank trains on its own batch of the recipe's size, so the global batch grows with the world.
 
@@ -7,8 +8,8 @@ Weak scaling: every rank trains on its own batch of the recipe's size, so the gl
 
 Writes DIR/scaling_w<N>[_ep<E>].json: QPS (all ranks), E2E MFU (model FLOPs of all ranks / time / (peak x N)),
 step time, and from one profiled step per rank: compute imbalance (max/mean) and exposed communication.
-The scaling ratio is E2E MFU at N GPUs / E2E MFU at 1 GPU (the weak-scaling efficiency; `report` computes it
-from the files of several runs).
+The scaling ratio is E2E MFU at N GPUs / E2E MFU at 1 GPU with the same wrapper and FSDP dtype (the weak-scaling
+efficiency; `report` computes it from the files of several runs).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--param-dtype", default="", help="FSDP2 all-gather dtype, e.g. bfloat16 ('' = fp32)")
     args = parser.parse_args(argv)
 
+    launched = "WORLD_SIZE" in os.environ  # under torchrun: parallelize, also on 1 rank (same code path)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -51,7 +53,7 @@ def run(argv: list[str]) -> dict:
     if cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True
-    if world > 1:
+    if launched:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
 
     config = load_recipe(args.recipe, args.overrides)
@@ -62,7 +64,7 @@ def run(argv: list[str]) -> dict:
     apply_sparse_optimizer(model, config.optim)
     layout = "single device, no wrapper"
     train_model = model
-    if world > 1:
+    if launched:
         pconfig = ParallelConfig(dp_replicate=args.dp_replicate, ep=args.ep, param_dtype=args.param_dtype,
                                  reduce_dtype="float32" if args.param_dtype else "")
         train_model, report = parallelize(model, ParallelDims.from_config(pconfig, world), pconfig, device)
@@ -89,7 +91,7 @@ def run(argv: list[str]) -> dict:
     def barrier():
         if cuda:
             torch.cuda.synchronize(device)
-        if world > 1:
+        if launched:
             dist.barrier()
 
     for _ in range(bench.warmup_steps):
@@ -108,13 +110,13 @@ def run(argv: list[str]) -> dict:
     local_flops = sum(flops[(first + k) % len(flops)] for k in range(bench.steps))
     totals = torch.tensor([local_flops, float(config.data.batch_size * bench.steps)], dtype=torch.float64,
                           device=device if cuda else "cpu")
-    if world > 1:
+    if launched:
         dist.all_reduce(totals)
     peak = device_peak(device, bf16)
     result = {
         "world_size": world,
         "ep": args.ep,
-        "fsdp_param_dtype": args.param_dtype or "float32",
+        "fsdp_param_dtype": (args.param_dtype or "float32") if launched else "-",
         "layout": layout,
         "device": peak.device,
         "torch": torch.__version__,
@@ -132,11 +134,11 @@ def run(argv: list[str]) -> dict:
     }
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = (f"scaling_w{world}" + (f"_ep{args.ep}" if args.ep > 1 else "")
-                + (f"_{args.param_dtype}" if args.param_dtype and world > 1 else "") + ".json")
+        name = (f"scaling_w{world}" + ("_fsdp" if launched else "_plain") + (f"_ep{args.ep}" if args.ep > 1 else "")
+                + (f"_{args.param_dtype}" if args.param_dtype and launched else "") + ".json")
         (args.out / name).write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
-    if world > 1:
+    if launched:
         dist.destroy_process_group()
     return result
 
@@ -145,14 +147,18 @@ def report(paths: list[Path]) -> str:
     """Markdown table of several runs; scaling ratio against the 1-GPU run."""
     runs = sorted((json.loads(p.read_text()) for p in paths),
                   key=lambda r: (r["world_size"], r["ep"], r["fsdp_param_dtype"]))
-    base = next((r for r in runs if r["world_size"] == 1), None)
+    def base_for(run):  # the 1-GPU run with the same wrapper and FSDP dtype, else any 1-GPU run
+        same = [r for r in runs if r["world_size"] == 1 and r["fsdp_param_dtype"] == run["fsdp_param_dtype"]]
+        return (same or [r for r in runs if r["world_size"] == 1] or [None])[0]
+
     lines = ["| GPUs | layout | FSDP params | QPS | step ms | E2E MFU | scaling ratio | rank imbalance "
              "| exposed comm ms/step |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
+        base = base_for(r)
         ratio = r["mfu_e2e"] / base["mfu_e2e"] if base else float("nan")
         lines.append(
             f"| {r['world_size']} | {'EP ' + str(r['ep']) + ', ' if r['ep'] > 1 else ''}{r['layout'].split(';')[0]} "
-            f"| {r['fsdp_param_dtype'] if r['world_size'] > 1 else '-'} | {r['qps']:.0f} | {r['step_ms']:.1f} | {100 * r['mfu_e2e']:.1f}% | {ratio:.3f} "
+            f"| {r['fsdp_param_dtype']} | {r['qps']:.0f} | {r['step_ms']:.1f} | {100 * r['mfu_e2e']:.1f}% | {ratio:.3f} "
             f"| {r['profiled_rank_imbalance']:.3f} | {1000 * r['profiled_exposed_comm_s']:.1f} |"
         )
     return "\n".join(lines)
