@@ -91,7 +91,9 @@ def check_inputs(recipe: str, data: str | None, nproc: int, feature_port: int, d
 
 
 def new_run_dir(root: Path, recipe: str) -> Path:
+    """runs/<UTC time>-<recipe name> (the file name's stem for a recipe given as a .toml path)."""
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+    recipe = re.sub(r"[^\w.-]+", "-", Path(recipe).stem if recipe.endswith(".toml") else recipe)
     run_dir = root / f"{stamp}-{recipe}"
     suffix = 1
     while run_dir.exists():
@@ -139,6 +141,7 @@ def run(recipe: str, data: str | None, nproc: int = 1, runs_root: str = "runs", 
         with output, warnings.catch_warnings():
             # The steps' cluster image names are irrelevant to the subprocess runner.
             warnings.filterwarnings("ignore", message=".*non-Python base image.*")
+            warnings.filterwarnings("ignore", message=r"Task '.*': settings \[.*\] have no effect", category=UserWarning)
             pipeline(recipe=recipe, data=str(data_path), nproc=nproc, tracking_uri=tracking_uri,
                      experiment=PIPELINE_NAME, run_dir=str(run_dir), feature_store=feature_store,
                      redis_url=redis_url, feature_port=feature_port, data_port=data_port,
@@ -169,21 +172,24 @@ def print_summary(summary: dict) -> None:
     from rich.table import Table
 
     m = summary["metrics"]
-    table = Table(title=f"gemrec-train finished in {summary['seconds']:.0f} s", show_header=True)
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    table.add_row("NE (eval, lower is better)", f"{m['ne']:.4f}")
+    label = next((k[3:] for k in m if k.startswith("ne_") and m[k] == m["ne"]), "")
+    task = f"eval, {label}" if label else "eval"
+    table = Table(title=f"gemrec-train finished in {summary['seconds']:.0f} s",
+                  caption="NE: normalized entropy (lower is better)")
+    table.add_column("result", no_wrap=True)
+    table.add_column("value", overflow="fold")
+    table.add_row(f"NE ({task})", f"{m['ne']:.4f}")
     if "auc" in m:
-        table.add_row("AUC (eval)", f"{m['auc']:.4f}")
+        table.add_row(f"AUC ({task})", f"{m['auc']:.4f}")
     if "qps" in m:
         table.add_row("QPS (train examples/s)", f"{m['qps']:,.0f}")
     if "mfu" in m:
-        table.add_row("MFU", f"{100 * m['mfu']:.2f} %")
+        table.add_row("MFU (end to end)", f"{100 * m['mfu']:.2f} %")
     table.add_row("MLflow run id", summary["run_id"])
     table.add_row("model", f"{summary['model']} v{summary['version']}"
                   + (" (new champion)" if summary["promoted"] else " (champion kept)"))
-    table.add_row("MLflow UI", f"{summary['ui']}  (start it with `gemrec ui`)")
-    table.add_row("outputs", summary["run_dir"])
+    table.add_row("MLflow UI", f"{summary['ui']} (run `gemrec ui`)")
     console = Console()
     console.print(table)
     console.print(f"champion: {summary['reason']}")
+    console.print(f"outputs: {summary['run_dir']}", soft_wrap=True)

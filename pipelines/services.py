@@ -114,6 +114,8 @@ class Process:
                     last_progress = time.monotonic()
         if pending.strip():
             self._echo(pending)
+        if self._log:
+            self._log.flush()
         return self.popen.wait()
 
     @staticmethod
@@ -123,13 +125,20 @@ class Process:
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the whole process group (graceful shutdown), SIGKILL after `grace_s`."""
+        self.terminate()
+        self.finish(time.monotonic() + grace_s)
+
+    def terminate(self) -> None:
         if self.alive():
             self._signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                self._signal(signal.SIGKILL)
-                self.popen.wait(timeout=10)
+
+    def finish(self, deadline: float) -> None:
+        """Wait for the exit until `deadline` (monotonic), then SIGKILL what is left of the group."""
+        try:
+            self.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            self._signal(signal.SIGKILL)
+            self.popen.wait(timeout=10)
         # The leader may be gone while children of its group linger.
         self._signal(signal.SIGKILL)
         if self.popen.stdout is not None:
@@ -168,7 +177,7 @@ def wait_serving(process: Process, address: str, timeout_s: float = 120.0) -> No
 
 
 class ProcessGroup(contextlib.AbstractContextManager):
-    """Owns child processes; leaving the block stops them all, newest first, whatever happened."""
+    """Owns child processes; leaving the block stops them all, whatever happened."""
 
     def __init__(self, grace_s: float = 10.0):
         self.processes: list[Process] = []
@@ -193,8 +202,12 @@ class ProcessGroup(contextlib.AbstractContextManager):
         return process
 
     def stop_all(self) -> None:
+        """SIGTERM to all at once (they shut down in parallel), then wait, newest first."""
+        for process in reversed(self.processes):
+            process.terminate()
+        deadline = time.monotonic() + self.grace_s
         while self.processes:
-            self.processes.pop().stop(self.grace_s)
+            self.processes.pop().finish(deadline)
 
     def __exit__(self, *exc) -> None:
         self.stop_all()

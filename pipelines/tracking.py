@@ -157,16 +157,18 @@ def model_uri(tracking_uri: str, run_id: str) -> str:
 def register(tracking_uri: str, run_id: str, name: str, metrics: dict[str, float], promote: bool, reason: str,
              dataset_checksum: str, recipe: str) -> str:
     """Register the run's model as a new version; move the champion alias when `promote`. Returns the version."""
-    import mlflow
-
-    mlflow.set_tracking_uri(tracking_uri)
-    mlflow.set_registry_uri(tracking_uri)
     mlflow_client = client(tracking_uri)
     if not mlflow_client.search_registered_models(filter_string=f"name = '{name}'"):
         mlflow_client.create_registered_model(
             name, description=f"gemrec model trained with the `{recipe}` recipe by the gemrec-train pipeline. "
                               f"The `{CHAMPION_ALIAS}` alias points at the version with the lowest eval NE.")
-    version = mlflow.register_model(model_uri(tracking_uri, run_id), name, tags={"recipe": recipe}).version
+    uri = model_uri(tracking_uri, run_id)
+    if uri.startswith("models:/"):  # an MLflow 3 logged model: register its artifacts and link it
+        logged = mlflow_client.get_logged_model(uri[len("models:/"):])
+        version = mlflow_client.create_model_version(name, logged.artifact_location, run_id=run_id,
+                                                     tags={"recipe": recipe}, model_id=logged.model_id).version
+    else:
+        version = mlflow_client.create_model_version(name, uri, run_id=run_id, tags={"recipe": recipe}).version
     summary = ", ".join(f"{k.upper() if len(k) <= 3 else k} {v:.4g}" for k, v in metrics.items())
     mlflow_client.update_model_version(name, version, description=f"{summary}. {reason}.")
     for key, value in metrics.items():

@@ -2,7 +2,6 @@
 with its NE, QPS and MFU, and the registered champion; screenshots go to test-artifacts/."""
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -96,65 +95,79 @@ def browser(tmp_path_factory):
     driver.quit()
 
 
-def page_text_when(driver, predicate, timeout_s: float = 90.0) -> str:
-    from selenium.webdriver.common.by import By
-
+def wait_for(driver, find, timeout_s: float = 90.0):
+    """Poll `find(driver)` until it returns something truthy (the UI renders asynchronously)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        text = driver.find_element(By.TAG_NAME, "body").text
-        if predicate(text) or time.monotonic() > deadline:
-            return text
+        found = find(driver)
+        if found or time.monotonic() > deadline:
+            return found
         time.sleep(0.5)
 
 
-def metric_value(text: str, name: str) -> float | None:
-    match = re.search(rf"^{re.escape(name)}\n([-+0-9.e]+)$", text, re.MULTILINE)
-    return float(match.group(1)) if match else None
-
-
-def tidy_view(driver) -> None:
-    """The model-training view of the UI, without the assistant side panel (for the screenshot)."""
+def close_assistant_panel(driver) -> None:
     from selenium.webdriver.common.by import By
 
-    for toggle in driver.find_elements(By.XPATH, "//*[normalize-space(text())='Model training']"):
-        if toggle.is_displayed():
-            toggle.click()
-            break
     for button in driver.find_elements(By.CSS_SELECTOR, "button[aria-label='Close']"):
         if button.is_displayed():
             button.click()
-    time.sleep(1)
+
+
+def metric_row(driver, name: str) -> str | None:
+    """Filter the run's metrics table by `name`; the text of the row named exactly `name`."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    search = driver.find_element(By.XPATH, "//input[@placeholder='Search metrics']")
+    search.send_keys(Keys.CONTROL, "a", Keys.DELETE)
+    search.send_keys(name)
+    links = wait_for(driver, lambda d: d.find_elements(By.XPATH, f"//a[normalize-space(text())='{name}']"), 30)
+    return links[0].find_element(By.XPATH, "./ancestor::*[@role='row'][1]").text if links else None
 
 
 def test_run_page_shows_ne_qps_mfu(ui, browser, pipeline_run):
+    from gemrec.pipelines import tracking
     from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
 
     summary = pipeline_run["summary"]
-    client_run = summary["run_id"]
-    from gemrec.pipelines import tracking
-
-    mlflow_run = tracking.client(pipeline_run["store"]).get_run(client_run)
-    browser.get(f"{ui}/#/experiments/{mlflow_run.info.experiment_id}/runs/{client_run}")
-    text = page_text_when(browser, lambda t: all(metric_value(t, k) is not None for k in ("ne", "qps", "mfu")))
-    assert mlflow_run.info.run_name in text
-    assert "gemrec-train" in text
+    mlflow_run = tracking.client(pipeline_run["store"]).get_run(summary["run_id"])
+    run_name = mlflow_run.info.run_name
+    # The experiment's run list (model-training view), then the pipeline's run by its name.
+    browser.get(f"{ui}/#/experiments/{mlflow_run.info.experiment_id}/runs?workflowType=machine_learning")
+    links = wait_for(browser, lambda d: d.find_elements(By.LINK_TEXT, run_name))
+    assert links, f"run {run_name} not in the run list"
+    links[0].click()
+    assert wait_for(browser, lambda d: "Metrics (" in d.find_element(By.TAG_NAME, "body").text)
+    assert summary["run_id"] in browser.current_url
+    text = browser.find_element(By.TAG_NAME, "body").text
+    assert "dataset_checksum" in text and "git_commit" in text and "gemrec.champion_decision" in text
+    close_assistant_panel(browser)
     for key in ("ne", "qps", "mfu"):
-        value = metric_value(text, key)
-        assert value is not None, f"{key} not on the run page:\n{text[:3000]}"
-        assert value == pytest.approx(summary["metrics"][key], rel=1e-3), key
-    assert "dataset_checksum" in text and "git_commit" in text
-    tidy_view(browser)
-    metrics_heading = browser.find_element(By.XPATH, "//*[starts-with(normalize-space(.), 'Metrics (')]")
-    browser.execute_script("arguments[0].scrollIntoView({block: 'start'});", metrics_heading)
+        row = metric_row(browser, key)
+        assert row is not None, f"metric {key} not on the run page"
+        name, value = row.split()
+        assert name == key and float(value) == pytest.approx(summary["metrics"][key], rel=1e-6), row
+    search = browser.find_element(By.XPATH, "//input[@placeholder='Search metrics']")
+    search.send_keys(Keys.CONTROL, "a", Keys.DELETE)
+    mfu = wait_for(browser, lambda d: d.find_elements(By.XPATH, "//a[normalize-space(text())='mfu']"))
+    browser.execute_script("arguments[0].scrollIntoView({block: 'end'});", mfu[0])
     time.sleep(0.5)
     ARTIFACTS.mkdir(exist_ok=True)
     assert browser.save_screenshot(str(ARTIFACTS / "mlflow-run.png"))
 
 
 def test_model_page_shows_the_champion(ui, browser, pipeline_run):
+    from selenium.webdriver.common.by import By
+
     browser.get(f"{ui}/#/models/gemrec-tiny")
-    text = page_text_when(browser, lambda t: "champion" in t and "Version 1" in t)
-    assert "champion" in text and "Version 1" in text, text[:3000]
-    tidy_view(browser)
+    def champion_shown(driver) -> str | None:
+        text = driver.find_element(By.TAG_NAME, "body").text
+        return text if "champion" in text and "Version 1" in text else None
+
+    text = wait_for(browser, champion_shown)
+    assert text, browser.find_element(By.TAG_NAME, "body").text[:3000]
+    assert "Champion: version 1" in text  # the registered model's description
+    close_assistant_panel(browser)
     ARTIFACTS.mkdir(exist_ok=True)
     assert browser.save_screenshot(str(ARTIFACTS / "mlflow-model.png"))
