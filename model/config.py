@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 
@@ -113,6 +113,7 @@ class ModelConfig:
     time_encoding: str = "log_bucket"  # "log_bucket" | "continuous" (of time since the target event)
     num_time_buckets: int = 64
     recency_buckets: int = 32  # embedding of each token's rank from the end of its history; 0 = off
+    target_aware: bool = True  # history tokens see their target item's embeddings (element-wise products)
     # PMA: K learned seed queries -> K summary tokens per sequence.
     pma_seeds: int = 4
     # Non-sequence tower: self-attention among feature tokens, then cross-attention into the sequence.
@@ -130,7 +131,6 @@ class ModelConfig:
     dlrm_bottom_mlp: tuple[int, ...] = (64,)
     dlrm_top_mlp: tuple[int, ...] = (128, 64)
     init_std: float = 0.02
-    extra: dict[str, Any] = field(default_factory=dict)  # free-form notes carried with the config
 
     def __post_init__(self):
         choices = {

@@ -122,12 +122,16 @@ class SeqInput(nn.Module):
 
     Time is seconds before the target event; recency is the token's rank from the end of its history
     (0 = the most recent event), so "the last k events" is visible to attention from outside the sequence.
+    With `target_aware`, each token also gets Linear(token embeddings * target item embeddings), the
+    element-wise products with the same tables' embeddings of the example's target item (DIN-style):
+    "same item / same category as the target" becomes a linear read-out for every layer above.
     """
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig):
         super().__init__()
         width = (1 + len(schema.seq_item_features)) * config.embedding_dim
         self.token_proj = nn.Linear(width, config.d_model)
+        self.target_proj = nn.Linear(width, config.d_model, bias=False) if config.target_aware else None
         self.action_proj = (
             nn.Linear(schema.num_actions, config.d_model, bias=False) if schema.num_actions else None
         )
@@ -138,8 +142,11 @@ class SeqInput(nn.Module):
         if self.recency is not None:
             nn.init.normal_(self.recency.weight, std=0.02)
 
-    def forward(self, token_emb, seq_actions, seconds_before_target, events_before_target):
+    def forward(self, token_emb, seq_actions, seconds_before_target, events_before_target, target_emb=None):
+        """token_emb, target_emb: (T, 1 + num_seq_features, dim); target_emb is the token's example's target."""
         x = self.token_proj(token_emb.flatten(1))
+        if self.target_proj is not None:
+            x = x + self.target_proj((token_emb * target_emb).flatten(1))
         if self.action_proj is not None:
             x = x + self.action_proj(seq_actions.to(x.dtype))
         if self.recency is not None:
@@ -151,6 +158,8 @@ class SeqInput(nn.Module):
             linear_flops(tokens, self.token_proj.in_features, self.token_proj.out_features),
             self.time.flops(tokens),
         ]
+        if self.target_proj is not None:
+            parts.append(linear_flops(tokens, self.target_proj.in_features, self.target_proj.out_features))
         if self.action_proj is not None:
             parts.append(
                 linear_flops(tokens, self.action_proj.in_features, self.action_proj.out_features, False)
@@ -233,7 +242,10 @@ class GEMModel(nn.Module):
         rope = self.rotary(positions) if self.rotary is not None else None
         from_end = offsets[1:][token_example] - 1 - torch.arange(tokens, device=device)
         seconds = inp.timestamps[token_example] - inp.seq_timestamps
-        seq = self.seq_input(token_emb, inp.seq_actions, seconds, from_end)
+        target_emb = None
+        if self.seq_input.target_proj is not None:
+            target_emb = example_emb.index_select(1, self.embeddings.token_columns)[token_example]
+        seq = self.seq_input(token_emb, inp.seq_actions, seconds, from_end, target_emb)
         for layer in self.seq_tower:
             seq = layer(seq, offsets, max_len, rope)
         seq = self.seq_norm(seq)

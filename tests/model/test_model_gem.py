@@ -177,3 +177,23 @@ def test_the_model_sees_the_order_of_events():
     without = build(seq_causal=False, rotary=False, recency_buckets=0).eval()
     assert not torch.allclose(with_recency(flipped).logits, with_recency(inp).logits)
     torch.testing.assert_close(without(flipped).logits, without(inp).logits)
+
+
+def test_target_aware_history_encoding():
+    # With target_aware the history summaries depend on the target item; without, only on the history.
+    def summaries(model, inp):
+        captured = []
+        handle = model.pma.register_forward_hook(lambda mod, args, out: captured.append(out))
+        model(inp)
+        handle.remove()
+        return captured[0]
+
+    inp = random_input(SCHEMA, 2, 4, lengths=[3, 4], seed=10)
+    other = random_input(SCHEMA, 2, 4, lengths=[3, 4], seed=10)
+    values, lengths = other.sparse_features["item_id"]
+    features = {k: other.sparse_features[k] for k in other.sparse_features.keys()}
+    features["item_id"] = ((values + 1) % 100, lengths)
+    other.sparse_features = JaggedFeatures.from_dict(features)
+    aware, blind = build(target_aware=True).eval(), build(target_aware=False).eval()
+    assert not torch.allclose(summaries(aware, inp), summaries(aware, other))
+    torch.testing.assert_close(summaries(blind, inp), summaries(blind, other))
