@@ -69,7 +69,7 @@ def test_train_logs_everything_to_mlflow_and_metrics_json(movielens_dataset, tmp
                 "eval/calibration_like", "final/mfu_local", "final/scaling_ratio"):
         assert key in run.data.metrics, key
     history = client.get_metric_history(run.info.run_id, "train/loss")
-    assert [m.step for m in history] == list(range(5, config.train.steps + 1, 5))
+    assert [m.step for m in history] == list(range(10, config.train.steps + 1, 10))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert artifacts == {"plots/loss_ne_curves.png", "plots/layer_mfu.png", "plots/seq_length_hist.png"}
     assert client.list_artifacts(run.info.run_id, "config")[0].path == "config/config.json"
