@@ -53,7 +53,8 @@ def test_train_logs_everything_to_mlflow_and_metrics_json(movielens_dataset, tmp
     for task in written["tasks"]:
         assert 0.3 < written["ne"][task] < 1.5 and 0.0 <= written["auc"][task] <= 1.0
     assert written["qps"] > 0 and written["tokens_per_s"] > 0
-    assert 0 < written["mfu"]["e2e"] < 1 and 0 < written["mfu"]["local"] < 1
+    # Local MFU is relative to a matmul ceiling measured at start: positive, not bounded on a busy machine.
+    assert 0 < written["mfu"]["e2e"] < 1 and written["mfu"]["local"] > 0
     assert written["mfu"]["scaling_ratio"] == pytest.approx(written["mfu"]["e2e"] / written["mfu"]["local"])
     assert set(written["mfu"]["layers"]) >= {"seq_tower.0", "pma", "interaction.0", "heads"}
     assert written["steps"] == config.train.steps == summary["steps"]
