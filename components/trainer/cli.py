@@ -1,4 +1,4 @@
-"""`gemrec train` and `gemrec bench quality|train-gpu`."""
+"""`gemrec train`, `gemrec bench quality` and `gemrec bench train`."""
 
 from __future__ import annotations
 
@@ -37,6 +37,16 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
         q.add_argument("--out", type=Path, help="write all arms' metrics as JSON here")
         q.set_defaults(func=cmd_bench_quality)
 
+        g = groups["bench"].add_parser(
+            "train", help="training QPS/MFU per layer + profiler table on synthetic production-shaped batches",
+            description="The recipe's model on synthetic batches built as ModelInput (no torchrec, no data "
+                        "service): QPS, E2E and local MFU, per-layer table, profiler table (for the GPU).")
+        g.add_argument("--recipe", default="h200-bench", help="recipe name or .toml path (default h200-bench)")
+        g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
+        g.add_argument("--out", type=Path, required=True, help="folder for gpu_bench.json, report.txt, profile.txt")
+        g.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when available")
+        g.set_defaults(func=cmd_bench_train)
+
 
 def _add_common(p: argparse.ArgumentParser, default_recipe: str | None = None) -> None:
     if default_recipe is None:
@@ -65,6 +75,22 @@ def cmd_train(args: argparse.Namespace) -> int:
                  tracking_uri=args.tracking_uri, experiment=args.experiment, metrics_out=args.metrics_out,
                  resume=args.resume, device=args.device, progress=not args.no_progress,
                  log_model=not args.no_log_model)
+    return 0
+
+
+def cmd_bench_train(args: argparse.Namespace) -> int:
+    from gemrec.components.trainer.config import RecipeError
+    from gemrec.components.trainer.gpu_bench import run
+
+    argv = ["--recipe", args.recipe, "--out", str(args.out)]
+    for item in args.overrides:
+        argv += ["--set", item]
+    if args.device:
+        argv += ["--device", args.device]
+    try:
+        run(argv)
+    except RecipeError as err:
+        raise CLIError(str(err)) from err
     return 0
 
 
