@@ -195,7 +195,7 @@ def train_local(dataset: str, recipe: str, nproc: int, tracking_uri: str, experi
                 features: dict, metrics_out: str, feature_port: int = 0, data_port: int = 0) -> dict[str, Any]:
     """Start the feature and data services on 127.0.0.1, run the trainer under torchrun, stop the services.
 
-    Returns the trainer's metrics JSON plus `run_id` (the MLflow run) and `device`.
+    Returns the trainer's metrics JSON plus `run_id` (its MLflow run).
     """
     if nproc < 1:
         raise StepError(f"--nproc must be at least 1 (got {nproc})")
