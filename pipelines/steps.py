@@ -234,7 +234,8 @@ def train_local(dataset: str, recipe: str, nproc: int, tracking_uri: str, experi
     return with_run_id(read_trainer_metrics(metrics_out), tracking_uri, experiment, started_ms)
 
 
-ERROR_LINE = re.compile(r"^\s*(gemrec \w+: error: .*|([\w.]+\.)?\w*(Error|Exception): .*)$")
+# torchrun prefixes worker output with "[rankN]: ".
+ERROR_LINE = re.compile(r"^(\[rank\d+\]:)?\s*(gemrec \w+: error: .*|([\w.]+\.)?\w*(Error|Exception): .*)$")
 
 
 def last_error(log_path: Path) -> str:
@@ -243,8 +244,9 @@ def last_error(log_path: Path) -> str:
         lines = log_path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return "no log"
-    errors = [line.strip() for line in lines if ERROR_LINE.match(line) and "ChildFailedError" not in line]
-    cli_errors = [line for line in errors if line.startswith("gemrec ")]
+    errors = [" ".join(m.group(1, 2)) if m.group(1) else m.group(2) for line in lines
+              if (m := ERROR_LINE.match(line)) and "ChildFailedError" not in line]
+    cli_errors = [line for line in errors if "gemrec " in line and ": error: " in line]
     return (cli_errors or errors or ["see the log"])[-1]
 
 

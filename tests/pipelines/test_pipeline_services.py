@@ -110,3 +110,17 @@ def test_progress_bars_become_throttled_lines(tmp_path, capfd):
     assert 3 <= len(lines) <= 10, lines
     assert "step 39/40" in lines
     assert (tmp_path / "trainer.log").read_bytes().count(b"\rstep") == 40
+
+
+def test_the_trainer_error_line_is_found_under_torchrun_prefixes(tmp_path):
+    from gemrec.pipelines.steps import last_error
+
+    log = tmp_path / "trainer.log"
+    log.write_text("[rank1]: Traceback (most recent call last):\n"
+                   "[rank1]:   File \"x.py\", line 1, in <module>\n"
+                   "[rank1]: ValueError: batch of 0 examples\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    assert last_error(log) == "[rank1]: ValueError: batch of 0 examples"
+    log.write_text("gemrec train: error: data.batch_size must be > 0\nValueError: later noise\n")
+    assert last_error(log) == "gemrec train: error: data.batch_size must be > 0"
+    assert last_error(tmp_path / "missing.log") == "no log"
