@@ -53,6 +53,16 @@ def _check_input(inp: ModelInput, schema: FeatureSchema, with_sequence: bool) ->
             f"seq_actions must be ({tokens}, {schema.num_actions}) for actions {list(schema.actions)}, "
             f"got {tuple(inp.seq_actions.shape)}"
         )
+    if inp.seq_offsets.device.type == "cpu":  # cheap there; on an accelerator it would cost a host sync
+        lengths = inp.seq_lengths()
+        if int(inp.seq_offsets[0]) != 0 or int(inp.seq_offsets[-1]) != tokens or bool((lengths < 0).any()):
+            raise ValueError(
+                f"seq_offsets must rise from 0 to the {tokens} history tokens, got {inp.seq_offsets.tolist()}"
+            )
+        if batch and int(lengths.max()) > inp.max_seq_len:
+            raise ValueError(
+                f"max_seq_len {inp.max_seq_len} is below the longest history ({int(lengths.max())})"
+            )
 
 
 class TaskHeads(nn.Module):

@@ -197,3 +197,15 @@ def test_target_aware_history_encoding():
     aware, blind = build(target_aware=True).eval(), build(target_aware=False).eval()
     assert not torch.allclose(summaries(aware, inp), summaries(aware, other))
     torch.testing.assert_close(summaries(blind, inp), summaries(blind, other))
+
+
+def test_inconsistent_history_offsets_are_named():
+    model = build()
+    inp = random_input(SCHEMA, 3, 4, lengths=[2, 3, 1], seed=11)
+    inp.seq_offsets = torch.tensor([0, 2, 5, 7])
+    with pytest.raises(ValueError, match="seq_offsets must rise from 0 to the 6 history tokens"):
+        model(inp)
+    inp = random_input(SCHEMA, 3, 4, lengths=[2, 3, 1], seed=11)
+    inp.max_seq_len = 2
+    with pytest.raises(ValueError, match="max_seq_len 2 is below the longest history \\(3\\)"):
+        model(inp)
