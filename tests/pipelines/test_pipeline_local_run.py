@@ -26,7 +26,8 @@ def test_run_prints_progress_and_the_summary_table(run):
     assert "[gemrec] starting feature service on 127.0.0.1:" in out
     assert "[gemrec] training with torchrun --nproc_per_node 1" in out
     summary = run["summary"]
-    for label in ("NE (eval", "AUC (eval)", "QPS", "MFU", "MLflow run id", "MLflow UI"):
+    for label in ("NE (eval, like)", "AUC (eval, like)", "QPS (train examples/s)", "MFU (end to end)",
+                  "MLflow run id", "MLflow UI", "gemrec-tiny v1 (new champion)"):
         assert label in out, label
     assert summary["run_id"] in out
     assert f"http://127.0.0.1:{run['ui_port']}" in out
