@@ -198,3 +198,12 @@ def test_publish_swaps_the_served_dataset_whole(tmp_path):
         steps.publish(source, tmp_path / "served" / "movielens")
         assert json.loads((tmp_path / "served" / "movielens" / "manifest.json").read_text()) == {"version": version}
     assert sorted(p.name for p in (tmp_path / "served").iterdir()) == ["movielens"]
+
+
+def test_cluster_mode_reads_the_same_numbers_back_from_the_mlflow_run(run):
+    """The TrainJob path has no metrics file: its numbers come from the run's `final/*` metrics."""
+    summary = run["summary"]
+    logged = tracking.client(run["store"]).get_run(summary["run_id"]).data.metrics
+    numbers = steps.headline(tracking.metrics_from_run(logged), ["like", "love"])
+    for key in ("ne", "auc", "qps", "mfu", "ne_love"):
+        assert numbers[key] == pytest.approx(summary["metrics"][key], rel=1e-6), key
