@@ -43,6 +43,8 @@ def build(target: str = "local"):
         ui_address: str = "http://gemrec-mlflow.gemrec:5000" if cluster else "http://127.0.0.1:5000",
         publish_dir: str = f"{DATA_MOUNT}/datasets/movielens" if cluster else "",
     ):
+        # On the cluster every pipeline run gets its own folder under run_dir (on the shared volume).
+        run_dir = f"{run_dir}/{dsl.PIPELINE_JOB_NAME_PLACEHOLDER}" if cluster else run_dir
         ingest = c.ingest(data=data, publish_dir=publish_dir, run_dir=run_dir).set_display_name("ingest")
         validate = c.validate(dataset=ingest.outputs["dataset"], run_dir=run_dir).set_display_name("validate")
         materialize = c.materialize_features(dataset=ingest.outputs["dataset"], store=feature_store,

@@ -60,6 +60,16 @@ def test_dag_runs_the_steps_in_order(compiled):
     assert artifacts["comp-validate"]["statistics"]["artifactType"]["schemaTitle"] == "system.Metrics"
 
 
+def test_each_cluster_run_writes_its_own_folder(compiled):
+    spec, _ = yaml.safe_load_all(compiled.read_text())
+    tasks = all_tasks(spec["root"]["dag"], spec)
+    steps = {name: task for name, task in tasks.items() if "run_dir" in task.get("inputs", {}).get("parameters", {})}
+    assert len(steps) == 7  # six steps, train twice (GPU pod or TrainJob)
+    for name, task in steps.items():
+        value = task["inputs"]["parameters"]["run_dir"]["runtimeValue"]["constant"]
+        assert value.endswith("/{{$.pipeline_job_name}}"), (name, value)
+
+
 def test_images_gpus_node_selector_tolerations_volumes(compiled):
     spec, platform = yaml.safe_load_all(compiled.read_text())
     executors = spec["deploymentSpec"]["executors"]
