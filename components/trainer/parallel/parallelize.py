@@ -156,8 +156,9 @@ def parallelize(
                 moe.experts.set_force_sum_reduction_for_comms(True)
     for _, block in blocks:
         fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward)
-    fully_shard(root, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward,
-                ignored_params=table_params or None)
+    # The root keeps its parameters after forward: backward needs them at once, and FSDP2 can only re-gather
+    # them through hooks on the forward's output tensors, which a dataclass output (ModelOutput) hides.
+    fully_shard(root, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=table_params or None)
     for group in _module_lists(blocks):
         for current, nxt in zip(group, group[1:]):
             current.set_modules_to_forward_prefetch([nxt])
