@@ -108,3 +108,11 @@ def test_training_inputs_carry_the_stream_state_after_each_batch(movielens_datas
     batch, host, device_input, _ = items[0]
     assert batch.batch_size == host.batch_size == device_input.batch_size == 8
     assert torch.equal(host.seq_item_ids, batch.seq_item_ids)
+
+
+def test_recipe_parallel_table_is_checked():
+    from gemrec.components.trainer.parallel.integration import parallel_config
+
+    assert parallel_config({"dp_replicate": 2, "ep": 2}).ep == 2
+    with pytest.raises(ParallelConfigError, match="unknown setting.*parallel.dp_shards.*takes.*dp_shard"):
+        parallel_config({"dp_shards": 2})
