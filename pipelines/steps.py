@@ -357,7 +357,7 @@ def train(mode: str, dataset: str, recipe: str, nproc: int, tracking_uri: str, e
     require_ne(numbers)
     if isinstance(result.get("mfu"), dict) and "device" in result["mfu"]:
         result.setdefault("device", result["mfu"]["device"])
-    commit = tracking.git_commit()
+    commit = result.get("git_commit") or tracking.git_commit()  # the commit the trainer ran
     tracking.label_run(tracking_uri, result["run_id"], tracking.run_name(recipe, commit), {
         "git_commit": commit, "dataset_checksum": dataset_checksum, "device": result.get("device", ""),
         "pipeline": "gemrec-train", "pipeline_run": pipeline_run, "recipe": recipe, "train_mode": mode,
