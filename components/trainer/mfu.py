@@ -154,6 +154,7 @@ def measure_local_mfu(
     Each layer named in `layer_flops` that is a submodule of `model` runs alone, forward + backward, on
     the input it saw in `run_forward()`. Parameters that carry an in-backward optimizer (the fused sparse
     optimizer) are frozen meanwhile so the measurement never updates the model; dense grads are cleared.
+    FLOP entries that are not submodules (DLRM's dot interaction) are left out of the table and the mean.
     """
     names = [n for n, (f, b) in layer_flops.items() if f + b > 0]
     captured = capture_layer_inputs(model, names, run_forward)
