@@ -69,5 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":  # `python -m gemrec.cli`: use the imported module so CLIError is one class
+    from gemrec.cli import main as package_main
+
+    sys.exit(package_main())

@@ -76,46 +76,23 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def _average_before_optimizer(param: nn.Parameter, world_size: int) -> None:
-    """All-reduce (mean) the gradient of a table with an in-backward optimizer before it is applied."""
-    from torch.distributed.optim.apply_optimizer_in_backward import param_to_acc_grad_map
-
-    def hook(grad_outputs):
-        grad = grad_outputs[0].clone()
-        dist.all_reduce(grad)
-        return (grad.div_(world_size),)
-
-    param_to_acc_grad_map[param].register_prehook(hook)
-
-
-def parallelize_model(model: nn.Module, ctx: DistContext, parallel: dict | None = None) -> nn.Module:
+def parallelize_model(model: nn.Module, ctx: DistContext, parallel: dict) -> nn.Module:
     """The model to train, from the unmodified model already on `ctx.device` (sparse optimizer attached).
 
-    The seam for `components/trainer/parallel/` (FSDP2/HSDP, expert parallelism, torchrec sharding):
-    alone this is the identity; under torchrun it falls back to plain data parallelism: DDP for the dense
-    parameters, and a gradient all-reduce on every embedding table that runs before its fused in-backward
-    optimizer (DDP's own in-backward support needs CUDA streams).
+    Alone this is the identity; under torchrun the recipe's [parallel] table (empty = defaults) picks
+    FSDP2/HSDP, expert parallelism and torchrec sharding (components/trainer/parallel/).
     """
     if not ctx.distributed:
         return model
-    if parallel is not None:  # the recipe's [parallel] table: FSDP2/HSDP, EP, torchrec sharding
-        from gemrec.components.trainer.parallel.integration import parallelize_for_training
+    from gemrec.components.trainer.parallel.integration import parallelize_for_training
 
-        return parallelize_for_training(model, ctx.world_size, ctx.device, parallel)
-    tables = [(n, p) for n, p in model.named_parameters() if hasattr(p, "_in_backward_optimizers")]
-    for _, param in tables:
-        dist.broadcast(param.data, src=0)
-        _average_before_optimizer(param, ctx.world_size)
-    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in tables])
-    device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-    # MoE experts that get no token on a rank have no gradient there: find_unused_parameters.
-    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, find_unused_parameters=True)
+    return parallelize_for_training(model, ctx.world_size, ctx.device, parallel)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
     """The plain model under DDP/compile wrappers (for FLOP accounting and export)."""
     while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel) or type(model).__name__ == "DMPCollection":
+        if type(model).__name__ == "DMPCollection":
             model = model.module
         elif hasattr(model, "_orig_mod"):
             model = model._orig_mod

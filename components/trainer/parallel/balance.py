@@ -100,7 +100,9 @@ class RankBalance:
 
     @contextmanager
     def step(self):
-        profile = self._steps % self.profile_every == 0
+        # One process has no communication to split out: it skips the (costly) profiler.
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        profile = distributed and self._steps % self.profile_every == 0
         self._steps += 1
         if profile:
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -136,7 +138,7 @@ class RankBalance:
             self._wall += start.elapsed_time(end) / 1e3
         self._events.clear()
         steps = max(self._steps, 1)
-        profiled = self._profiled or [{"comm_s": float("nan"), "compute_s": float("nan"), "exposed_comm_s": float("nan")}]
+        profiled = self._profiled or [{"comm_s": 0.0, "compute_s": self._wall / steps, "exposed_comm_s": 0.0}]
         local = torch.tensor(
             [self._wall / steps, *(sum(p[k] for p in profiled) / len(profiled)
                                    for k in ("compute_s", "comm_s", "exposed_comm_s"))],

@@ -1,0 +1,5 @@
+import sys
+
+from gemrec.cli import main
+
+sys.exit(main())
