@@ -20,6 +20,7 @@ def run(pipeline_run):
     return pipeline_run
 
 
+@pytest.mark.slow  # the whole pipeline runs once per session
 def test_run_prints_progress_and_the_summary_table(run):
     out = run["result"].stdout
     for step in STEPS:
@@ -36,6 +37,7 @@ def test_run_prints_progress_and_the_summary_table(run):
     assert "Got executor_input" in (run["run_dir"] / "pipeline.log").read_text()
 
 
+@pytest.mark.slow  # the whole pipeline runs once per session
 def test_outputs_are_marked_succeeded_and_no_process_is_left(run, orphans):
     run_dir = run["run_dir"]
     status = json.loads((run_dir / "status.json").read_text())
@@ -46,6 +48,7 @@ def test_outputs_are_marked_succeeded_and_no_process_is_left(run, orphans):
     assert orphans(str(run["work"])) == []
 
 
+@pytest.mark.slow  # the whole pipeline runs once per session
 def test_kfp_metrics_of_the_train_step(run):
     (train_output,) = run["run_dir"].glob("kfp/*/train/executor_output.json")
     artifacts = json.loads(train_output.read_text())["artifacts"]
@@ -58,6 +61,7 @@ def test_kfp_metrics_of_the_train_step(run):
     assert model["mlflow_run_id"] == run["summary"]["run_id"]
 
 
+@pytest.mark.slow  # the whole pipeline runs once per session
 def test_mlflow_run_is_named_tagged_and_registered_as_champion(run):
     client = tracking.client(run["store"])
     summary = run["summary"]
@@ -80,6 +84,7 @@ def test_mlflow_run_is_named_tagged_and_registered_as_champion(run):
     assert "Champion: version 1" in model.description and "NE" in model.description
 
 
+@pytest.mark.slow  # the whole pipeline runs once per session
 def test_validate_names_every_problem(run, tmp_path):
     (dataset_dir,) = run["run_dir"].glob("kfp/*/ingest/dataset")
     broken = tmp_path / "broken"
@@ -97,6 +102,7 @@ def test_validate_names_every_problem(run, tmp_path):
         steps.validate(str(broken))
 
 
+@pytest.mark.slow  # the whole pipeline runs once per session
 def test_failed_train_step_stops_services_and_marks_outputs(run, tmp_path, gemrec_script, orphans):
     """A trainer that fails after the services started: clear message, exit 2, nothing left running."""
     (dataset_dir,) = run["run_dir"].glob("kfp/*/ingest/dataset")
@@ -147,6 +153,7 @@ def test_a_port_in_use_is_refused(movielens_raw, tmp_path, capsys):
     assert code == 2 and f"port {port} on 127.0.0.1 is already in use (wanted by the feature service)" in err
 
 
+@pytest.mark.slow  # the whole pipeline runs once per session
 def test_materialize_into_a_real_redis(run, tmp_path):
     """The materialize step with the Redis store writes what the feature service reads."""
     import time
@@ -202,6 +209,7 @@ def test_publish_swaps_the_served_dataset_whole(tmp_path):
     assert sorted(p.name for p in (tmp_path / "served").iterdir()) == ["movielens"]
 
 
+@pytest.mark.slow  # the whole pipeline runs once per session
 def test_cluster_mode_reads_the_same_numbers_back_from_the_mlflow_run(run):
     """The TrainJob path has no metrics file: its numbers come from the run's `final/*` metrics."""
     summary = run["summary"]
