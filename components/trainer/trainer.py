@@ -266,11 +266,20 @@ class Trainer:
         return {"tasks": result, "examples": int(len(all_labels))}
 
     def export_model(self):
-        """A clean CPU copy of the trained model (no optimizer hooks, no wrappers) for MLflow."""
+        """A clean CPU copy of the trained model (no optimizer hooks, no wrappers) for MLflow, on rank 0.
+
+        A collective: every rank takes part in gathering sharded parameters (FSDP2 DTensors, torchrec
+        ShardedTensors) into full tensors; the other ranks get None.
+        """
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
         from gemrec.model import ModelConfig, build_model
 
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(unwrap(self.train_model), options=options)
+        if not self.ctx.is_main:
+            return None
         model = build_model(ModelConfig.from_dict(self.config.model), self.schema)
-        state = {k: v.detach().cpu() for k, v in unwrap(self.train_model).state_dict().items()}
         model.load_state_dict(state)
         return model.eval()
 
@@ -452,6 +461,7 @@ class Trainer:
             layer_flops = model_flops(model, last_inp)
             local, layers = measure_local_mfu(model, layer_flops, lambda: model(last_inp), peak.flops, self.device,
                                               self.autocast, cfg.train.local_mfu_repeats)
+        exported = self.export_model() if self.options.log_model else None
         if not ctx.is_main:
             return {}
         layer_rows = [{"name": r.name, "flops": r.flops, "seconds": r.seconds, "mfu": r.mfu} for r in layers]
@@ -510,8 +520,8 @@ class Trainer:
             tracker.log_dict({"layers": layer_rows, "local_mfu": local, "e2e_mfu": e2e, "peak": peak.as_dict()},
                              "mfu/layers.json")
             tracker.log_dict(summary, "metrics/summary.json")
-            if self.options.log_model:
-                tracker.log_model(self.export_model())
+            if exported is not None:
+                tracker.log_model(exported)
         if self.options.metrics_out:
             path = Path(self.options.metrics_out)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -135,7 +135,7 @@ def test_torchrun_two_ranks_logs_once(movielens_dataset, tmp_path):
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", GEMREC,
            "train", "--dataset", str(movielens_dataset), "--recipe", "tiny", "--run-dir", str(tmp_path / "run"),
-           "--metrics-out", str(tmp_path / "metrics.json"), "--no-progress", "--no-log-model",
+           "--metrics-out", str(tmp_path / "metrics.json"), "--no-progress",
            "--experiment", "ddp", "--set", "train.steps=6"]
     env = _env(uri)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
@@ -148,6 +148,11 @@ def test_torchrun_two_ranks_logs_once(movielens_dataset, tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_00000005",
                                                                                         "step_00000006"]
     assert done.stderr.count("training tiny (gem") == 1  # rank 0 speaks for the run
+    # The model is gathered from the sharded one (a collective) and logged once, by rank 0.
+    client = mlflow.MlflowClient(uri)
+    models = client.search_logged_models([runs[0].info.experiment_id])
+    assert [(m.name, m.source_run_id, str(m.status)) for m in models] == [
+        ("model", runs[0].info.run_id, "READY")]
 
 
 def test_cli_errors_name_the_problem(tmp_path, capsys, movielens_dataset):
