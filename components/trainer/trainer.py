@@ -30,7 +30,7 @@ from gemrec.components.trainer.tracking import (
     plot_layer_mfu,
     plot_seq_lengths,
 )
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
@@ -271,8 +271,6 @@ class Trainer:
         A collective: every rank takes part in gathering sharded parameters (FSDP2 DTensors, torchrec
         ShardedTensors) into full tensors; the other ranks get None.
         """
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
         from gemrec.model import ModelConfig, build_model
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
