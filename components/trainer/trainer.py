@@ -30,7 +30,11 @@ from gemrec.components.trainer.tracking import (
     plot_layer_mfu,
     plot_seq_lengths,
 )
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
