@@ -7,43 +7,14 @@ Store default: `sqlite:///mlruns.db` in the working directory (the trainer's def
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from dataclasses import dataclass
-from pathlib import Path
 
-DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"
+from gemrec.components.trainer.tracking import artifact_root as artifact_root
+from gemrec.components.trainer.tracking import git_commit as git_commit
+from gemrec.components.trainer.tracking import resolve_tracking_uri as resolve_tracking_uri
+from gemrec.components.trainer.tracking import sqlite_path as sqlite_path
+
 CHAMPION_ALIAS = "champion"
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def resolve_tracking_uri(uri: str | None = None) -> str:
-    """The store URI with a relative SQLite path made absolute (steps may run in other directories)."""
-    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
-    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
-    return uri
-
-
-def sqlite_path(uri: str) -> Path | None:
-    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
-
-
-def artifact_root(uri: str) -> Path | None:
-    """Where runs of a SQLite store keep their artifacts (beside the database, as the trainer does)."""
-    db = sqlite_path(uri)
-    return db.resolve().parent / "mlartifacts" if db is not None else None
-
-
-def git_commit() -> str:
-    if os.environ.get("GEMREC_GIT_COMMIT"):
-        return os.environ["GEMREC_GIT_COMMIT"]
-    try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True)
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def run_name(recipe: str, commit: str) -> str:

@@ -22,24 +22,34 @@ DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def resolve_tracking_uri(cli_value: str | None) -> str:
-    return cli_value or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+def resolve_tracking_uri(uri: str | None = None) -> str:
+    """The store URI (flag, $MLFLOW_TRACKING_URI, default) with a relative SQLite path made absolute."""
+    uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
+    if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
+        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+    return uri
+
+
+def sqlite_path(uri: str) -> Path | None:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+def artifact_root(uri: str) -> Path | None:
+    """Where runs of a SQLite store keep their artifacts: `mlartifacts/` beside the database file."""
+    db = sqlite_path(uri)
+    return db.resolve().parent / "mlartifacts" if db is not None else None
 
 
 def git_commit() -> str:
+    """$GEMREC_GIT_COMMIT (set in container images, which have no .git), else this checkout's HEAD."""
+    if os.environ.get("GEMREC_GIT_COMMIT"):
+        return os.environ["GEMREC_GIT_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10, check=True)
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def _artifact_root(uri: str) -> str | None:
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):]).resolve()
-        return (db.parent / "mlartifacts").as_uri()
-    return None
 
 
 class Tracker:
@@ -58,7 +68,8 @@ class Tracker:
         self.mlflow = mlflow
         mlflow.set_tracking_uri(tracking_uri)
         if mlflow.get_experiment_by_name(experiment) is None:
-            mlflow.create_experiment(experiment, artifact_location=_artifact_root(tracking_uri))
+            root = artifact_root(tracking_uri)
+            mlflow.create_experiment(experiment, artifact_location=root.as_uri() if root else None)
         mlflow.set_experiment(experiment)
         if resume_run_id is not None:
             try:
