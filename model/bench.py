@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 from gemrec.model import attention as attention_module
+from gemrec.model.capture import capture_layer_inputs
 from gemrec.model.config import FeatureSchema, ModelConfig, SparseFeature
 from gemrec.model.gem import build_model, loss, model_flops
 from gemrec.model.synthetic import random_input
@@ -155,32 +156,6 @@ def count_host_syncs(step) -> tuple[int, list[str]]:
         torch.cuda.synchronize()
     syncs = [w for w in caught if "synchroniz" in str(w.message)]
     return len(syncs), sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
-
-
-def capture_layer_inputs(model, names, run_forward) -> dict:
-    """(args, kwargs) each named submodule was called with during one forward, float tensors as fresh leaves."""
-    captured, handles = {}, []
-    modules = dict(model.named_modules())
-
-    def leaf(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return x.detach().requires_grad_(True)
-        return x
-
-    for name in names:
-
-        def hook(module, args, kwargs, _name=name):
-            if _name not in captured:
-                captured[_name] = ([leaf(a) for a in args], {k: leaf(v) for k, v in kwargs.items()})
-
-        handles.append(modules[name].register_forward_pre_hook(hook, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            run_forward()
-    finally:
-        for h in handles:
-            h.remove()
-    return captured
 
 
 def _first_tensor(out) -> torch.Tensor:
