@@ -15,7 +15,8 @@ Semantics, per sequence, with s_ij = scale * q_i . k_j and `scale` defaulting to
 
 These match `gemrec.kernels.jagged_attention` (softmax) and `gemrec.kernels.gdpa(activation="silu",
 normalize="kv_len")`. `attention` runs those Triton kernels for CUDA tensors (same dtype, equal q/v head
-dims in 16..256) and the pure-PyTorch reference `jagged_attention_reference` everywhere else.
+dims in 16..256) and the pure-PyTorch reference `jagged_attention_reference` everywhere else, or everywhere
+with backend="reference" (the model's `attention_backend`, for before/after measurements).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 KINDS = ("softmax", "silu")
+BACKENDS = ("auto", "reference")
 
 # The reference pads sequences of similar length to a common length and runs them as one batch. A group
 # admits a sequence when its lengths are within this fraction of the group's longest; 0 groups equal
@@ -45,10 +47,15 @@ def attention(
     kind: str = "softmax",
     causal: bool = False,
     scale: float | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
-    """Jagged multi-head attention; returns `(total_q, heads, v_head_dim)`. See the module docstring."""
+    """Jagged multi-head attention; returns `(total_q, heads, v_head_dim)`. See the module docstring.
+
+    `backend`: "auto" (the Triton kernels where they apply) or "reference" (always the PyTorch reference)."""
     _check(q, k, v, q_offsets, kv_offsets, kind)
-    if q.is_cuda and v.shape[2] == q.shape[2] and 16 <= q.shape[2] <= 256 and q.dtype == k.dtype == v.dtype:
+    if backend not in BACKENDS:
+        raise ValueError(f"attention: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto" and q.is_cuda and v.shape[2] == q.shape[2] and 16 <= q.shape[2] <= 256 and q.dtype == k.dtype == v.dtype:
         from gemrec.kernels import gdpa, jagged_attention
 
         if kind == "softmax":

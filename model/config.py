@@ -108,6 +108,7 @@ class ModelConfig:
     seq_layers: int = 2
     seq_attention: str = "softmax"  # "softmax" | "silu" (pointwise SiLU, normalised by the key count)
     seq_causal: bool = True
+    attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA) | "reference" (PyTorch everywhere)
     rotary: bool = True
     rotary_base: float = 10000.0
     time_encoding: str = "log_bucket"  # "log_bucket" | "continuous" (of time since the target event)
@@ -137,6 +138,7 @@ class ModelConfig:
             "arch": ("gem", "dlrm"),
             "embedding_backend": ("torchrec", "torch"),
             "seq_attention": ("softmax", "silu"),
+            "attention_backend": ("auto", "reference"),
             "time_encoding": ("log_bucket", "continuous"),
         }
         for name, allowed in choices.items():

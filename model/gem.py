@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from gemrec.model.config import FeatureSchema, ModelConfig
 from gemrec.model.embeddings import SparseEmbeddings
 from gemrec.model.inputs import ModelInput, ModelOutput
-from gemrec.model.layers import PMA, Jagged, Rotary, SeqLayer, TokenLayer, add, linear_flops
+from gemrec.model.layers import PMA, Jagged, JaggedAttention, Rotary, SeqLayer, TokenLayer, add, linear_flops
 from gemrec.model.moe import MoEFeedForward
 from torch import nn
 
@@ -230,6 +230,9 @@ class GEMModel(nn.Module):
         self.num_tokens = self.feature_input.num_tokens + config.pma_seeds
         self.final_norm = nn.LayerNorm(d)
         self.heads = TaskHeads(self.num_tokens * d, config.head_hidden, schema.num_tasks)
+        for module in self.modules():
+            if isinstance(module, JaggedAttention):
+                module.backend = config.attention_backend
 
     def _moe(self, layer: int) -> MoEFeedForward | None:
         c = self.config

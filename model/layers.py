@@ -96,6 +96,8 @@ class Mlp(nn.Module):
 class JaggedAttention(nn.Module):
     """Multi-head attention from query tokens to key/value tokens, jagged on both sides."""
 
+    backend = "auto"  # see `gemrec.model.attention.attention`; the model sets it from its config
+
     def __init__(self, dim: int, heads: int, kind: str = "softmax", causal: bool = False):
         super().__init__()
         self.dim, self.heads, self.kind, self.causal = dim, heads, kind, causal
@@ -117,7 +119,8 @@ class JaggedAttention(nn.Module):
             q = self.wq(xq).view(xq.shape[0], h, hd)
             k, v = self.wkv(xkv).view(xkv.shape[0], 2, h, hd).unbind(1)
         out = attention(
-            q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, kind=self.kind, causal=self.causal
+            q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, kind=self.kind, causal=self.causal,
+            backend=self.backend,
         )
         return self.wo(out.reshape(xq.shape[0], self.dim))
 
@@ -171,7 +174,8 @@ class PMA(nn.Module):
         # The K seed queries are projected once and shared by every sequence (a 2-entry q_offsets).
         q = self.attn.wq(self.seeds).view(k, heads, dim // heads)
         keys, values = self.attn.wkv(kv).view(kv.shape[0], 2, heads, dim // heads).unbind(1)
-        out = attention(q, keys, values, self.seed_offsets, seq_offsets, k, max_len, kind=self.attn.kind)
+        out = attention(q, keys, values, self.seed_offsets, seq_offsets, k, max_len, kind=self.attn.kind,
+                        backend=self.attn.backend)
         x = self.seeds.unsqueeze(0) + self.attn.wo(out.reshape(batch, k, dim))
         return x + self.mlp(self.norm_out(x))
 

@@ -136,3 +136,22 @@ def test_causal_is_bottom_right_aligned():
     out = attention(q, k, v, qo, ko, 4, 5, causal=True)
     torch.testing.assert_close(out, naive(q, k, v, qo.tolist(), ko.tolist(), "softmax", True))
     assert torch.all(out[2:4] == 0) and torch.all(out[4:6] != 0)
+
+
+def test_backend_reference_is_honoured_and_bad_backend_named():
+    q, k, v, qo, ko = make([3, 5], [3, 5])
+    expected = naive(q, k, v, qo, ko, "softmax", False)
+    torch.testing.assert_close(attention(q, k, v, qo, ko, 5, 5, backend="reference"), expected)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        attention(q, k, v, qo, ko, 5, 5, backend="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_and_reference_backends_agree_on_gpu():
+    q, k, v, qo, ko = make([0, 1, 70, 300], [0, 1, 70, 300], heads=2, dim=64)
+    args = [t.detach().cuda().to(torch.bfloat16) for t in (q, k, v)] + [qo.cuda(), ko.cuda(), 300, 300]
+    for kind in ("softmax", "silu"):
+        fast = attention(*args, kind=kind, causal=True).double()
+        ref = attention(*args, kind=kind, causal=True, backend="reference").double()
+        assert (fast - ref).norm() / ref.norm() < 1e-2

@@ -209,3 +209,11 @@ def test_inconsistent_history_offsets_are_named():
     inp.max_seq_len = 2
     with pytest.raises(ValueError, match="max_seq_len 2 is below the longest history \\(3\\)"):
         model(inp)
+
+
+def test_attention_backend_reaches_every_attention_layer():
+    model = build(attention_backend="reference")
+    backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
+    assert backends == {"reference"}
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        build(attention_backend="flash")

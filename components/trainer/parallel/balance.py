@@ -77,6 +77,44 @@ def split_profile(events) -> tuple[list, list]:
     return comm, compute
 
 
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def communication_breakdown(events, top: int = 12) -> dict[str, list[dict]]:
+    """Which collectives cost what: per kernel name (count, total and exposed ms), and the `top` most exposed
+    single collectives with their start (ms from the first kernel of the profile)."""
+    comm, compute = [], []
+    gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    for e in gpu:
+        (comm if is_communication(e.name) else compute).append((_span(e), e.name))
+    if not comm:
+        return {"by_name": [], "most_exposed": []}
+    cover = _merged([span for span, _ in compute])
+    origin = min(span[0] for span, _ in comm + compute)
+    by_name: dict[str, dict] = {}
+    single = []
+    for (lo, hi), name in comm:
+        covered = sum(max(0.0, min(hi, c_hi) - max(lo, c_lo)) for c_lo, c_hi in cover if c_lo < hi and c_hi > lo)
+        exposed = (hi - lo) - covered
+        row = by_name.setdefault(name, {"name": name, "count": 0, "ms": 0.0, "exposed_ms": 0.0})
+        row["count"] += 1
+        row["ms"] += 1000 * (hi - lo)
+        row["exposed_ms"] += 1000 * exposed
+        single.append({"name": name, "start_ms": 1000 * (lo - origin), "ms": 1000 * (hi - lo),
+                       "exposed_ms": 1000 * exposed})
+    return {
+        "by_name": sorted(by_name.values(), key=lambda r: -r["exposed_ms"]),
+        "most_exposed": sorted(single, key=lambda r: -r["exposed_ms"])[:top],
+    }
+
+
 def exposed_communication(events, steps: int = 1) -> dict[str, float]:
     comm, compute = split_profile(events)
     steps = max(steps, 1)
@@ -89,8 +127,12 @@ def exposed_communication(events, steps: int = 1) -> dict[str, float]:
 
 
 class RankBalance:
-    def __init__(self, device: torch.device, profile_every: int = 20):
+    def __init__(self, device: torch.device, profile_every: int = 20, trace_dir=None):
+        """`trace_dir`: also keep each profiled step's collective breakdown (`breakdowns`) and write its
+        Chrome trace there (`trace_rank<R>_<N>.json.gz`)."""
         self.device = device
+        self.trace_dir = trace_dir
+        self.breakdowns: list[dict] = []
         self.profile_every = max(1, profile_every)
         self._cuda = device.type == "cuda"
         self._events: list[tuple] = []
@@ -114,6 +156,10 @@ class RankBalance:
                 if self._cuda:
                     torch.cuda.synchronize(self.device)
             self._profiled.append(exposed_communication(prof.events()))
+            if self.trace_dir is not None:
+                self.breakdowns.append(communication_breakdown(prof.events()))
+                self.trace_dir.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(self.trace_dir / f"trace_rank{dist.get_rank()}_{self._steps}.json.gz"))
         else:
             with self._timed():
                 yield

@@ -42,6 +42,10 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--dp-replicate", type=int, default=1)
     parser.add_argument("--param-dtype", default="", help="FSDP2 all-gather dtype, e.g. bfloat16 ('' = fp32)")
+    parser.add_argument("--reduce-dtype", default="", help="FSDP2 reduce-scatter dtype ('' = float32 with "
+                        "--param-dtype, else the parameters' dtype)")
+    parser.add_argument("--trace", action="store_true",
+                        help="write the profiled step's Chrome trace per rank and its per-collective breakdown")
     args = parser.parse_args(argv)
 
     launched = "WORLD_SIZE" in os.environ  # under torchrun: parallelize, also on 1 rank (same code path)
@@ -66,7 +70,7 @@ def run(argv: list[str]) -> dict:
     train_model = model
     if launched:
         pconfig = ParallelConfig(dp_replicate=args.dp_replicate, ep=args.ep, param_dtype=args.param_dtype,
-                                 reduce_dtype="float32" if args.param_dtype else "")
+                                 reduce_dtype=args.reduce_dtype or ("float32" if args.param_dtype else ""))
         train_model, report = parallelize(model, ParallelDims.from_config(pconfig, world), pconfig, device)
         layout = report.layout
     optimizers = Optimizers(train_model, config.optim, bench.warmup_steps + bench.steps + 1)
@@ -77,7 +81,8 @@ def run(argv: list[str]) -> dict:
             for _ in range(bench.distinct_batches)]
     flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
     batches = [(inp.to(device), labels.to(device)) for inp, labels in host]
-    balance = RankBalance(device, profile_every=10**9)  # the first step of the timed window is profiled
+    # The step before the timed window is profiled.
+    balance = RankBalance(device, profile_every=10**9, trace_dir=args.out / "traces" if args.trace else None)
     state = {"i": 0}
 
     def step():
@@ -117,6 +122,7 @@ def run(argv: list[str]) -> dict:
         "world_size": world,
         "ep": args.ep,
         "fsdp_param_dtype": (args.param_dtype or "float32") if launched else "-",
+        "fsdp_reduce_dtype": (args.reduce_dtype or ("float32" if args.param_dtype else "param")) if launched else "-",
         "layout": layout,
         "device": peak.device,
         "torch": torch.__version__,
@@ -131,11 +137,13 @@ def run(argv: list[str]) -> dict:
         "peak_flops": peak.flops,
         "peak_source": peak.source,
         **{f"profiled_{k}": v for k, v in balance_metrics.items()},
+        "collectives_rank0": balance.breakdowns[0] if balance.breakdowns else None,
     }
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         name = (f"scaling_w{world}" + ("_fsdp" if launched else "_plain") + (f"_ep{args.ep}" if args.ep > 1 else "")
-                + (f"_{args.param_dtype}" if args.param_dtype and launched else "") + ".json")
+                + (f"_{args.param_dtype}" if args.param_dtype and launched else "")
+                + (f"_rs-{args.reduce_dtype}" if args.reduce_dtype and launched else "") + ".json")
         (args.out / name).write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
     if launched:

@@ -3,7 +3,12 @@
 import pytest
 import torch
 from gemrec.components.trainer.parallel import ParallelConfig, ParallelConfigError, ParallelDims
-from gemrec.components.trainer.parallel.balance import is_communication, uncovered_length, union_length
+from gemrec.components.trainer.parallel.balance import (
+    communication_breakdown,
+    is_communication,
+    uncovered_length,
+    union_length,
+)
 from gemrec.components.trainer.parallel.expert_parallel import source_major_to_expert_major
 from gemrec.components.trainer.parallel.parallelize import fsdp_blocks
 from torch import nn
@@ -116,3 +121,23 @@ def test_recipe_parallel_table_is_checked():
     assert parallel_config({"dp_replicate": 2, "ep": 2}).ep == 2
     with pytest.raises(ParallelConfigError, match="unknown setting.*parallel.dp_shards.*takes.*dp_shard"):
         parallel_config({"dp_shards": 2})
+
+
+def test_communication_breakdown_names_the_exposed_collectives():
+    from types import SimpleNamespace
+
+    def kernel(name, start_us, end_us):
+        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
+                               time_range=SimpleNamespace(start=start_us, end=end_us))
+
+    events = [kernel("gemm", 0, 1000), kernel("ncclDevKernel_AllGather", 500, 1200),
+              kernel("gemm", 1100, 2000), kernel("ncclDevKernel_AllReduce", 2000, 5000),
+              kernel("ncclDevKernel_AllGather", 1500, 1900)]
+    result = communication_breakdown(events)
+    by_name = {r["name"]: r for r in result["by_name"]}
+    assert by_name["ncclDevKernel_AllGather"]["count"] == 2
+    assert by_name["ncclDevKernel_AllGather"]["exposed_ms"] == pytest.approx(0.1)  # 1000..1100
+    assert by_name["ncclDevKernel_AllReduce"]["exposed_ms"] == pytest.approx(3.0)
+    assert result["by_name"][0]["name"] == "ncclDevKernel_AllReduce"
+    assert result["most_exposed"][0] == {"name": "ncclDevKernel_AllReduce", "start_ms": pytest.approx(2.0),
+                                         "ms": pytest.approx(3.0), "exposed_ms": pytest.approx(3.0)}
