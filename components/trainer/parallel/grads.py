@@ -14,27 +14,31 @@ import torch
 from torch.distributed.tensor import DTensor
 
 
-def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+def _by_mesh(parameters: Iterable[torch.Tensor]) -> dict[object, list[torch.Tensor]]:
     groups: dict[object, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
-            key = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
-            groups.setdefault(key, []).append(p.grad)
+            groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None, []).append(p)
+    return groups
+
+
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type, foreach=True)
+    for params in _by_mesh(parameters).values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, foreach=True)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([n.float().cpu() for n in norms]), ord=norm_type)
+    # Stays on the device: a host copy here would stall the GPU queue once per step.
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.float().to(device) for n in norms]), ord=norm_type)
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-    """Scale the gradients so their global norm is at most `max_norm`; returns the norm before clipping."""
+    """Scale the gradients so their global norm is at most `max_norm`; returns the norm before clipping (a
+    device tensor: reading it on the host is the caller's choice of when to synchronize)."""
     parameters = list(parameters)
     total = total_grad_norm(parameters, norm_type)
-    grads = [p.grad for p in parameters if p.grad is not None]
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for grad in grads:
-        grad.mul_(coef.to(grad.device))
+    for params in _by_mesh(parameters).values():  # one foreach scaling per mesh (as torchtitan does under EP)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return total

@@ -7,7 +7,7 @@ in order:
             ranks, or TorchRec 2D sparse parallelism (`DMPCollection`) when `sparse_shard < world size`
 2. EP       MoE experts split over the `ep` mesh dimension, tokens moved with all-to-all
 3. AC       activation checkpointing per block (composable `checkpoint`, parameter names unchanged)
-4. compile  `torch.compile` per block
+4. compile  `torch.compile` per block, and per module of the root outside the block lists
 5. FSDP2    `fully_shard` per block on the (dp_replicate, dp_shard) mesh (HSDP when dp_replicate > 1), expert
             weights on (dp_replicate, dp_shard_mod_ep), the root last with the sharded tables left out;
             explicit forward/backward prefetch of the next block's all-gather along each block list
@@ -37,6 +37,7 @@ class ParallelizeReport:
     embedding_plan: dict[str, str] = field(default_factory=dict)
     fsdp_blocks: list[str] = field(default_factory=list)
     expert_parallel: list[str] = field(default_factory=list)
+    compiled_root_modules: list[str] = field(default_factory=list)
     sparse_2d: bool = False
 
     def as_params(self) -> dict[str, str]:
@@ -133,6 +134,15 @@ def parallelize(
             checkpoint(block)
         if config.compile:
             block.compile()
+    if config.compile:
+        # The root's own modules outside the block lists (input projections, PMA, norms) run inside the root
+        # FSDP unit; compiling them too fuses their elementwise work and cuts kernel launches.
+        in_blocks = {id(m) for _, block in blocks for m in block.modules()}
+        for name, child in root.named_children():
+            if (not isinstance(child, nn.ModuleList) and id(child) not in skip and id(child) not in in_blocks
+                    and any(True for _ in child.parameters())):
+                child.compile()
+                report.compiled_root_modules.append(name)
 
     # 5. FSDP2.
     mp = MixedPrecisionPolicy(

@@ -44,6 +44,9 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--param-dtype", default="", help="FSDP2 all-gather dtype, e.g. bfloat16 ('' = fp32)")
     parser.add_argument("--reduce-dtype", default="", help="FSDP2 reduce-scatter dtype ('' = float32 with "
                         "--param-dtype, else the parameters' dtype)")
+    parser.add_argument("--compile", action="store_true", help="torch.compile per block (parallelize's compile)")
+    parser.add_argument("--no-reshard-after-forward", action="store_true",
+                        help="FSDP2 keeps gathered parameters from forward to backward (ZeRO-2 style)")
     parser.add_argument("--trace", action="store_true",
                         help="write the profiled step's Chrome trace per rank and its per-collective breakdown")
     args = parser.parse_args(argv)
@@ -70,6 +73,7 @@ def run(argv: list[str]) -> dict:
     train_model = model
     if launched:
         pconfig = ParallelConfig(dp_replicate=args.dp_replicate, ep=args.ep, param_dtype=args.param_dtype,
+                                 compile=args.compile, reshard_after_forward=not args.no_reshard_after_forward,
                                  reduce_dtype=args.reduce_dtype or ("float32" if args.param_dtype else ""))
         train_model, report = parallelize(model, ParallelDims.from_config(pconfig, world), pconfig, device)
         layout = report.layout
@@ -121,6 +125,8 @@ def run(argv: list[str]) -> dict:
     result = {
         "world_size": world,
         "ep": args.ep,
+        "compile": args.compile,
+        "reshard_after_forward": not args.no_reshard_after_forward,
         "fsdp_param_dtype": (args.param_dtype or "float32") if launched else "-",
         "fsdp_reduce_dtype": (args.reduce_dtype or ("float32" if args.param_dtype else "param")) if launched else "-",
         "layout": layout,
@@ -143,7 +149,8 @@ def run(argv: list[str]) -> dict:
         args.out.mkdir(parents=True, exist_ok=True)
         name = (f"scaling_w{world}" + ("_fsdp" if launched else "_plain") + (f"_ep{args.ep}" if args.ep > 1 else "")
                 + (f"_{args.param_dtype}" if args.param_dtype and launched else "")
-                + (f"_rs-{args.reduce_dtype}" if args.reduce_dtype and launched else "") + ".json")
+                + (f"_rs-{args.reduce_dtype}" if args.reduce_dtype and launched else "")
+                + ("_compiled" if args.compile else "") + ("_zero2" if args.no_reshard_after_forward else "") + ".json")
         (args.out / name).write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
     if launched:
@@ -152,21 +159,25 @@ def run(argv: list[str]) -> dict:
 
 
 def report(paths: list[Path]) -> str:
-    """Markdown table of several runs; scaling ratio against the 1-GPU run."""
+    """Markdown table of several runs; scaling ratio against the 1-GPU run of the same kind (compile, FSDP dtype)."""
     runs = sorted((json.loads(p.read_text()) for p in paths),
-                  key=lambda r: (r["world_size"], r["ep"], r["fsdp_param_dtype"]))
-    def base_for(run):  # the 1-GPU run with the same wrapper and FSDP dtype, else any 1-GPU run
-        same = [r for r in runs if r["world_size"] == 1 and r["fsdp_param_dtype"] == run["fsdp_param_dtype"]]
-        return (same or [r for r in runs if r["world_size"] == 1] or [None])[0]
+                  key=lambda r: (r.get("compile", False), r["world_size"], r["ep"], r["fsdp_param_dtype"]))
 
-    lines = ["| GPUs | layout | FSDP params | QPS | step ms | E2E MFU | scaling ratio | rank imbalance "
-             "| exposed comm ms/step |", "|---|---|---|---|---|---|---|---|---|"]
+    def base_for(run):
+        ones = [r for r in runs if r["world_size"] == 1]
+        same = [r for r in ones if r.get("compile", False) == run.get("compile", False)
+                and r["fsdp_param_dtype"] == run["fsdp_param_dtype"]]
+        return (same or [None])[0]
+
+    lines = ["| GPUs | layout | compile | FSDP params / reduce | QPS | step ms | E2E MFU | scaling ratio "
+             "| rank imbalance | exposed comm ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         base = base_for(r)
         ratio = r["mfu_e2e"] / base["mfu_e2e"] if base else float("nan")
         lines.append(
             f"| {r['world_size']} | {'EP ' + str(r['ep']) + ', ' if r['ep'] > 1 else ''}{r['layout'].split(';')[0]} "
-            f"| {r['fsdp_param_dtype']} | {r['qps']:.0f} | {r['step_ms']:.1f} | {100 * r['mfu_e2e']:.1f}% | {ratio:.3f} "
+            f"| {'yes' if r.get('compile') else 'no'} | {r['fsdp_param_dtype']} / {r.get('fsdp_reduce_dtype', '-')} "
+            f"| {r['qps']:.0f} | {r['step_ms']:.1f} | {100 * r['mfu_e2e']:.1f}% | {ratio:.3f} "
             f"| {r['profiled_rank_imbalance']:.3f} | {1000 * r['profiled_exposed_comm_s']:.1f} |"
         )
     return "\n".join(lines)
