@@ -5,7 +5,7 @@ torchrec's `apply_optimizer_in_backward` forwards to): each table updates as soo
 ready and its gradient is freed, and torchrec's sharder turns the same annotation into a fused FBGEMM
 kernel (`EmbOptimType.EXACT_ROWWISE_ADAGRAD`) when the parallelism layer shards the tables. The
 optimizer class is `torchrec.optim.RowWiseAdagrad`; where torchrec is absent (the GPU benchmark
-machine) it falls back to `torch.optim.Adagrad` (element-wise) and says so.
+machine) `RowWiseAdagrad` below does the same update without torchrec (and without its per-step host sync).
 """
 
 from __future__ import annotations
@@ -22,12 +22,39 @@ from torch.distributed.optim import _apply_optimizer_in_backward
 log = logging.getLogger(__name__)
 
 
+class RowWiseAdagrad(torch.optim.Optimizer):
+    """Adagrad with one accumulator per table row (FBGEMM's EXACT_ROWWISE_ADAGRAD, torchrec's RowWiseAdagrad
+    without weight or lr decay): sum_r += mean_j g_rj^2, then w_r -= lr * g_r / (sqrt(sum_r) + eps)."""
+
+    def __init__(self, params, lr: float = 0.01, eps: float = 1e-10):
+        if lr <= 0 or eps < 0:
+            raise ValueError(f"RowWiseAdagrad: lr must be > 0 and eps >= 0, got lr={lr}, eps={eps}")
+        super().__init__(params, {"lr": lr, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if grad.is_sparse or param.ndim != 2:
+                    raise RuntimeError("RowWiseAdagrad updates dense 2-D table weights (rows x dim)")
+                state = self.state[param]
+                if "sum" not in state:
+                    state["sum"] = torch.zeros(param.shape[0], 1, device=param.device, dtype=torch.float32)
+                row_sq = torch.linalg.vector_norm(grad, dim=1, keepdim=True, dtype=torch.float32).square_()
+                state["sum"].add_(row_sq, alpha=1.0 / param.shape[1])
+                param.addcdiv_(grad, state["sum"].sqrt().add_(group["eps"]), value=-group["lr"])
+        return None
+
+
 def sparse_optimizer_class() -> tuple[type[torch.optim.Optimizer], str]:
     try:
-        from torchrec.optim import RowWiseAdagrad
+        from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
     except ImportError:
-        return torch.optim.Adagrad, "torch.optim.Adagrad (torchrec not installed)"
-    return RowWiseAdagrad, "torchrec.optim.RowWiseAdagrad"
+        return RowWiseAdagrad, "gemrec RowWiseAdagrad (torchrec not installed)"
+    return TorchrecRowWiseAdagrad, "torchrec.optim.RowWiseAdagrad"
 
 
 TABLE_MODULES = ("EmbeddingBagCollection", "EmbeddingCollection", "TorchTables")

@@ -33,6 +33,19 @@ SCRIPT = textwrap.dedent(
         out = model(inp)
         loss(out, torch.ones(3, 1)).backward()
         assert torch.isfinite(out.logits).all()
+    from gemrec.components.trainer.config import load_recipe
+    from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+
+    model = build_model(ModelConfig(embedding_backend="torch", d_model=16, embedding_dim=8), schema)
+    optim_config = load_recipe("tiny").optim
+    assert apply_sparse_optimizer(model, optim_config).startswith("gemrec RowWiseAdagrad")
+    optimizers = Optimizers(model, optim_config, total_steps=2)
+    table = next(iter(optimizers.sparse_params.values()))
+    before = table.detach().clone()
+    loss(model(random_input(schema, 3, 4)), torch.ones(3, 1)).backward()
+    optimizers.clip_and_step()
+    changed = (table.detach() != before).any(1)
+    assert 0 < int(changed.sum()) < table.shape[0], "the in-backward row-wise Adagrad left the table as it was"
     try:
         build_model(ModelConfig(embedding_backend="torchrec"), schema)
     except ImportError as err:

@@ -120,3 +120,22 @@ def test_local_mfu_measures_each_layer_without_touching_the_model():
     assert [r.name for r in rows] == ["dense"] and rows[0].seconds > 0
     assert local == pytest.approx(rows[0].mfu)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_rowwise_adagrad_without_torchrec_matches_torchrec():
+    from gemrec.components.trainer.optim import RowWiseAdagrad
+    from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
+
+    gen = torch.Generator().manual_seed(0)
+    start = torch.randn(50, 8, generator=gen)
+    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
+    opt_ours, opt_theirs = RowWiseAdagrad([ours], lr=0.1, eps=1e-8), TorchrecRowWiseAdagrad([theirs], lr=0.1, eps=1e-8)
+    for _ in range(4):
+        grad = torch.randn(50, 8, generator=gen) * (torch.rand(50, 1, generator=gen) < 0.3)  # most rows untouched
+        ours.grad, theirs.grad = grad.clone(), grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    torch.testing.assert_close(ours.detach(), theirs.detach())
+    assert opt_ours.state[ours]["sum"].shape == (50, 1)
+    with pytest.raises(ValueError, match="lr must be > 0"):
+        RowWiseAdagrad([ours], lr=0.0)
