@@ -96,7 +96,7 @@ def synthetic_batch(schema: FeatureSchema, bench, batch_size: int, max_seq_len: 
     return inp, labels
 
 
-def profile_table(step, steps: int, device: torch.device) -> str:
+def profile_table(step, steps: int, device: torch.device, trace: Path | None = None) -> str:
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -105,8 +105,26 @@ def profile_table(step, steps: int, device: torch.device) -> str:
             step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=30, max_name_column_width=60)
+    return prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=60)
+
+
+def count_host_syncs(step) -> int:
+    """Host-device synchronizations in one step (CUDA sync debug mode; 0 on other devices)."""
+    if not torch.cuda.is_available():
+        return 0
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -115,6 +133,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--trace", action="store_true", help="also write the profiled steps' Chrome trace")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -182,7 +201,9 @@ def run(argv: list[str] | None = None) -> dict:
     local, layers = measure_local_mfu(model, model_flops(model, host[0][0]), lambda: model(inp0), peak.flops,
                                       device, autocast, repeats=max(3, config.train.local_mfu_repeats))
     step_ms = 1000 * seconds / bench.steps
-    table = profile_table(step, bench.profile_steps, device)
+    host_syncs = count_host_syncs(step) if device.type == "cuda" else 0
+    table = profile_table(step, bench.profile_steps, device,
+                          args.out / "trace.json.gz" if args.trace else None)
     result = {
         "recipe": config.recipe,
         "device": peak.device,
@@ -210,6 +231,7 @@ def run(argv: list[str] | None = None) -> dict:
         "layers": [{"name": r.name, "tflop": r.flops / 1e12, "ms": 1000 * r.seconds, "mfu": r.mfu,
                     "share_of_step": 1000 * r.seconds / step_ms} for r in layers],
         "final_loss": float(losses[-1]),
+        "host_syncs_per_step": host_syncs,
         "datasheet_peak_h200": H200_BF16_DENSE_PEAK_FLOPS,
     }
     (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
