@@ -1,7 +1,7 @@
 """Triton kernels: jagged flash attention (`jagged_attention`) and generalized dot-product attention (`gdpa`).
 
-Layout: q `(total_q, heads, head_dim)`, k/v `(total_kv, heads, head_dim)`, offsets `(B+1,)` int64 (int32
-inside the kernels); sequence i owns rows `offsets[i]:offsets[i+1]`. `max_q_len`/`max_kv_len` are host
+Layout: q `(total_q, heads, head_dim)`, k/v `(total_kv, heads, head_dim)`, offsets `(B+1,)` of any integer
+dtype (read as given, no conversion); sequence i owns rows `offsets[i]:offsets[i+1]`. `max_q_len`/`max_kv_len` are host
 ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust them, no sync).
 
 - Sharing (PMA seeds, shared context): a 2-entry `q_offsets` with B > 1 key sequences means one query
@@ -21,7 +21,8 @@ ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust
   elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before triton is first imported.
 - The Triton path is the custom ops `gemrec::attention_fwd` / `gemrec::attention_bwd` (fake impls for
   `torch.compile(fullgraph=True)`, FLOP formulas for `FlopCounterMode` counting real pairs only),
-  autotuned on (bucketed max length, head dim, variant); GEMREC_KERNEL_AUTOTUNE=0 uses fixed tiles.
+  autotuned on (bucketed max length, head dim, variant); GEMREC_KERNEL_AUTOTUNE=0 uses fixed tiles. Eager
+  calls on plain tensors skip the custom-op dispatch and launch the kernels straight from Python.
 """
 
 from gemrec.kernels.ops import RelativeBias, attention_flops, attention_pairs, gdpa, jagged_attention

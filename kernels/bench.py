@@ -285,8 +285,10 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
         "checks": checks,
     }
     import triton
+    from gemrec.kernels.triton_attention import tuned_configs
 
     meta["triton"] = triton.__version__
+    meta["tuned"] = tuned_configs()
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "kernels_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     (out_dir / "kernels_bench.md").write_text(markdown(meta, rows))

@@ -43,12 +43,12 @@ def _kernels(device: torch.device):
         "(the CPU interpreter); use backend='reference' on CPU")
 
 
-def _problem(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
-             attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+def _problem(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias, pos_table,
+             time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
     module = _kernels(q.device)
-    return module, module.Problem(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode,
-                                  causal, scale, norm, attn_bias, pos_table, time_table, q_timestamps,
-                                  kv_timestamps, pos_max_distance, time_log_base)
+    return module, module.Problem(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
+                                  attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance,
+                                  time_log_base)
 
 
 def _num_out_rows(q, q_offsets, kv_offsets) -> int:
@@ -60,21 +60,21 @@ def _num_out_rows(q, q_offsets, kv_offsets) -> int:
 @torch.library.custom_op("gemrec::attention_fwd", mutates_args=())
 def attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
-    out_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, mode: int, causal: bool, scale: float, norm: int,
+    max_q_len: int, max_kv_len: int, mode: int, causal: bool, scale: float, norm: int,
     attn_bias: torch.Tensor | None, pos_table: torch.Tensor | None, time_table: torch.Tensor | None,
     q_timestamps: torch.Tensor | None, kv_timestamps: torch.Tensor | None, pos_max_distance: int,
     time_log_base: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse); lse is the log2-domain logsumexp per (row, head) for softmax, unused otherwise."""
-    module, problem = _problem(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal,
-                               scale, norm, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps,
-                               pos_max_distance, time_log_base)
+    module, problem = _problem(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
+                               attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance,
+                               time_log_base)
     return module.forward(problem)
 
 
 @attention_fwd.register_fake
-def _(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias,
-      pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+def _(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias, pos_table,
+      time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
     rows = _num_out_rows(q, q_offsets, kv_offsets)
     return q.new_empty((rows, q.shape[1], q.shape[2])), q.new_empty((rows, q.shape[1]), dtype=torch.float32)
 
@@ -82,50 +82,45 @@ def _(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, 
 @torch.library.custom_op("gemrec::attention_bwd", mutates_args=())
 def attention_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, out_offsets: torch.Tensor,
-    max_q_len: int, max_kv_len: int, mode: int, causal: bool, scale: float, norm: int,
+    lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, mode: int, causal: bool, scale: float, norm: int,
     attn_bias: torch.Tensor | None, pos_table: torch.Tensor | None, time_table: torch.Tensor | None,
     q_timestamps: torch.Tensor | None, kv_timestamps: torch.Tensor | None, pos_max_distance: int,
     time_log_base: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); absent biases get empty tensors."""
-    module, problem = _problem(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal,
-                               scale, norm, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps,
-                               pos_max_distance, time_log_base)
+    module, problem = _problem(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
+                               attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance,
+                               time_log_base)
     grads = module.backward(problem, grad_out, out, lse)
     return tuple(g if g is not None else q.new_empty(0) for g in grads)
 
 
 @attention_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal, scale,
-      norm, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+def _(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
     def like(t):
         return torch.empty_like(t) if t is not None else q.new_empty(0)
 
     return like(q), like(k), like(v), like(attn_bias), like(pos_table), like(time_table)
 
 
-_NON_TENSOR = ("max_q_len", "max_kv_len", "mode", "causal", "scale", "norm", "pos_max_distance", "time_log_base")
-
-
 def _setup_context(ctx, inputs, output):
-    (q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias,
-     pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base) = inputs
+    (q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias, pos_table,
+     time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, attn_bias, pos_table,
-                          time_table, q_timestamps, kv_timestamps)
+    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps,
+                          kv_timestamps)
     ctx.set_materialize_grads(False)  # lse gets no gradient: skip allocating zeros for it
     ctx.params = (max_q_len, max_kv_len, mode, causal, scale, norm)
     ctx.bias_params = (pos_max_distance, time_log_base)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    (q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, attn_bias, pos_table, time_table, q_timestamps,
+    (q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps,
      kv_timestamps) = ctx.saved_tensors
-    dq, dk, dv, dab, dpt, dtt = attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, out_offsets,
-                                              *ctx.params, attn_bias, pos_table, time_table, q_timestamps,
-                                              kv_timestamps, *ctx.bias_params)
-    return (dq, dk, dv, None, None, None, None, None, None, None, None, None,
+    dq, dk, dv, dab, dpt, dtt = attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, *ctx.params,
+                                              attn_bias, pos_table, time_table, q_timestamps, kv_timestamps,
+                                              *ctx.bias_params)
+    return (dq, dk, dv, None, None, None, None, None, None, None, None,
             dab if attn_bias is not None else None, dpt if pos_table is not None else None,
             dtt if time_table is not None else None, None, None, None, None)
 
@@ -133,35 +128,51 @@ def _backward(ctx, grad_out, grad_lse):
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _direct(q: torch.Tensor) -> bool:
+    """Eager calls on plain tensors run the kernels straight from Python: the custom ops' dispatch is for
+    tracing (torch.compile, fake tensors) and dispatch modes (FlopCounterMode), which still get them."""
+    return (type(q) is torch.Tensor and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0)
+
+
 class _Attention(torch.autograd.Function):
-    """The public ops' autograd path over the same two custom ops.
+    """The public ops' autograd path: the kernels straight from Python in eager mode, the custom ops otherwise.
 
     Calls `attention_fwd` with grad mode off, which skips the per-call schema walk of the op's registered
     autograd (`fill_defaults`: about a millisecond of host time per step, which dominated small configs).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, pos_table, time_table, q_offsets, kv_offsets, out_offsets, q_timestamps,
+    def forward(ctx, q, k, v, attn_bias, pos_table, time_table, q_offsets, kv_offsets, q_timestamps,
                 kv_timestamps, params, bias_params):
         # None: the same tensor as q_offsets (torch.compile refuses one tensor passed twice to a Function)
         kv_offsets = q_offsets if kv_offsets is None else kv_offsets
-        out_offsets = q_offsets if out_offsets is None else out_offsets
-        out, lse = attention_fwd(q, k, v, q_offsets, kv_offsets, out_offsets, *params, attn_bias, pos_table,
-                                 time_table, q_timestamps, kv_timestamps, *bias_params)
-        ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, attn_bias, pos_table,
-                              time_table, q_timestamps, kv_timestamps)
+        args = (q, k, v, q_offsets, kv_offsets, *params, attn_bias, pos_table, time_table, q_timestamps,
+                kv_timestamps, *bias_params)
+        if _direct(q):
+            module, problem = _problem(*args)
+            out, lse = module.forward(problem)
+        else:
+            out, lse = attention_fwd(*args)
+        ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table,
+                              q_timestamps, kv_timestamps)
         ctx.params, ctx.bias_params = params, bias_params
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, attn_bias, pos_table, time_table, q_timestamps,
+        (q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps,
          kv_timestamps) = ctx.saved_tensors
-        dq, dk, dv, dab, dpt, dtt = attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, out_offsets,
-                                                  *ctx.params, attn_bias, pos_table, time_table, q_timestamps,
-                                                  kv_timestamps, *ctx.bias_params)
+        if _direct(q) and type(grad_out) is torch.Tensor:
+            module, problem = _problem(q, k, v, q_offsets, kv_offsets, *ctx.params, attn_bias, pos_table, time_table,
+                                       q_timestamps, kv_timestamps, *ctx.bias_params)
+            dq, dk, dv, dab, dpt, dtt = module.backward(problem, grad_out, out, lse)
+        else:
+            dq, dk, dv, dab, dpt, dtt = attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, *ctx.params,
+                                                      attn_bias, pos_table, time_table, q_timestamps, kv_timestamps,
+                                                      *ctx.bias_params)
         return (dq, dk, dv, dab if attn_bias is not None else None, dpt if pos_table is not None else None,
-                dtt if time_table is not None else None, None, None, None, None, None, None, None)
+                dtt if time_table is not None else None, None, None, None, None, None, None)
 
 
 def attention_pairs(q_offsets, kv_offsets, causal: bool) -> int:
@@ -203,13 +214,13 @@ def _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal) ->
 
 
 @register_flop_formula(torch.ops.gemrec.attention_fwd, get_raw=True)
-def _attention_fwd_flops(q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal,
+def _attention_fwd_flops(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal,
                          *args, out_val=None, **kwargs) -> int:
     return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)[0]
 
 
 @register_flop_formula(torch.ops.gemrec.attention_bwd, get_raw=True)
-def _attention_bwd_flops(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len,
+def _attention_bwd_flops(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len,
                          mode, causal, *args, out_val=None, **kwargs) -> int:
     return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)[1]
 
@@ -287,23 +298,16 @@ def _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation
             scale=scale, normalize=normalize, attn_bias=attn_bias, pos_table=rel.position, time_table=rel.time,
             q_timestamps=rel.q_timestamps, kv_timestamps=rel.kv_timestamps, pos_max_distance=rel.max_distance,
             time_log_base=rel.time_log_base)
-    q_offsets, kv_offsets = q_offsets.to(torch.int32), kv_offsets.to(torch.int32)  # once, reused by backward
-    if q_offsets.numel() == 2 and kv_offsets.numel() > 2:
-        num_seqs = kv_offsets.numel() - 1
-        out_offsets = torch.arange(0, (num_seqs + 1) * q.shape[0], q.shape[0], device=q.device, dtype=torch.int32)
-    else:
-        out_offsets = q_offsets
     contiguous = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, attn_bias)]
     params = (int(max_q_len), int(max_kv_len), ACTIVATIONS[activation], bool(causal), scale, NORMALIZE[normalize])
     bias_params = (int(rel.max_distance), float(rel.time_log_base))
     kv_arg = None if kv_offsets is q_offsets else kv_offsets
-    out_arg = None if out_offsets is q_offsets else out_offsets
-    inputs = [*contiguous, rel.position, rel.time, q_offsets, kv_arg, out_arg, rel.q_timestamps, rel.kv_timestamps]
+    inputs = [*contiguous, rel.position, rel.time, q_offsets, kv_arg, rel.q_timestamps, rel.kv_timestamps]
     present = [t for t in inputs if t is not None]
     if len({id(t) for t in present}) == len(present):
         return _Attention.apply(*inputs, params, bias_params)
     # one tensor in two roles (k is v, say): the op's registered autograd handles that under torch.compile too
-    out, _ = attention_fwd(*contiguous[:3], q_offsets, kv_offsets, out_offsets, *params, contiguous[3],
+    out, _ = attention_fwd(*contiguous[:3], q_offsets, kv_offsets, *params, contiguous[3],
                            rel.position, rel.time, rel.q_timestamps, rel.kv_timestamps, *bias_params)
     return out
 

@@ -5,16 +5,28 @@ activations (see `ACTIVATIONS`). Every program works on one (query block, head, 
 (key block, head, sequence) tile of the jagged layout `(total_tokens, heads, head_dim)`; nothing is
 padded. Scores are `scale * q.k + attn_bias + pos_table[bucket(rel_pos)] + time_table[bucket(dt)]`.
 
+Backward: without score biases one kernel per key block computes dK, dV and adds its share of dQ into an
+fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients come from dQ-side tiles) or
+when the key sequences are short (few key blocks per query, where the atomics would cost more than the
+recompute) a second kernel per query block computes dQ (7 matmuls per tile pair).
+
+Launches go through `_Kernel`: tiles autotuned once per (variant, head dim, bucketed length), candidates
+compiled in parallel, then the compiled kernel is launched directly (no per-call argument binding).
+
 With `TRITON_INTERPRET=1` set before triton is first imported, the same kernels run on CPU tensors
 (triton's own `tl.*` helpers are decorated at import, so it cannot be switched on later).
 """
 
+import inspect
 import math
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.errors import OutOfResources
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
 LOG2E = 1.4426950408889634
@@ -41,10 +53,23 @@ def _sigmoid(x):
 
 
 @triton.jit
-def _activation(s, ACT: tl.constexpr):
+def _tanh(x, FAST: tl.constexpr):
+    """tanh; FAST: the hardware approximation (one MUFU op, abs error < 2^-10.9), else exact via sigmoid."""
+    if FAST:
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return 2.0 * _sigmoid(2.0 * x) - 1.0
+
+
+@triton.jit
+def _activation(s, ACT: tl.constexpr, FAST: tl.constexpr):
     """Pointwise activation and its derivative, in fp32."""
     if ACT == 1:
-        sig = _sigmoid(s)
+        if FAST:
+            sig = 0.5 + 0.5 * _tanh(0.5 * s, FAST)  # one MUFU op instead of exp2 + reciprocal
+        else:
+            sig = _sigmoid(s)
         a = s * sig
         da = sig * (1.0 + s * (1.0 - sig))
     elif ACT == 2:
@@ -53,7 +78,7 @@ def _activation(s, ACT: tl.constexpr):
         da = cdf + s * tl.exp(-0.5 * s * s) * 0.3989422804014327
     elif ACT == 3:
         u = 0.7978845608028654 * (s + 0.044715 * s * s * s)
-        t = 2.0 * _sigmoid(2.0 * u) - 1.0
+        t = _tanh(u, FAST)
         a = 0.5 * s * (1.0 + t)
         da = 0.5 * (1.0 + t) + 0.5 * s * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * s * s)
     elif ACT == 4:
@@ -106,14 +131,26 @@ def _bias(rows, cols, row_ok, col_ok, shift, h, o_start, kv_start,
 
 
 @triton.jit
-def _seq_info(q_off, kv_off, o_off, b, Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr):
-    """Start/length of sequence b's queries and keys; `o_start` indexes output-shaped tensors."""
-    q_start = tl.load(q_off + b * Q_STRIDE)
-    q_len = tl.load(q_off + b * Q_STRIDE + 1) - q_start
-    kv_start = tl.load(kv_off + b * KV_STRIDE)
-    kv_len = tl.load(kv_off + b * KV_STRIDE + 1) - kv_start
-    o_start = tl.load(o_off + b)
-    return q_start, q_len, kv_start, kv_len, o_start
+def _seq_info(q_off, kv_off, b, Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr):
+    """Starts/lengths of sequence b's queries and keys (offsets of any integer dtype).
+
+    `o_start` indexes output-shaped tensors (out, lse, dq): sequence b's own q rows, or b * len_q when one
+    query sequence is shared (stride 0); `dkv_start` likewise indexes dk/dv rows.
+    """
+    b64 = b.to(tl.int64)
+    q_start = tl.load(q_off + b64 * Q_STRIDE).to(tl.int64)
+    q_len = (tl.load(q_off + b64 * Q_STRIDE + 1) - q_start).to(tl.int32)
+    kv_start = tl.load(kv_off + b64 * KV_STRIDE).to(tl.int64)
+    kv_len = (tl.load(kv_off + b64 * KV_STRIDE + 1) - kv_start).to(tl.int32)
+    if Q_STRIDE == 0:
+        o_start = b64 * q_len
+    else:
+        o_start = q_start
+    if KV_STRIDE == 0:
+        dkv_start = b64 * kv_len
+    else:
+        dkv_start = kv_start
+    return q_start, q_len, kv_start, kv_len, o_start, dkv_start
 
 
 @triton.jit
@@ -124,10 +161,10 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
               pos_log_inv, time_log_inv,
               MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
               HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-              NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr):
+              NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr):
     cols = n0 + offs_n
     col_ok = cols < kv_len
-    kv_rows = (kv_start + cols).to(tl.int64)
+    kv_rows = kv_start + cols
     if MASKED or not EVEN_D:
         kmask = col_ok[:, None] & d_ok[None, :]
         k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=kmask, other=0.0)
@@ -161,7 +198,7 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
     else:
         if not HAS_BIAS:
             s = qk * scale
-        a, _ = _activation(s, MODE)
+        a, _ = _activation(s, MODE, FAST)
         if MASKED:
             valid = col_ok[None, :]
             if CAUSAL:
@@ -172,21 +209,21 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off, o_off,
+def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 stride_abt, stride_abh, stride_pth, stride_tth,
-                scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads, len_bucket,
+                scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads,
                 HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
                 Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, kv_start, kv_len, o_start = _seq_info(q_off, kv_off, o_off, b, Q_STRIDE, KV_STRIDE)
+    q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     m0 = pid_m * BLOCK_M
     if m0 >= q_len:
         return
@@ -197,7 +234,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off, o_off,
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < q_len
     d_ok = offs_d < HEAD_DIM
-    q_rows = (q_start + offs_m).to(tl.int64)
+    q_rows = q_start + offs_m
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
@@ -215,14 +252,14 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off, o_off,
                                   offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt,
                                   stride_vh, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth,
                                   TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
-                                  MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D)
+                                  MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST)
     for n0 in range(n_full, n_end, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
                                   offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt,
                                   stride_vh, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth,
                                   TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
-                                  MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D)
-    o_rows = (o_start + offs_m).to(tl.int64)
+                                  MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST)
+    o_rows = o_start + offs_m
     if MODE == 0:
         l_ok = l_i > 0.0
         out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
@@ -241,26 +278,86 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off, o_off,
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, AB, PT, TT, QTS, KTS, q_off, kv_off, o_off, dkv_off,
+def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start, q_len,
+                 shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot, stride_doh,
+                 stride_dqat, stride_dqah, num_heads,
+                 AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
+                 MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                 NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
+                 FUSE_DQ: tl.constexpr):
+    """One query block's contribution to dK, dV (transposed tiles) and, with FUSE_DQ, its dQ share (atomics)."""
+    offs_m = m0 + offs_m0
+    row_ok = offs_m < q_len
+    q_rows = q_start + offs_m
+    o_rows = o_start + offs_m
+    qmask = row_ok[:, None] & d_ok[None, :]
+    if MASKED or not EVEN_D:
+        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
+        do = tl.load(DO + o_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qmask, other=0.0)
+    else:
+        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :])
+        do = tl.load(DO + o_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :])
+    sT = tl.dot(k, tl.trans(q)) * scale
+    HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
+    if HAS_BIAS:
+        sT += _bias(offs_m[None, :], offs_n[:, None], row_ok[None, :], col_ok[:, None], shift, h, o_start,
+                    kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
+                    pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
+    if MASKED:
+        valid = col_ok[:, None] & row_ok[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[:, None] <= offs_m[None, :] + shift)
+    dpT = tl.dot(v, tl.trans(do))
+    if MODE == 0:
+        if MASKED:
+            lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
+            delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
+        else:
+            lse = tl.load(LSE + o_rows * num_heads + h)
+            delta = tl.load(DELTA + o_rows * num_heads + h)
+        pT = tl.math.exp2(sT * 1.4426950408889634 - lse[None, :])
+        if MASKED:
+            pT = tl.where(valid, pT, 0.0)
+        dsT = pT * (dpT - delta[None, :])
+    else:
+        pT, daT = _activation(sT, MODE, FAST)
+        pT = pT * ns
+        dsT = dpT * daT * ns
+        if MASKED:
+            pT = tl.where(valid, pT, 0.0)
+            dsT = tl.where(valid, dsT, 0.0)
+    dv += tl.dot(pT.to(do.dtype), do)
+    dsT_lo = dsT.to(q.dtype)
+    dk += tl.dot(dsT_lo, q)
+    if FUSE_DQ:
+        dq = tl.dot(tl.trans(dsT_lo), k) * scale
+        tl.atomic_add(DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq, mask=qmask,
+                      sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
                      stride_abt, stride_abh, stride_pth, stride_tth,
-                     scale, norm_scale, pos_log_inv, time_log_inv, num_heads, len_bucket,
+                     scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
                      HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
                      Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                      HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                     NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """dK and dV for one key block, looping over the query blocks that see it (transposed tiles)."""
+                     NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it."""
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, kv_start, kv_len, o_start = _seq_info(q_off, kv_off, o_off, b, Q_STRIDE, KV_STRIDE)
+    q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     n0 = pid_n * BLOCK_N
     if n0 >= kv_len:
         return
-    dkv_start = tl.load(dkv_off + b)
     shift = kv_len - q_len
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     if NORM == 1:
         ns = tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
     elif NORM == 2:
@@ -272,47 +369,41 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, AB, PT, TT, QTS, KTS, q_of
     offs_d = tl.arange(0, BLOCK_D)
     col_ok = offs_n < kv_len
     d_ok = offs_d < HEAD_DIM
-    kv_rows = (kv_start + offs_n).to(tl.int64)
+    kv_rows = kv_start + offs_n
     kmask = col_ok[:, None] & d_ok[None, :]
     k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=kmask, other=0.0)
     v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=kmask, other=0.0)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    # query blocks [m_lo, m_full): causal diagonal (masked); [m_full, m_tail): every pair valid (no masks);
+    # [m_tail, q_len): the ragged last block, and everything when this key block is ragged itself
     m_lo = 0
+    m_full = 0
     if CAUSAL:
         m_lo = tl.maximum(n0 - shift, 0) // BLOCK_M * BLOCK_M
-    HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
-    for m0 in range(m_lo, q_len, BLOCK_M):
-        offs_m = m0 + offs_m0
-        row_ok = offs_m < q_len
-        q_rows = (q_start + offs_m).to(tl.int64)
-        o_rows = (o_start + offs_m).to(tl.int64)
-        qmask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
-        do = tl.load(DO + o_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qmask, other=0.0)
-        qkT = tl.dot(k, tl.trans(q))
-        sT = qkT * scale
-        if HAS_BIAS:
-            sT += _bias(offs_m[None, :], offs_n[:, None], row_ok[None, :], col_ok[:, None], shift, h, o_start,
-                        kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
-                        pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
-        valid = col_ok[:, None] & row_ok[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[:, None] <= offs_m[None, :] + shift)
-        dpT = tl.dot(v, tl.trans(do))
-        if MODE == 0:
-            lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
-            delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
-            pT = tl.math.exp2(sT * 1.4426950408889634 - lse[None, :])
-            pT = tl.where(valid, pT, 0.0)
-            dsT = pT * (dpT - delta[None, :])
-        else:
-            pT, daT = _activation(sT, MODE)
-            pT = tl.where(valid, pT, 0.0) * ns
-            dsT = tl.where(valid, dpT * daT, 0.0) * ns
-        dv += tl.dot(pT.to(do.dtype), do)
-        dk += tl.dot(dsT.to(q.dtype), q)
-    dk_rows = (dkv_start + offs_n).to(tl.int64)
+        m_full = tl.minimum((tl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
+    m_tail = tl.maximum(q_len // BLOCK_M * BLOCK_M, m_full)
+    if n0 + BLOCK_N > kv_len:
+        m_tail = m_full
+    for m0 in range(m_lo, m_full, BLOCK_M):
+        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
+                              q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
+                              stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
+                              stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True,
+                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ)
+    for m0 in range(m_full, m_tail, BLOCK_M):
+        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
+                              q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
+                              stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
+                              stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, False,
+                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ)
+    for m0 in range(m_tail, q_len, BLOCK_M):
+        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
+                              q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
+                              stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
+                              stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True,
+                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ)
+    dk_rows = dkv_start + offs_n
     tl.store(DK + dk_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=kmask)
     tl.store(DV + dk_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :],
@@ -320,26 +411,78 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, AB, PT, TT, QTS, KTS, q_of
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off, o_off,
+def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len, o_start,
+                shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh,
+                AB, DAB, stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS,
+                pos_log_inv, time_log_inv,
+                MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr):
+    """One key block's contribution to dQ and to the score-bias gradients."""
+    offs_n = n0 + offs_n0
+    col_ok = offs_n < kv_len
+    kv_rows = kv_start + offs_n
+    if MASKED or not EVEN_D:
+        kmask = col_ok[:, None] & d_ok[None, :]
+        k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=kmask, other=0.0)
+        v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=kmask, other=0.0)
+    else:
+        k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :])
+        v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k)) * scale
+    if HAS_AB or HAS_POS or HAS_TIME:
+        s += _bias(offs_m[:, None], offs_n[None, :], row_ok[:, None], col_ok[None, :], shift, h, o_start,
+                   kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
+                   pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
+    dp = tl.dot(do, tl.trans(v))
+    if MODE == 0:
+        ds = tl.math.exp2(s * 1.4426950408889634 - lse[:, None]) * (dp - delta[:, None])
+    else:
+        _, da = _activation(s, MODE, FAST)
+        ds = dp * da * ns
+    # rows past q_len carry do = 0 (and lse = +inf), so their ds is 0 without a mask
+    valid = row_ok[:, None] & col_ok[None, :]
+    if MASKED:
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None] + shift)
+        ds = tl.where(valid, ds, 0.0)
+    dq += tl.dot(ds.to(k.dtype), k)
+    if HAS_AB:
+        tl.store(DAB + (o_start + offs_m)[:, None] * stride_abt + h * stride_abh + offs_n[None, :],
+                 ds.to(DAB.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    if HAS_POS:
+        bucket = _pos_bucket(offs_m[:, None] + shift - offs_n[None, :], NUM_POS, pos_log_inv)
+        tl.atomic_add(DPT + h * NUM_POS + bucket, ds, mask=valid)
+    if HAS_TIME:
+        qts = tl.load(QTS + o_start + offs_m, mask=row_ok, other=0)
+        kts = tl.load(KTS + kv_start + offs_n, mask=col_ok, other=0)
+        bucket = _time_bucket(qts[:, None] - kts[None, :], NUM_TIME, time_log_inv)
+        tl.atomic_add(DTT + h * NUM_TIME + bucket, ds, mask=valid)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
                    stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
-                   scale, norm_scale, pos_log_inv, time_log_inv, num_heads, len_bucket,
+                   scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
                    HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
                    Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                    HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                   NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                   NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ for one query block, plus the score-bias gradients (dense bias rows, bucket tables)."""
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
-    q_start, q_len, kv_start, kv_len, o_start = _seq_info(q_off, kv_off, o_off, b, Q_STRIDE, KV_STRIDE)
+    q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     m0 = pid_m * BLOCK_M
     if m0 >= q_len:
         return
     shift = kv_len - q_len
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     if NORM == 1:
         ns = tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
     elif NORM == 2:
@@ -351,53 +494,32 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, 
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = offs_m < q_len
     d_ok = offs_d < HEAD_DIM
-    q_rows = (q_start + offs_m).to(tl.int64)
-    o_rows = (o_start + offs_m).to(tl.int64)
+    q_rows = q_start + offs_m
+    o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
     do = tl.load(DO + o_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qmask, other=0.0)
-    if MODE == 0:
-        lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
-        delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
+    lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     n_end = kv_len
+    n_full = kv_len
     if CAUSAL:
         n_end = tl.minimum(kv_len, m0 + BLOCK_M + shift)
-    HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
-    for n0 in range(0, n_end, BLOCK_N):
-        offs_n = n0 + offs_n0
-        col_ok = offs_n < kv_len
-        kv_rows = (kv_start + offs_n).to(tl.int64)
-        kmask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=kmask, other=0.0)
-        v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=kmask, other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
-        if HAS_BIAS:
-            s += _bias(offs_m[:, None], offs_n[None, :], row_ok[:, None], col_ok[None, :], shift, h, o_start,
-                       kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
-                       pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
-        valid = row_ok[:, None] & col_ok[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + shift)
-        dp = tl.dot(do, tl.trans(v))
-        if MODE == 0:
-            p = tl.math.exp2(s * 1.4426950408889634 - lse[:, None])
-            ds = tl.where(valid, p * (dp - delta[:, None]), 0.0)
-        else:
-            _, da = _activation(s, MODE)
-            ds = tl.where(valid, dp * da, 0.0) * ns
-        dq += tl.dot(ds.to(k.dtype), k)
-        if HAS_AB:
-            tl.store(DAB + o_rows[:, None] * stride_abt + h * stride_abh + offs_n[None, :],
-                     ds.to(DAB.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-        if HAS_POS:
-            bucket = _pos_bucket(offs_m[:, None] + shift - offs_n[None, :], NUM_POS, pos_log_inv)
-            tl.atomic_add(DPT + h * NUM_POS + bucket, ds, mask=valid)
-        if HAS_TIME:
-            qts = tl.load(QTS + o_start + offs_m, mask=row_ok, other=0)
-            kts = tl.load(KTS + kv_start + offs_n, mask=col_ok, other=0)
-            bucket = _time_bucket(qts[:, None] - kts[None, :], NUM_TIME, time_log_inv)
-            tl.atomic_add(DTT + h * NUM_TIME + bucket, ds, mask=valid)
+        n_full = tl.minimum(kv_len, m0 + 1 + shift)
+    n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(0, n_full, BLOCK_N):
+        dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
+                         o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
+                         stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
+                         time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
+                         FAST)
+    for n0 in range(n_full, n_end, BLOCK_N):
+        dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
+                         o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
+                         stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
+                         time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
+                         FAST)
     tl.store(DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
@@ -417,60 +539,153 @@ def _delta_kernel(Out, DO, DELTA, num_items, stride_ot, stride_oh, stride_dot, s
     tl.store(DELTA + item, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
 
 
-def _configs(kind: str) -> list:
-    """Candidate tiles per kernel; pruned by head dim in `_prune`."""
+def _cfg(bm, bn, warps, stages):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+
+
+# Candidate tiles per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages), all compiled in parallel and timed on the
+# first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory. The first
+# entry of each list is the default when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0).
+CONFIGS = {
+    "fwd": [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3),
+            _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2)],
+    "dkdv": [_cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
+             _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2)],
+    "dq": [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
+    "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
+}
+LARGE_HEAD_DIM_CONFIGS = {
+    "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2)],
+    "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2)],
+    "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2)],
+}
+# Fused dQ (atomics) pays when each query block meets several key blocks; with short key sequences (cross-
+# attention to a few tokens) the recompute kernel is cheaper than an fp32 atomic per dQ element per key block.
+FUSE_DQ_MIN_KV = 128
+
+
+def _candidates(kind: str, head_dim: int) -> list[dict]:
+    if head_dim > 128 and kind in LARGE_HEAD_DIM_CONFIGS:
+        return LARGE_HEAD_DIM_CONFIGS[kind]
+    return CONFIGS[kind]
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("GEMREC_KERNEL_AUTOTUNE", "1") != "0"
+
+
+def _spec_key(args) -> tuple:
+    """What triton specializes a compiled kernel on: dtype and 16-byte alignment of pointers, ints equal to 1,
+    divisible by 16 or beyond 32 bits. A cached compiled kernel is reused only for the same key."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
+        elif isinstance(a, int) and not isinstance(a, bool):
+            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31))
+        else:
+            key.append(type(a))
+    return tuple(key)
+
+
+class _Kernel:
+    """One Triton kernel's launches.
+
+    Per tuning key (the constexprs and a bucketed length) the tile config is chosen once: every candidate is
+    compiled in parallel, then timed on the real arguments (buffers in `reset` zeroed before each trial and
+    after). Per specialization (`_spec_key`) the compiled kernel is kept and launched directly, skipping
+    triton's per-call argument binding, which costs more host time than small configs take on the GPU.
+    """
+
+    def __init__(self, fn, kind: str):
+        self.fn, self.kind = fn, kind
+        params = inspect.signature(fn.fn).parameters.values()
+        self.const_names = [prm.name for prm in params if prm.annotation is tl.constexpr]
+        assert [prm.name for prm in params][-len(self.const_names):] == self.const_names, "constexprs come last"
+        self.best: dict = {}
+        self.compiled: dict = {}
+        self.tuning_log: list[dict] = []  # per tuning: key, seconds, (ms, config) of every candidate
+
+    def __call__(self, grid, args: tuple, consts: dict, bucket: int, reset=()):
+        """grid: config -> launch grid; args: the runtime arguments in order; consts: constexprs but tiles."""
+        candidates = _candidates(self.kind, consts["HEAD_DIM"])
+        if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
+            tiles = {name: 16 for name in candidates[0] if name.startswith("BLOCK")}
+            self.fn[grid(tiles)](*args, **consts, **tiles)
+            return
+        tune = _autotune_enabled() and len(candidates) > 1
+        tune_key = (tuple(consts.values()), bucket if tune else None, torch.cuda.current_device())
+        config = self.best.get(tune_key)
+        if config is None:
+            config = self._tune(tune_key, grid, args, consts, candidates, reset) if tune else candidates[0]
+            self.best[tune_key] = config
+        key = (tune_key, _spec_key(args))
+        entry = self.compiled.get(key)
+        g = grid(config)
+        hooks = triton.knobs.runtime
+        if entry is None or hooks.launch_enter_hook is not None or hooks.launch_exit_hook is not None:
+            kernel = self.fn.run(*args, grid=g, warmup=False, **consts, **config)
+            tail = tuple({**consts, **config}[n] for n in self.const_names)
+            self.compiled[key] = (kernel, tail)
+            return
+        kernel, tail = entry
+        stream = triton.runtime.driver.active.get_current_stream(tune_key[2])
+        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+
+    def _tune(self, tune_key, grid, args, consts, candidates, reset) -> dict:
+        from triton.runtime._async_compile import AsyncCompileMode
+        from triton.testing import do_bench
+
+        start = time.perf_counter()
+
+        workers = min(len(candidates), os.cpu_count() or 1)
+        with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
+            for config in candidates:
+                self.fn.warmup(*args, grid=grid(config), **consts, **config)
+        timings = []
+        for config in candidates:
+
+            def trial(config=config):
+                for t in reset:
+                    t.zero_()
+                self.fn.run(*args, grid=grid(config), warmup=False, **consts, **config)
+
+            try:
+                timings.append((do_bench(trial, warmup=5, rep=25, return_mode="median"), config))
+            except OutOfResources:
+                continue
+        for t in reset:
+            t.zero_()
+        self.tuning_log.append({"key": tune_key, "consts": dict(consts), "seconds": time.perf_counter() - start,
+                                "timings": timings})
+        return min(timings, key=lambda tc: tc[0])[1]
+
+
+_KERNELS = {
+    "fwd": _Kernel(_fwd_kernel, "fwd"),
+    "dkdv": _Kernel(_bwd_dkdv_kernel, "dkdv"),
+    "dq": _Kernel(_bwd_dq_kernel, "dq"),
+    "delta": _Kernel(_delta_kernel, "delta"),
+}
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def tuned_configs() -> list[dict]:
+    """What the autotuner chose so far in this process, per kernel and key (for benchmark reports)."""
     out = []
-    if kind == "fwd":
-        for bm, bn, w, s in [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 2)]:
-            out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    elif kind == "dkdv":
-        for bm, bn, w, s in [(32, 128, 4, 3), (64, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2)]:
-            out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
-    else:
-        for bm, bn, w, s in [(128, 32, 4, 3), (128, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)]:
-            out.append(triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s))
+    for kind, kernel in _KERNELS.items():
+        for entry in kernel.tuning_log:
+            best_ms, best = min(entry["timings"], key=lambda tc: tc[0])
+            out.append({"kernel": kind, "constexprs": entry["consts"], "len_bucket": entry["key"][1],
+                        "config": best, "ms": round(best_ms, 4), "tuning_s": round(entry["seconds"], 2)})
     return out
 
 
-def _prune(configs, named_args, **kwargs):
-    """Large head dims only get tiles that fit in registers and shared memory."""
-    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    if head_dim > 128:
-        small = [c for c in configs if c.kwargs["BLOCK_M"] <= 64 and c.kwargs["BLOCK_N"] <= 64]
-        return small or configs[-1:]
-    return configs
-
-
-_KEY = ["len_bucket", "HEAD_DIM", "MODE", "CAUSAL", "HAS_AB", "HAS_POS", "HAS_TIME", "Q_STRIDE", "KV_STRIDE"]
-_PRUNE = {"early_config_prune": _prune}
-_TUNED = {
-    "fwd": triton.autotune(_configs("fwd"), key=_KEY, prune_configs_by=_PRUNE)(_fwd_kernel),
-    "dkdv": triton.autotune(_configs("dkdv"), key=_KEY, prune_configs_by=_PRUNE)(_bwd_dkdv_kernel),
-    "dq": triton.autotune(_configs("dq"), key=_KEY, prune_configs_by=_PRUNE, reset_to_zero=["DPT", "DTT"])(
-        _bwd_dq_kernel),
-}
-_PLAIN = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0), by head dim
-_DEFAULT = {
-    "fwd": {64: (128, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 2)},
-    "dkdv": {64: (32, 128, 4, 3), 128: (32, 128, 4, 3), 256: (32, 64, 4, 2)},
-    "dq": {64: (128, 32, 4, 3), 128: (128, 32, 4, 3), 256: (64, 32, 4, 2)},
-}
-
-
-def _launcher(kind: str, head_dim: int):
-    """(kernel, extra launch kwargs): fixed 16x16 tiles in the interpreter, autotuned or default tiles on GPU."""
-    if INTERPRET:
-        return _PLAIN[kind], {"BLOCK_M": 16, "BLOCK_N": 16}
-    if os.environ.get("GEMREC_KERNEL_AUTOTUNE", "1") != "0":
-        return _TUNED[kind], {}
-    table = _DEFAULT[kind]
-    bm, bn, warps, stages = table[min(k for k in table if k >= head_dim)]
-    return _PLAIN[kind], {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-
-
 def _len_bucket(n: int) -> int:
-    return max(64, triton.next_power_of_2(max(n, 1)))
+    return max(64, _pow2_at_least(n))
 
 
 def _log_inv(num_pos: int, max_distance: int) -> float:
@@ -479,49 +694,46 @@ def _log_inv(num_pos: int, max_distance: int) -> float:
 
 
 class Problem:
-    """Everything the three kernels share about one call, resolved on the host."""
+    """Everything the kernels share about one call, resolved on the host (no device syncs)."""
 
-    def __init__(self, q, k, v, q_offsets, kv_offsets, out_offsets, max_q_len, max_kv_len, mode, causal, scale,
-                 norm, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance,
-                 time_log_base):
+    def __init__(self, q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
+                 attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
         self.q, self.k, self.v = q, k, v
         self.heads, self.head_dim = q.shape[1], q.shape[2]
         self.q_shared = q_offsets.numel() == 2 and kv_offsets.numel() > 2
         self.kv_shared = kv_offsets.numel() == 2 and q_offsets.numel() > 2
-        self.num_seqs = out_offsets.numel() - 1
-        self.q_off = q_offsets.to(torch.int32)
-        self.kv_off = kv_offsets.to(torch.int32)
-        self.o_off = out_offsets.to(torch.int32)
+        self.num_seqs = max(q_offsets.numel(), kv_offsets.numel()) - 1
+        self.q_off, self.kv_off = q_offsets, kv_offsets
         self.total_out = q.shape[0] * self.num_seqs if self.q_shared else q.shape[0]
         self.max_q_len, self.max_kv_len = max_q_len, max_kv_len
         self.mode, self.causal, self.scale, self.norm = mode, causal, scale, norm
         self.attn_bias, self.pos_table, self.time_table = attn_bias, pos_table, time_table
+        self.has_bias = attn_bias is not None or pos_table is not None or time_table is not None
         self.q_ts, self.kv_ts = q_timestamps, kv_timestamps
         self.num_pos = pos_table.shape[1] if pos_table is not None else 1
         self.num_time = time_table.shape[1] if time_table is not None else 1
         self.pos_log_inv = _log_inv(self.num_pos, pos_max_distance) if pos_table is not None else 0.0
         self.time_log_inv = 1.0 / math.log(time_log_base) if time_table is not None else 0.0
         self.inv_max_len = 1.0 / max(max_kv_len, 1)
-
-    def dummy(self):
-        return self.q_off
-
-    def common(self):
-        """Keyword arguments every kernel takes."""
-        return dict(
-            HEAD_DIM=self.head_dim, MODE=self.mode, CAUSAL=self.causal, NORM=self.norm,
+        self.bucket = (_len_bucket(max_q_len), _len_bucket(max_kv_len))
+        self.consts = dict(
+            HEAD_DIM=self.head_dim, MODE=mode, CAUSAL=causal, NORM=norm,
             Q_STRIDE=0 if self.q_shared else 1, KV_STRIDE=0 if self.kv_shared else 1,
-            HAS_AB=self.attn_bias is not None, HAS_POS=self.pos_table is not None,
-            HAS_TIME=self.time_table is not None, NUM_POS=self.num_pos, NUM_TIME=self.num_time,
-            BLOCK_D=max(16, triton.next_power_of_2(self.head_dim)),
+            HAS_AB=attn_bias is not None, HAS_POS=pos_table is not None, HAS_TIME=time_table is not None,
+            NUM_POS=self.num_pos, NUM_TIME=self.num_time, FAST=not INTERPRET,
         )
+        self.block_d = max(16, _pow2_at_least(self.head_dim))
+
+    def fuse_dq(self) -> bool:
+        return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
 
     def bias_args(self):
-        ab = self.attn_bias if self.attn_bias is not None else self.dummy()
-        pt = self.pos_table if self.pos_table is not None else self.dummy()
-        tt = self.time_table if self.time_table is not None else self.dummy()
-        qts = self.q_ts if self.q_ts is not None else self.dummy()
-        kts = self.kv_ts if self.kv_ts is not None else self.dummy()
+        dummy = self.q_off
+        ab = self.attn_bias if self.attn_bias is not None else dummy
+        pt = self.pos_table if self.pos_table is not None else dummy
+        tt = self.time_table if self.time_table is not None else dummy
+        qts = self.q_ts if self.q_ts is not None else dummy
+        kts = self.kv_ts if self.kv_ts is not None else dummy
         strides = (
             ab.stride(0) if self.attn_bias is not None else 0, ab.stride(1) if self.attn_bias is not None else 0,
             pt.stride(0) if self.pos_table is not None else 0, tt.stride(0) if self.time_table is not None else 0,
@@ -537,88 +749,83 @@ def forward(p: Problem):
         return out.zero_(), lse.fill_(float("inf"))
     ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
 
-    kernel, launch = _launcher("fwd", p.head_dim)
-
     def grid(meta):
         return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-    kernel[grid](
-        q, k, v, out, lse, ab, pt, tt, qts, kts, p.q_off, p.kv_off, p.o_off,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        sabt, sabh, spt, stt,
-        p.scale, p.scale * LOG2E, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, _len_bucket(p.max_q_len),
-        **p.common(), **launch,
-    )
+    args = (q, k, v, out, lse, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            sabt, sabh, spt, stt, p.scale, p.scale * LOG2E, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
+    _KERNELS["fwd"](grid, args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket)
     return out, lse
+
+
+def _delta(p: Problem, out, grad_out):
+    delta = torch.empty((p.total_out, p.heads), dtype=torch.float32, device=out.device)
+    num_items = p.total_out * p.heads
+
+    def grid(meta):
+        return (triton.cdiv(num_items, meta["BLOCK_R"]),)
+
+    args = (out, grad_out, delta, num_items, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
+            p.heads)
+    _KERNELS["delta"](grid, args, {"HEAD_DIM": p.head_dim, "BLOCK_D": p.block_d}, 0)
+    return delta
 
 
 def backward(p: Problem, grad_out, out, lse):
     """Gradients (dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); bias grads None when absent."""
     q, k, v = p.q, p.k, p.v
-    grad_out = grad_out.contiguous()
+    dev = q.device
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     num_kv_rows = k.shape[0] * p.num_seqs if p.kv_shared else k.shape[0]
-    dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
-    dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
-    dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
+    dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
+    dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
     dab = torch.zeros_like(p.attn_bias) if p.attn_bias is not None else None
-    dpt = torch.zeros(p.pos_table.shape, dtype=torch.float32, device=q.device) if p.pos_table is not None else None
-    dtt = torch.zeros(p.time_table.shape, dtype=torch.float32, device=q.device) if p.time_table is not None else None
-    delta = lse  # unused by pointwise modes
-    if p.mode == 0:
-        delta = torch.empty_like(lse)
-        num_items = p.total_out * p.heads
-        block_r = 16 if INTERPRET else 64
-        if num_items > 0:
-            _delta_kernel[(triton.cdiv(num_items, block_r),)](
-                out, grad_out, delta, num_items, out.stride(0), out.stride(1), grad_out.stride(0),
-                grad_out.stride(1), p.heads, HEAD_DIM=p.head_dim, BLOCK_R=block_r,
-                BLOCK_D=max(16, triton.next_power_of_2(p.head_dim)))
-    if p.kv_shared:
-        dkv_off = torch.arange(p.num_seqs + 1, device=q.device, dtype=torch.int32) * k.shape[0]
+    dpt = torch.zeros(p.pos_table.shape, dtype=torch.float32, device=dev) if p.pos_table is not None else None
+    dtt = torch.zeros(p.time_table.shape, dtype=torch.float32, device=dev) if p.time_table is not None else None
+    fused = p.fuse_dq()
+    if p.num_seqs == 0 or p.total_out == 0 or num_kv_rows == 0:
+        dq = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
+        dk.zero_()
+        dv.zero_()
     else:
-        dkv_off = p.kv_off
-    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-    go = grad_out
-    if p.num_seqs > 0 and num_kv_rows > 0:
-
-        kernel, launch = _launcher("dkdv", p.head_dim)
+        delta = _delta(p, out, grad_out) if p.mode == 0 else lse  # pointwise modes never read it
+        ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
+        dqa = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=dev) if fused else lse
+        go = grad_out
 
         def grid_kv(meta):
             return (triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
 
-        kernel[grid_kv](
-            q, k, v, go, lse, delta, dk, dv, ab, pt, tt, qts, kts, p.q_off, p.kv_off, p.o_off, dkv_off,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0), go.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), sabt, sabh, spt, stt,
-            p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, _len_bucket(p.max_kv_len),
-            **p.common(), **launch,
-        )
-    else:
-        dk.zero_()
-        dv.zero_()
-    if p.num_seqs > 0 and p.total_out > 0:
-        # the autotuner zeroes DPT/DTT between trials: absent tables get their own scratch, never a live input
-        scratch = torch.zeros(1, dtype=torch.float32, device=q.device)
-        dab_arg = dab if dab is not None else p.dummy()
-        dpt_arg = dpt if dpt is not None else scratch
-        dtt_arg = dtt if dtt is not None else scratch
+        args = (q, k, v, go, lse, delta, dk, dv, dqa, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0),
+                go.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                dqa.stride(0) if fused else 0, dqa.stride(1) if fused else 0, sabt, sabh, spt, stt,
+                p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
+        _KERNELS["dkdv"](grid_kv, args, {**p.consts, "FUSE_DQ": fused, "BLOCK_D": p.block_d}, p.bucket,
+                         reset=(dqa,) if fused else ())
+        if fused:
+            dq = dqa
+        else:
+            dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
+            # the autotuner zeroes DPT/DTT between trials: absent tables get a scratch, never a live input
+            scratch = torch.zeros(1, dtype=torch.float32, device=dev) if p.has_bias else None
+            dab_arg = dab if dab is not None else p.q_off
+            dpt_arg = dpt if dpt is not None else (scratch if scratch is not None else p.q_off)
+            dtt_arg = dtt if dtt is not None else (scratch if scratch is not None else p.q_off)
 
-        kernel, launch = _launcher("dq", p.head_dim)
+            def grid_q(meta):
+                return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-        def grid_q(meta):
-            return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
-
-        kernel[grid_q](
-            q, k, v, go, lse, delta, dq, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off, p.o_off,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0), go.stride(1),
-            dq.stride(0), dq.stride(1), sabt, sabh, spt, stt,
-            p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, _len_bucket(p.max_q_len),
-            **p.common(), **launch,
-        )
-    else:
-        dq.zero_()
+            args = (q, k, v, go, lse, delta, dq, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0),
+                    go.stride(1), dq.stride(0), dq.stride(1), sabt, sabh, spt, stt,
+                    p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
+            _KERNELS["dq"](grid_q, args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket,
+                           reset=tuple(t for t in (dpt, dtt) if t is not None))
     if p.q_shared:
-        dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32).to(q.dtype)
+        dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
+    dq = dq.to(q.dtype)
     if p.kv_shared:
         dk = dk.view(p.num_seqs, k.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32).to(k.dtype)
         dv = dv.view(p.num_seqs, k.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32).to(v.dtype)
@@ -627,4 +834,3 @@ def backward(p: Problem, grad_out, out, lse):
     if dtt is not None:
         dtt = dtt.to(p.time_table.dtype)
     return dq, dk, dv, dab, dpt, dtt
-

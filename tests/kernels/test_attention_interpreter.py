@@ -89,6 +89,16 @@ def test_asymmetric_lengths(op):
     compare([1, 50], [50, 1], op=op, causal=True, bias=True, seed=7)  # very unequal, both ways
 
 
+@pytest.mark.parametrize("op", ["jfa", "silu"])
+def test_backward_with_dq_fused_into_the_key_block_kernel(op, monkeypatch):
+    monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # dq by atomics from the dK/dV kernel everywhere
+    compare(EDGE, EDGE, op=op, causal=True, seed=11)
+    compare([4], [20, 0, 37], op=op, seed=12)  # shared seeds: dq reduced over the key sequences
+    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=13)
+    compare([20, 3], [6], op=op, seed=14)
+    compare([9, 4], [9, 4], op=op, dim=24, seed=15)
+
+
 def test_batch_of_one_fp16_and_odd_head_dim():
     compare([19], [19], causal=True, dtype=torch.float16, tol=1e-2, seed=8)
     compare([19], [19], op="silu", dtype=torch.float16, tol=1e-2, seed=9)
