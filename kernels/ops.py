@@ -304,9 +304,10 @@ def _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation
     kv_arg = None if kv_offsets is q_offsets else kv_offsets
     inputs = [*contiguous, rel.position, rel.time, q_offsets, kv_arg, rel.q_timestamps, rel.kv_timestamps]
     present = [t for t in inputs if t is not None]
-    if len({id(t) for t in present}) == len(present):
+    if len({id(t) for t in present}) == len(present) and not torch.compiler.is_compiling():
         return _Attention.apply(*inputs, params, bias_params)
-    # one tensor in two roles (k is v, say): the op's registered autograd handles that under torch.compile too
+    # Under torch.compile (dynamo graph-breaks on the Function on torch 2.11: the H200 trace showed the model cut
+    # at every attention call), and for one tensor in two roles (k is v, say): the op's registered autograd.
     out, _ = attention_fwd(*contiguous[:3], q_offsets, kv_offsets, *params, contiguous[3],
                            rel.position, rel.time, rel.q_timestamps, rel.kv_timestamps, *bias_params)
     return out
