@@ -1,12 +1,13 @@
 """Sparse embeddings: the non-sequence features of each example and the history tokens, in ONE lookup.
 
 History tokens share the tables of the target item (`item_id` plus the schema's `seq_item_features`).
-Both go through one keyed jagged batch of `B + T` rows per key: rows `[0, B)` hold the examples' ids,
-rows `[B, B + T)` the history tokens' ids (empty for user/context features). One lookup keeps the
-table collection shardable as a unit (torchrec) and the whole path free of host syncs (torch backend).
+With torchrec, both go through one keyed jagged batch of `B + T` rows per key: rows `[0, B)` hold the
+examples' ids, rows `[B, B + T)` the history tokens' ids (empty for user/context features). One lookup keeps
+the table collection shardable as a unit.
 
-Backends: "torchrec" (`EmbeddingBagCollection`, imported only here, lazily) and "torch" (one fused
-`F.embedding_bag` over all tables stacked row-wise; needs no torchrec).
+Backends: "torchrec" (`EmbeddingBagCollection`, imported only here, lazily) and "torch" (all tables stacked
+row-wise in one weight, needs no torchrec): one `F.embedding_bag` for the examples' features and one for the
+tokens' features only, so no empty (token, user feature) bags are pooled; no host syncs.
 """
 
 from __future__ import annotations
@@ -53,9 +54,13 @@ class TorchTables(nn.Module):
                 bound = (1.0 / size) ** 0.5
                 self.weight[start : start + size].uniform_(-bound, bound)
 
-    def forward(self, values: torch.Tensor, lengths: torch.Tensor, rows: int) -> torch.Tensor:
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, rows: int, features: torch.Tensor | None = None):
+        """(rows, features, dim): `values`/`lengths` hold `rows` bags per feature, feature-major, for the tables
+        `features` (indices, default all)."""
         device = self.weight.device
-        key_of_row = torch.arange(self.num_features, device=device).repeat_interleave(rows)
+        if features is None:
+            features = torch.arange(self.num_features, device=device)
+        key_of_row = features.repeat_interleave(rows)
         key_of_value = torch.repeat_interleave(key_of_row, lengths, output_size=values.numel())
         ids = values + self.row_starts[key_of_value]
         lengths_per_value = torch.repeat_interleave(lengths, lengths, output_size=values.numel())
@@ -66,7 +71,7 @@ class TorchTables(nn.Module):
         pooled = F.embedding_bag(
             ids, self.weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
         )
-        return pooled.view(self.num_features, rows, self.dim).transpose(0, 1)
+        return pooled.view(features.numel(), rows, self.dim).transpose(0, 1)
 
 
 class TorchrecTables(nn.Module):
@@ -129,21 +134,40 @@ class SparseEmbeddings(nn.Module):
         if seq_item_ids is None:
             values, lengths = self._reorder(sparse_features, batch)
             return self.tables(values, lengths, batch), None
+        if isinstance(self.tables, TorchTables):
+            return self.tables(*self._reorder(sparse_features, batch), batch), self._token_lookup(
+                seq_item_ids, seq_item_features
+            )
         values, lengths = self._merge(sparse_features, seq_item_ids, seq_item_features, batch)
         tokens = seq_item_ids.numel()
         pooled = self.tables(values, lengths, batch + tokens)
         return pooled[:batch], pooled[batch:].index_select(1, self.token_columns)
 
-    def _reorder(self, features, batch: int):
-        """The features' rows in schema key order (a no-op gather when already in order)."""
+    def _reorder(self, features, batch: int, names: list[str] | None = None, what: str = "sparse_features"):
+        """The features' rows in the order of `names` (default: the schema's keys)."""
         device = features.values().device
         perm = torch.cat(
             [
                 torch.arange(start, start + batch, device=device)
-                for start in (_key_rows(features, name, batch, "sparse_features") for name in self.features)
+                for start in (_key_rows(features, name, batch, what) for name in names or self.features)
             ]
         )
         return _permute_rows(features.values(), features.lengths(), perm, features.values().numel())
+
+    def _token_lookup(self, seq_item_ids, seq_item_features) -> torch.Tensor:
+        """(T, 1 + num_seq_features, dim) from the item tables only (torch backend)."""
+        tokens = seq_item_ids.numel()
+        values = [seq_item_ids.long()]
+        lengths = [torch.ones(tokens, dtype=torch.long, device=seq_item_ids.device)]
+        seq_names = list(self.schema.seq_item_features)
+        if seq_names:
+            if seq_item_features is None:
+                raise ValueError(f"seq_item_features is None but the schema expects {seq_names}")
+            _check_keys(seq_item_features, seq_names, "seq_item_features")
+            seq_values, seq_lengths = self._reorder(seq_item_features, tokens, seq_names, "seq_item_features")
+            values.append(seq_values)
+            lengths.append(seq_lengths)
+        return self.tables(torch.cat(values), torch.cat(lengths), tokens, self.token_columns)
 
     def _merge(self, sparse_features, seq_item_ids, seq_item_features, batch: int):
         """One (values, lengths) batch of `batch + T` rows per key (see the module docstring)."""
