@@ -279,13 +279,13 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
 
 @triton.jit
 def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start, q_len,
-                 shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_ot, stride_oh,
-                 stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads,
+                 shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot, stride_doh,
+                 stride_dqat, stride_dqah, num_heads,
                  AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
                  MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                  HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                  NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
-                 FUSE_DQ: tl.constexpr, DELTA_INLINE: tl.constexpr):
+                 FUSE_DQ: tl.constexpr):
     """One query block's contribution to dK, dV (transposed tiles) and, with FUSE_DQ, its dQ share (atomics)."""
     offs_m = m0 + offs_m0
     row_ok = offs_m < q_len
@@ -312,14 +312,9 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
     if MODE == 0:
         if MASKED:
             lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
-        else:
-            lse = tl.load(LSE + o_rows * num_heads + h)
-        if DELTA_INLINE:
-            o = tl.load(Out + o_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=qmask, other=0.0)
-            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        elif MASKED:
             delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
         else:
+            lse = tl.load(LSE + o_rows * num_heads + h)
             delta = tl.load(DELTA + o_rows * num_heads + h)
         pT = tl.math.exp2(sT * 1.4426950408889634 - lse[None, :])
         if MASKED:
@@ -343,98 +338,76 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
 
 
 @triton.jit
-def _dkdv_program(pid_n, h, b, Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                  stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
-                  stride_abt, stride_abh, stride_pth, stride_tth,
-                  scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                  HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                  Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                  HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                  NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
-                  DELTA_INLINE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it."""
-    q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
-    n0 = pid_n * BLOCK_N
-    if n0 < kv_len:
-        shift = kv_len - q_len
-        EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-        if NORM == 1:
-            ns = tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
-        elif NORM == 2:
-            ns = norm_scale
-        else:
-            ns = 1.0
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        offs_m0 = tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, BLOCK_D)
-        col_ok = offs_n < kv_len
-        d_ok = offs_d < HEAD_DIM
-        kv_rows = kv_start + offs_n
-        kmask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=kmask, other=0.0)
-        v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=kmask, other=0.0)
-        dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-        dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-        # query blocks [m_lo, m_full): causal diagonal (masked); [m_full, m_tail): every pair valid (no masks);
-        # [m_tail, q_len): the ragged last block, and everything when this key block is ragged itself
-        m_lo = 0
-        m_full = 0
-        if CAUSAL:
-            m_lo = tl.maximum(n0 - shift, 0) // BLOCK_M * BLOCK_M
-            m_full = tl.minimum((tl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M,
-                                q_len)
-        m_tail = tl.maximum(q_len // BLOCK_M * BLOCK_M, m_full)
-        if n0 + BLOCK_N > kv_len:
-            m_tail = m_full
-        for m0 in range(m_lo, m_full, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start,
-                                  kv_start, q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt,
-                                  stride_qh, stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah,
-                                  num_heads, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
-                                  pos_log_inv, time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS,
-                                  NUM_TIME, EVEN_D, FAST, FUSE_DQ, DELTA_INLINE)
-        for m0 in range(m_full, m_tail, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start,
-                                  kv_start, q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt,
-                                  stride_qh, stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah,
-                                  num_heads, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
-                                  pos_log_inv, time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME,
-                                  NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ, DELTA_INLINE)
-        for m0 in range(m_tail, q_len, BLOCK_M):
-            dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start,
-                                  kv_start, q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt,
-                                  stride_qh, stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah,
-                                  num_heads, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
-                                  pos_log_inv, time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS,
-                                  NUM_TIME, EVEN_D, FAST, FUSE_DQ, DELTA_INLINE)
-        dk_rows = dkv_start + offs_n
-        tl.store(DK + dk_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
-                 (dk * scale).to(DK.dtype.element_ty), mask=kmask)
-        tl.store(DV + dk_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :],
-                 dv.to(DV.dtype.element_ty), mask=kmask)
-
-
-@triton.jit
-def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
                      stride_abt, stride_abh, stride_pth, stride_tth,
                      scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
                      HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
                      Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                      HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                      NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
-                     DELTA_INLINE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr):
-    """Key-block programs only (the fused-dQ backward of large problems)."""
-    _dkdv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA,
-                  AB, PT, TT, QTS, KTS, q_off, kv_off, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                  stride_vh, stride_ot, stride_oh, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt,
-                  stride_dvh, stride_dqat, stride_dqah, stride_abt, stride_abh, stride_pth, stride_tth, scale,
-                  norm_scale, pos_log_inv, time_log_inv, num_heads, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE,
-                  KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, FUSE_DQ, DELTA_INLINE, BLOCK_D,
-                  BLOCK_M, BLOCK_N)
+                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it."""
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
+    n0 = pid_n * BLOCK_N
+    if n0 >= kv_len:
+        return
+    shift = kv_len - q_len
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    if NORM == 1:
+        ns = tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
+    elif NORM == 2:
+        ns = norm_scale
+    else:
+        ns = 1.0
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = offs_n < kv_len
+    d_ok = offs_d < HEAD_DIM
+    kv_rows = kv_start + offs_n
+    kmask = col_ok[:, None] & d_ok[None, :]
+    k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=kmask, other=0.0)
+    v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=kmask, other=0.0)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    # query blocks [m_lo, m_full): causal diagonal (masked); [m_full, m_tail): every pair valid (no masks);
+    # [m_tail, q_len): the ragged last block, and everything when this key block is ragged itself
+    m_lo = 0
+    m_full = 0
+    if CAUSAL:
+        m_lo = tl.maximum(n0 - shift, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.minimum((tl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
+    m_tail = tl.maximum(q_len // BLOCK_M * BLOCK_M, m_full)
+    if n0 + BLOCK_N > kv_len:
+        m_tail = m_full
+    for m0 in range(m_lo, m_full, BLOCK_M):
+        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
+                              q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
+                              stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
+                              stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True,
+                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ)
+    for m0 in range(m_full, m_tail, BLOCK_M):
+        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
+                              q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
+                              stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
+                              stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, False,
+                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ)
+    for m0 in range(m_tail, q_len, BLOCK_M):
+        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
+                              q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
+                              stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
+                              stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True,
+                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ)
+    dk_rows = dkv_start + offs_n
+    tl.store(DK + dk_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
+             (dk * scale).to(DK.dtype.element_ty), mask=kmask)
+    tl.store(DV + dk_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :],
+             dv.to(DV.dtype.element_ty), mask=kmask)
 
 
 @triton.jit
@@ -489,99 +462,66 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
 
 
 @triton.jit
-def _dq_program(pid_m, h, b, Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
-                scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                   stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
+                   scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
+                   HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                   Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                   HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                   NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """dQ for one query block, plus the score-bias gradients (dense bias rows, bucket tables)."""
-    q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
-    m0 = pid_m * BLOCK_M
-    if m0 < q_len:
-        shift = kv_len - q_len
-        EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-        if NORM == 1:
-            ns = tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
-        elif NORM == 2:
-            ns = norm_scale
-        else:
-            ns = 1.0
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_n0 = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        row_ok = offs_m < q_len
-        d_ok = offs_d < HEAD_DIM
-        q_rows = q_start + offs_m
-        o_rows = o_start + offs_m
-        qmask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
-        do = tl.load(DO + o_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qmask, other=0.0)
-        lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
-        if DELTA_INLINE:
-            o = tl.load(Out + o_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], mask=qmask, other=0.0)
-            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-        else:
-            delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
-        dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-        n_end = kv_len
-        n_full = kv_len
-        if CAUSAL:
-            n_end = tl.minimum(kv_len, m0 + BLOCK_M + shift)
-            n_full = tl.minimum(kv_len, m0 + 1 + shift)
-        n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(0, n_full, BLOCK_N):
-            dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
-                             o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB,
-                             DAB, stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS,
-                             pos_log_inv, time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS,
-                             NUM_TIME, EVEN_D, FAST)
-        for n0 in range(n_full, n_end, BLOCK_N):
-            dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
-                             o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB,
-                             DAB, stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS,
-                             pos_log_inv, time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS,
-                             NUM_TIME, EVEN_D, FAST)
-        tl.store(DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
-                 (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
-
-
-@triton.jit
-def _bwd_kernel(Q, K, V, Out, DO, LSE, DELTA, DQ, DK, DV, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                stride_abt, stride_abh, stride_pth, stride_tth,
-                scale, norm_scale, pos_log_inv, time_log_inv, num_heads, num_kv_blocks, num_q_blocks,
-                HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The whole backward in one launch: programs [0, num_kv_blocks) compute dK/dV for a key block (query tiles
-    BLOCK_M, key tiles BLOCK_N), the rest dQ and the bias gradients for a query block (tiles swapped)."""
-    pid = tl.program_id(0)
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
-    if pid < num_kv_blocks:
-        _dkdv_program(pid, h, b, Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQ, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                      stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqt, stride_dqh,
-                      stride_abt, stride_abh, stride_pth, stride_tth, scale, norm_scale, pos_log_inv, time_log_inv,
-                      num_heads, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME,
-                      NUM_POS, NUM_TIME, FAST, False, DELTA_INLINE, BLOCK_D, BLOCK_M, BLOCK_N)
+    q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
+    m0 = pid_m * BLOCK_M
+    if m0 >= q_len:
+        return
+    shift = kv_len - q_len
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    if NORM == 1:
+        ns = tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
+    elif NORM == 2:
+        ns = norm_scale
     else:
-        pid_m = pid - num_kv_blocks
-        if CAUSAL:  # the longest query blocks first
-            pid_m = num_q_blocks - 1 - pid_m
-        _dq_program(pid_m, h, b, Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off,
-                    kv_off, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
-                    scale, norm_scale, pos_log_inv, time_log_inv, num_heads, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE,
-                    KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, DELTA_INLINE, BLOCK_D, BLOCK_N,
-                    BLOCK_M)
+        ns = 1.0
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+    q_rows = q_start + offs_m
+    o_rows = o_start + offs_m
+    qmask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
+    do = tl.load(DO + o_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qmask, other=0.0)
+    lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
+    delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    n_end = kv_len
+    n_full = kv_len
+    if CAUSAL:
+        n_end = tl.minimum(kv_len, m0 + BLOCK_M + shift)
+        n_full = tl.minimum(kv_len, m0 + 1 + shift)
+    n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
+    for n0 in range(0, n_full, BLOCK_N):
+        dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
+                         o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
+                         stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
+                         time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
+                         FAST)
+    for n0 in range(n_full, n_end, BLOCK_N):
+        dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
+                         o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
+                         stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
+                         time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
+                         FAST)
+    tl.store(DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+             (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
 
 @triton.jit
@@ -611,20 +551,17 @@ CONFIGS = {
             _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2)],
     "dkdv": [_cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
              _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2)],
-    # the one-launch backward: BLOCK_M x BLOCK_N tiles (queries x keys) for its dK/dV programs, swapped for dQ
-    "bwd": [_cfg(32, 128, 8, 3), _cfg(32, 64, 4, 2), _cfg(64, 64, 4, 3), _cfg(32, 128, 4, 3), _cfg(64, 128, 8, 2),
-            _cfg(16, 64, 4, 2)],
+    "dq": [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
 }
 LARGE_HEAD_DIM_CONFIGS = {
     "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2)],
     "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2)],
-    "bwd": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2)],
+    "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2)],
 }
-# Problems whose padded work (sequences x max_q x max_kv x heads x head_dim) is below this are bound by host-side
-# launch cost, not by the GPU: their backward is one launch (`_bwd_kernel`, delta computed in-kernel). Larger ones
-# without score biases fold dQ into the dK/dV kernel by fp32 atomics (5 matmuls per tile pair instead of 7).
-SMALL_WORK = 2**37
+# Fused dQ (atomics) pays when each query block meets several key blocks; with short key sequences (cross-
+# attention to a few tokens) the recompute kernel is cheaper than an fp32 atomic per dQ element per key block.
+FUSE_DQ_MIN_KV = 128
 
 
 def _candidates(kind: str, head_dim: int) -> list[dict]:
@@ -669,13 +606,12 @@ class _Kernel:
         self.compiled: dict = {}
         self.tuning_log: list[dict] = []  # per tuning: key, seconds, (ms, config) of every candidate
 
-    def __call__(self, grid, args, consts: dict, bucket, reset=()):
-        """grid: config -> launch grid; args: the runtime arguments in order (or config -> them, when they
-        depend on the tiles); consts: the constexprs but the tiles; reset: buffers a trial run dirties."""
+    def __call__(self, grid, args: tuple, consts: dict, bucket: int, reset=()):
+        """grid: config -> launch grid; args: the runtime arguments in order; consts: constexprs but tiles."""
         candidates = _candidates(self.kind, consts["HEAD_DIM"])
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
             tiles = {name: 16 for name in candidates[0] if name.startswith("BLOCK")}
-            self.fn[grid(tiles)](*_resolve(args, tiles), **consts, **tiles)
+            self.fn[grid(tiles)](*args, **consts, **tiles)
             return
         tune = _autotune_enabled() and len(candidates) > 1
         tune_key = (tuple(consts.values()), bucket if tune else None, torch.cuda.current_device())
@@ -683,7 +619,6 @@ class _Kernel:
         if config is None:
             config = self._tune(tune_key, grid, args, consts, candidates, reset) if tune else candidates[0]
             self.best[tune_key] = config
-        args = _resolve(args, config)
         key = (tune_key, _spec_key(args))
         entry = self.compiled.get(key)
         g = grid(config)
@@ -702,17 +637,18 @@ class _Kernel:
         from triton.testing import do_bench
 
         start = time.perf_counter()
+
         workers = min(len(candidates), os.cpu_count() or 1)
         with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
             for config in candidates:
-                self.fn.warmup(*_resolve(args, config), grid=grid(config), **consts, **config)
+                self.fn.warmup(*args, grid=grid(config), **consts, **config)
         timings = []
         for config in candidates:
 
-            def trial(config=config, config_args=_resolve(args, config)):
+            def trial(config=config):
                 for t in reset:
                     t.zero_()
-                self.fn.run(*config_args, grid=grid(config), warmup=False, **consts, **config)
+                self.fn.run(*args, grid=grid(config), warmup=False, **consts, **config)
 
             try:
                 timings.append((do_bench(trial, warmup=5, rep=25, return_mode="median"), config))
@@ -725,14 +661,10 @@ class _Kernel:
         return min(timings, key=lambda tc: tc[0])[1]
 
 
-def _resolve(args, config: dict) -> tuple:
-    return args(config) if callable(args) else args
-
-
 _KERNELS = {
     "fwd": _Kernel(_fwd_kernel, "fwd"),
     "dkdv": _Kernel(_bwd_dkdv_kernel, "dkdv"),
-    "bwd": _Kernel(_bwd_kernel, "bwd"),
+    "dq": _Kernel(_bwd_dq_kernel, "dq"),
     "delta": _Kernel(_delta_kernel, "delta"),
 }
 
@@ -792,11 +724,8 @@ class Problem:
         )
         self.block_d = max(16, _pow2_at_least(self.head_dim))
 
-    def small(self) -> bool:
-        return self.num_seqs * self.max_q_len * self.max_kv_len * self.heads * self.head_dim < SMALL_WORK
-
     def fuse_dq(self) -> bool:
-        return not self.has_bias and not self.small()
+        return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
 
     def bias_args(self):
         dummy = self.q_off
@@ -854,50 +783,46 @@ def backward(p: Problem, grad_out, out, lse):
     dab = torch.zeros_like(p.attn_bias) if p.attn_bias is not None else None
     dpt = torch.zeros(p.pos_table.shape, dtype=torch.float32, device=dev) if p.pos_table is not None else None
     dtt = torch.zeros(p.time_table.shape, dtype=torch.float32, device=dev) if p.time_table is not None else None
+    fused = p.fuse_dq()
     if p.num_seqs == 0 or p.total_out == 0 or num_kv_rows == 0:
         dq = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
         dk.zero_()
         dv.zero_()
     else:
-        go = grad_out
-        small = p.small()
-        delta = _delta(p, out, go) if p.mode == 0 and not small else lse  # small: computed in-kernel
+        delta = _delta(p, out, grad_out) if p.mode == 0 else lse  # pointwise modes never read it
         ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-        common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-                  out.stride(1), go.stride(0), go.stride(1))
-        consts = {**p.consts, "DELTA_INLINE": small, "BLOCK_D": p.block_d}
-        if p.fuse_dq():
-            dq = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=dev)
+        dqa = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=dev) if fused else lse
+        go = grad_out
 
-            def grid(meta):
-                return (triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
+        def grid_kv(meta):
+            return (triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
 
-            args = (q, k, v, out, go, lse, delta, dk, dv, dq, ab, pt, tt, qts, kts, p.q_off, p.kv_off, *common,
-                    dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), dq.stride(0), dq.stride(1),
-                    sabt, sabh, spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-            _KERNELS["dkdv"](grid, args, {**consts, "FUSE_DQ": True}, p.bucket, reset=(dq,))
+        args = (q, k, v, go, lse, delta, dk, dv, dqa, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0),
+                go.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                dqa.stride(0) if fused else 0, dqa.stride(1) if fused else 0, sabt, sabh, spt, stt,
+                p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
+        _KERNELS["dkdv"](grid_kv, args, {**p.consts, "FUSE_DQ": fused, "BLOCK_D": p.block_d}, p.bucket,
+                         reset=(dqa,) if fused else ())
+        if fused:
+            dq = dqa
         else:
             dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
             # the autotuner zeroes DPT/DTT between trials: absent tables get a scratch, never a live input
-            scratch = torch.zeros(1, dtype=torch.float32, device=dev) if p.has_bias else p.q_off
+            scratch = torch.zeros(1, dtype=torch.float32, device=dev) if p.has_bias else None
             dab_arg = dab if dab is not None else p.q_off
-            dpt_arg = dpt if dpt is not None else scratch
-            dtt_arg = dtt if dtt is not None else scratch
+            dpt_arg = dpt if dpt is not None else (scratch if scratch is not None else p.q_off)
+            dtt_arg = dtt if dtt is not None else (scratch if scratch is not None else p.q_off)
 
-            def blocks(meta):
-                return triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), triton.cdiv(max(p.max_q_len, 1),
-                                                                                        meta["BLOCK_N"])
+            def grid_q(meta):
+                return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-            def grid(meta):
-                return (sum(blocks(meta)), p.heads, p.num_seqs)
-
-            def launch_args(meta):
-                return (q, k, v, out, go, lse, delta, dq, dk, dv, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts,
-                        p.q_off, p.kv_off, *common, dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
-                        dv.stride(0), dv.stride(1), sabt, sabh, spt, stt, p.scale, p.inv_max_len, p.pos_log_inv,
-                        p.time_log_inv, p.heads, *blocks(meta))
-
-            _KERNELS["bwd"](grid, launch_args, consts, p.bucket, reset=tuple(t for t in (dpt, dtt) if t is not None))
+            args = (q, k, v, go, lse, delta, dq, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off,
+                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0),
+                    go.stride(1), dq.stride(0), dq.stride(1), sabt, sabh, spt, stt,
+                    p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
+            _KERNELS["dq"](grid_q, args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket,
+                           reset=tuple(t for t in (dpt, dtt) if t is not None))
     if p.q_shared:
         dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
     dq = dq.to(q.dtype)

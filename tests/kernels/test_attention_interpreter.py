@@ -90,11 +90,9 @@ def test_asymmetric_lengths(op):
 
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
-def test_large_problem_backward_paths(op, monkeypatch):
-    """Every problem counted as large: dq by atomics from the dK/dV kernel (no bias), delta by its own kernel."""
-    monkeypatch.setattr(kernels_module, "SMALL_WORK", 0)
+def test_backward_with_dq_fused_into_the_key_block_kernel(op, monkeypatch):
+    monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # dq by atomics from the dK/dV kernel everywhere
     compare(EDGE, EDGE, op=op, causal=True, seed=11)
-    compare(EDGE, EDGE, op=op, bias=True, seed=16)  # biases: the one-launch backward with the delta kernel
     compare([4], [20, 0, 37], op=op, seed=12)  # shared seeds: dq reduced over the key sequences
     compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=13)
     compare([20, 3], [6], op=op, seed=14)
