@@ -304,10 +304,11 @@ def _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation
     kv_arg = None if kv_offsets is q_offsets else kv_offsets
     inputs = [*contiguous, rel.position, rel.time, q_offsets, kv_arg, rel.q_timestamps, rel.kv_timestamps]
     present = [t for t in inputs if t is not None]
-    if len({id(t) for t in present}) == len(present) and not torch.compiler.is_compiling():
+    # Under torch.compile, the op's registered autograd: dynamo guards on the `id()`s below (a recompile per call,
+    # the H200 trace showed the model cut at every attention call). Eagerly, the Function, unless one tensor has
+    # two roles (k is v, say).
+    if not torch.compiler.is_compiling() and len({id(t) for t in present}) == len(present):
         return _Attention.apply(*inputs, params, bias_params)
-    # Under torch.compile (dynamo graph-breaks on the Function on torch 2.11: the H200 trace showed the model cut
-    # at every attention call), and for one tensor in two roles (k is v, say): the op's registered autograd.
     out, _ = attention_fwd(*contiguous[:3], q_offsets, kv_offsets, *params, contiguous[3],
                            rel.position, rel.time, rel.q_timestamps, rel.kv_timestamps, *bias_params)
     return out
