@@ -153,3 +153,15 @@ def test_one_tensor_in_several_roles_under_compile():
     grad = torch.randn_like(out)
     torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(ref, x, grad)[0],
                                rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_op_does_not_recompile_for_new_tensors(monkeypatch):
+    # The eager path's id()-based aliasing check once made dynamo guard on tensor identity: a recompile per call.
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    off = offsets_of([5, 0, 12])
+    compiled = torch.compile(lambda q, k, v: jagged_attention(q, k, v, off, off, 12, 12, causal=True,
+                                                              backend="triton"), fullgraph=True, backend="aot_eager")
+    for _ in range(3):
+        q, k, v = (torch.randn(17, HEADS, DIM, requires_grad=True) for _ in range(3))
+        compiled(q, k, v).sum().backward()
+        assert q.grad is not None and torch.isfinite(q.grad).all()
