@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.gemrec-installed
 PROTOS := $(wildcard proto/gemrec/v1/*.proto)
-APT_PACKAGES := redis-server chromium chromium-driver
+APT_PACKAGES := redis-server chromium chromium-driver g++
 DATA ?= $(firstword $(wildcard $(GEMREC_DATA_DIR)/movielens-latest-small ../shared/data/movielens-latest-small))
 
 .PHONY: setup run test lint proto system-deps clean

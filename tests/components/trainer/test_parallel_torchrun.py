@@ -58,7 +58,7 @@ def runs(tmp_path_factory):
     four = torchrun(4, base / "four", ["train:2x2x1", "train:2x2x2", "train:1x4x2", "ep", "dcp_save"], port())
     two = torchrun(
         2, base / "two",
-        ["train:1x2x1", "train:2x1x1", "train:1x2x2+ac", "ep", "metrics", "pipeline", "gem:torchrec", "gem:torch", "sparse2d_cpu",
+        ["train:1x2x1", "train:2x1x1", "train:1x2x2+ac", "train:1x2x1+compile", "ep", "metrics", "pipeline", "gem:torchrec", "gem:torch", "sparse2d_cpu",
          "sharding:table_wise", "sharding:column_wise",
          "sharding:row_wise", "sharding:planner", f"dcp_load:{base / 'four' / 'ckpt'}"],
         port(),
@@ -68,7 +68,8 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "run",
-    ["2/train:1x2x1", "2/train:2x1x1", "2/train:1x2x2+ac", "4/train:2x2x1", "4/train:2x2x2", "4/train:1x4x2"],
+    ["2/train:1x2x1", "2/train:2x1x1", "2/train:1x2x2+ac", "2/train:1x2x1+compile", "4/train:2x2x1", "4/train:2x2x2",
+     "4/train:1x4x2"],
 )
 def test_loss_trajectory_matches_single_process(runs, run):
     for result in runs[run]:
@@ -146,3 +147,8 @@ def test_2d_sparse_is_refused_on_cpu_with_the_reason(runs):
     for result in runs["2/sparse2d_cpu"]:
         assert result["refused"] and "DMPCollection, which needs CUDA" in result["refused"]
         assert "sparse_shard 1 < world size 2" in result["refused"]
+
+
+def test_compile_covers_blocks_and_root_modules(runs):
+    for result in runs["2/train:1x2x1+compile"]:
+        assert set(result["compiled_root"]) == {"proj", "head"}, result["compiled_root"]

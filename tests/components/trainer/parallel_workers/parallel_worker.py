@@ -152,13 +152,14 @@ def check_train(mesh: str, rank: int, world: int) -> dict:
     attach_sparse_sgd(model)
     dims = ParallelDims(world, dp_replicate=rep, dp_shard=shard, ep=ep)
     config = ParallelConfig(dp_replicate=rep, dp_shard=shard, ep=ep,
-                            activation_checkpoint="full" if option == "ac" else "none")
+                            activation_checkpoint="full" if option == "ac" else "none", compile=option == "compile")
     model, report = parallelize(model, dims, config, CPU)
     losses = train_losses(model, batches, rank, world, steps, grads)
     # Relative error of every dense gradient of step 1 (a wrong average shows as 0.5 or 2 here).
     grad_err = {n: ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in ref_grads.items()}
     return {"ref": ref_losses, "dist": losses, "grad_err": grad_err, "plan": report.embedding_plan,
-            "blocks": report.fsdp_blocks, "ep_layers": report.expert_parallel}
+            "blocks": report.fsdp_blocks, "ep_layers": report.expert_parallel,
+            "compiled_root": report.compiled_root_modules}
 
 
 def check_sharding(sharding_type: str, rank: int, world: int) -> dict:
