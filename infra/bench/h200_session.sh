@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Every GPU number of docs/benchmarks.md in one run on a 2-GPU H200 host (device kind nvidia-h200-x2):
+#   1. GPU tests of the kernels and the model dispatch
+#   2. `gemrec bench kernels` on GPU 1, while GPU 0 runs the trainer's gpu_bench (compiled, then eager, then
+#      eager with the reference attention: the kernels' before/after)
+#   3. scaling_bench (compiled) at 1 then 2 GPUs, nothing else running; then its report
+# Each step has its own time limit, so a slow step cannot eat the others. Results land in OUT (JSON, logs,
+# traces) and OUT/all.tgz.
+#
+#   bash infra/bench/h200_session.sh OUT [STEP_LIMIT_SECONDS]
+# The repo root must be importable as `gemrec` (the device image has no install): this script links it.
+set -u
+out=${1:?usage: h200_session.sh OUT [STEP_LIMIT_SECONDS]}
+limit=${2:-300}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$out" /tmp/gemrec-path
+ln -sfn "$root" /tmp/gemrec-path/gemrec
+export PYTHONPATH=/tmp/gemrec-path PYTHONUNBUFFERED=1
+cd "$root"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > "$out/gpus.txt"
+T=gemrec.components.trainer
+S=$T.parallel.scaling_bench
+run() { local name=$1; shift; timeout "$limit" "$@" > "$out/$name.log" 2>&1; echo "$name: exit $?" | tee -a "$out/status.txt"; }
+
+run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py tests/model/test_model_attention.py
+(export CUDA_VISIBLE_DEVICES=1; run kernels python3 -m gemrec.kernels.cli --out "$out/kernels") &
+export CUDA_VISIBLE_DEVICES=0
+run trainer_compiled python3 -m $T.gpu_bench --out "$out/trainer_compiled" --set train.compile=true --trace
+run trainer_eager python3 -m $T.gpu_bench --out "$out/trainer_eager"
+run trainer_reference python3 -m $T.gpu_bench --out "$out/trainer_reference" --set model.attention_backend=reference
+wait
+unset CUDA_VISIBLE_DEVICES
+steps="--set bench.steps=20 --set bench.warmup_steps=4"
+run scaling_1 python3 -m torch.distributed.run --nproc_per_node 1 -m $S --out "$out/scaling" --param-dtype bfloat16 --compile $steps
+run scaling_2 python3 -m torch.distributed.run --nproc_per_node 2 -m $S --out "$out/scaling" --param-dtype bfloat16 --compile --trace $steps
+python3 -m $S report "$out"/scaling/*.json > "$out/scaling_report.md" 2>&1
+cat "$out/status.txt" "$out/scaling_report.md"
+(cd "$out" && tar czf all.tgz --exclude=all.tgz .)
