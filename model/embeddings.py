@@ -6,8 +6,8 @@ examples' ids, rows `[B, B + T)` the history tokens' ids (empty for user/context
 the table collection shardable as a unit.
 
 Backends: "torchrec" (`EmbeddingBagCollection`, imported only here, lazily) and "torch" (all tables stacked
-row-wise in one weight, needs no torchrec): one `F.embedding_bag` for the examples' features and one for the
-tokens' features only, so no empty (token, user feature) bags are pooled; no host syncs.
+row-wise in one weight, needs no torchrec): one `F.embedding_bag` over the examples' features and the tokens'
+item features only (no empty (token, user feature) bags are pooled), so one gradient for the table; no host syncs.
 """
 
 from __future__ import annotations
@@ -54,13 +54,10 @@ class TorchTables(nn.Module):
                 bound = (1.0 / size) ** 0.5
                 self.weight[start : start + size].uniform_(-bound, bound)
 
-    def forward(self, values: torch.Tensor, lengths: torch.Tensor, rows: int, features: torch.Tensor | None = None):
-        """(rows, features, dim): `values`/`lengths` hold `rows` bags per feature, feature-major, for the tables
-        `features` (indices, default all)."""
-        device = self.weight.device
-        if features is None:
-            features = torch.arange(self.num_features, device=device)
-        key_of_row = features.repeat_interleave(rows)
+    def forward(self, values: torch.Tensor, lengths: torch.Tensor, blocks: list[tuple[torch.Tensor, int]]):
+        """One `embedding_bag` over consecutive blocks of bags; block `(features, rows)` holds `rows` bags per table
+        in `features` (indices), feature-major. Returns one `(rows, len(features), dim)` tensor per block."""
+        key_of_row = torch.cat([features.repeat_interleave(rows) for features, rows in blocks])
         key_of_value = torch.repeat_interleave(key_of_row, lengths, output_size=values.numel())
         ids = values + self.row_starts[key_of_value]
         lengths_per_value = torch.repeat_interleave(lengths, lengths, output_size=values.numel())
@@ -71,7 +68,9 @@ class TorchTables(nn.Module):
         pooled = F.embedding_bag(
             ids, self.weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
         )
-        return pooled.view(features.numel(), rows, self.dim).transpose(0, 1)
+        sizes = [features.numel() * rows for features, rows in blocks]
+        return [part.view(features.numel(), rows, self.dim).transpose(0, 1)
+                for part, (features, rows) in zip(pooled.split(sizes), blocks)]
 
 
 class TorchrecTables(nn.Module):
@@ -123,6 +122,7 @@ class SparseEmbeddings(nn.Module):
         self.token_features = ["item_id", *schema.seq_item_features]
         columns = torch.tensor([self.features.index(name) for name in self.token_features])
         self.register_buffer("token_columns", columns, persistent=False)  # on the device: no host copy
+        self.register_buffer("all_columns", torch.arange(len(self.features)), persistent=False)
         tables = TorchrecTables if config.embedding_backend == "torchrec" else TorchTables
         self.tables = tables(schema, config.embedding_dim)
 
@@ -131,13 +131,10 @@ class SparseEmbeddings(nn.Module):
     ):
         batch = sparse_features.stride() if batch_size is None else batch_size
         _check_keys(sparse_features, self.features, "sparse_features")
-        if seq_item_ids is None:
-            values, lengths = self._reorder(sparse_features, batch)
-            return self.tables(values, lengths, batch), None
         if isinstance(self.tables, TorchTables):
-            return self.tables(*self._reorder(sparse_features, batch), batch), self._token_lookup(
-                seq_item_ids, seq_item_features
-            )
+            return self._torch_lookup(sparse_features, seq_item_ids, seq_item_features, batch)
+        if seq_item_ids is None:
+            return self.tables(*self._reorder(sparse_features, batch), batch), None
         values, lengths = self._merge(sparse_features, seq_item_ids, seq_item_features, batch)
         tokens = seq_item_ids.numel()
         pooled = self.tables(values, lengths, batch + tokens)
@@ -154,11 +151,14 @@ class SparseEmbeddings(nn.Module):
         )
         return _permute_rows(features.values(), features.lengths(), perm, features.values().numel())
 
-    def _token_lookup(self, seq_item_ids, seq_item_features) -> torch.Tensor:
-        """(T, 1 + num_seq_features, dim) from the item tables only (torch backend)."""
+    def _torch_lookup(self, sparse_features, seq_item_ids, seq_item_features, batch: int):
+        """Torch backend: one `embedding_bag` over the examples' features and the tokens' item features only."""
+        example_values, example_lengths = self._reorder(sparse_features, batch)
+        if seq_item_ids is None:
+            return self.tables(example_values, example_lengths, [(self.all_columns, batch)])[0], None
         tokens = seq_item_ids.numel()
-        values = [seq_item_ids.long()]
-        lengths = [torch.ones(tokens, dtype=torch.long, device=seq_item_ids.device)]
+        values = [example_values, seq_item_ids.long()]
+        lengths = [example_lengths, torch.ones(tokens, dtype=torch.long, device=seq_item_ids.device)]
         seq_names = list(self.schema.seq_item_features)
         if seq_names:
             if seq_item_features is None:
@@ -167,7 +167,10 @@ class SparseEmbeddings(nn.Module):
             seq_values, seq_lengths = self._reorder(seq_item_features, tokens, seq_names, "seq_item_features")
             values.append(seq_values)
             lengths.append(seq_lengths)
-        return self.tables(torch.cat(values), torch.cat(lengths), tokens, self.token_columns)
+        example_emb, token_emb = self.tables(
+            torch.cat(values), torch.cat(lengths), [(self.all_columns, batch), (self.token_columns, tokens)]
+        )
+        return example_emb, token_emb
 
     def _merge(self, sparse_features, seq_item_ids, seq_item_features, batch: int):
         """One (values, lengths) batch of `batch + T` rows per key (see the module docstring)."""

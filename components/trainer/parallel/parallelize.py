@@ -183,8 +183,15 @@ def _average_grad_before_optimizer(param: nn.Parameter) -> None:
     pre-hook on the gradient accumulator runs before the post-accumulate hook that steps the optimizer."""
     from torch.distributed.optim.apply_optimizer_in_backward import param_to_acc_grad_map
 
+    # In place: the incoming gradient is the embedding backward's own fresh tensor (a copy of the table's size
+    # is a full extra pass at the very end of backward, where nothing hides it).
+    average = dist.get_backend() == "nccl"  # gloo has no ReduceOp.AVG
+
     def hook(grad_outputs):
-        grad = grad_outputs[0].clone()
+        grad = grad_outputs[0]
+        if average:
+            dist.all_reduce(grad, op=dist.ReduceOp.AVG)
+            return (grad,)
         dist.all_reduce(grad)
         return (grad.div_(dist.get_world_size()),)
 
