@@ -38,6 +38,7 @@ from gemrec.model import (
     model_flops,
 )
 from gemrec.model import loss as model_loss
+from gemrec.model.bench import count_host_syncs
 
 
 def synthetic_schema(bench) -> FeatureSchema:
@@ -109,22 +110,6 @@ def profile_table(step, steps: int, device: torch.device, trace: Path | None = N
         prof.export_chrome_trace(str(trace))
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=60)
-
-
-def count_host_syncs(step) -> int:
-    """Host-device synchronizations in one step (CUDA sync debug mode; 0 on other devices)."""
-    if not torch.cuda.is_available():
-        return 0
-    import warnings
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            step()
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -201,7 +186,7 @@ def run(argv: list[str] | None = None) -> dict:
     local, layers = measure_local_mfu(model, model_flops(model, host[0][0]), lambda: model(inp0), peak.flops,
                                       device, autocast, repeats=max(3, config.train.local_mfu_repeats))
     step_ms = 1000 * seconds / bench.steps
-    host_syncs = count_host_syncs(step) if device.type == "cuda" else 0
+    host_syncs, sync_sites = count_host_syncs(step) if device.type == "cuda" else (0, [])
     table = profile_table(step, bench.profile_steps, device,
                           args.out / "trace.json.gz" if args.trace else None)
     result = {
@@ -232,6 +217,7 @@ def run(argv: list[str] | None = None) -> dict:
                     "share_of_step": 1000 * r.seconds / step_ms} for r in layers],
         "final_loss": float(losses[-1]),
         "host_syncs_per_step": host_syncs,
+        "host_sync_sites": sync_sites,
         "datasheet_peak_h200": H200_BF16_DENSE_PEAK_FLOPS,
     }
     (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
