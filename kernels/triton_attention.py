@@ -154,6 +154,21 @@ def _seq_info(q_off, kv_off, b, Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr)
 
 
 @triton.jit
+def _load_pair(A, B, a_rows, b_rows, stride_at, stride_ah, stride_bt, stride_bh, h, offs_d, mask,
+               USE_MASK: tl.constexpr):
+    """Two (rows, head_dim) tiles of head h; masked loads only where a tile can run past the data."""
+    a_ptrs = A + a_rows[:, None] * stride_at + h * stride_ah + offs_d[None, :]
+    b_ptrs = B + b_rows[:, None] * stride_bt + h * stride_bh + offs_d[None, :]
+    if USE_MASK:
+        a = tl.load(a_ptrs, mask=mask, other=0.0)
+        b = tl.load(b_ptrs, mask=mask, other=0.0)
+    else:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    return a, b
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
               offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh,
               qk_scale, scale,
@@ -165,13 +180,8 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
     cols = n0 + offs_n
     col_ok = cols < kv_len
     kv_rows = kv_start + cols
-    if MASKED or not EVEN_D:
-        kmask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=kmask, other=0.0)
-        v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=kmask, other=0.0)
-    else:
-        k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :])
-        v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :])
+    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
+                      col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
     qk = tl.dot(q, tl.trans(k))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
@@ -292,12 +302,8 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
     q_rows = q_start + offs_m
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
-    if MASKED or not EVEN_D:
-        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
-        do = tl.load(DO + o_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qmask, other=0.0)
-    else:
-        q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :])
-        do = tl.load(DO + o_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :])
+    q, do = _load_pair(Q, DO, q_rows, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask,
+                       MASKED or not EVEN_D)
     sT = tl.dot(k, tl.trans(q)) * scale
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
@@ -371,8 +377,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS,
     d_ok = offs_d < HEAD_DIM
     kv_rows = kv_start + offs_n
     kmask = col_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=kmask, other=0.0)
-    v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=kmask, other=0.0)
+    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     # query blocks [m_lo, m_full): causal diagonal (masked); [m_full, m_tail): every pair valid (no masks);
@@ -422,13 +427,8 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
     offs_n = n0 + offs_n0
     col_ok = offs_n < kv_len
     kv_rows = kv_start + offs_n
-    if MASKED or not EVEN_D:
-        kmask = col_ok[:, None] & d_ok[None, :]
-        k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=kmask, other=0.0)
-        v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=kmask, other=0.0)
-    else:
-        k = tl.load(K + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :])
-        v = tl.load(V + kv_rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :])
+    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
+                      col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
     s = tl.dot(q, tl.trans(k)) * scale
     if HAS_AB or HAS_POS or HAS_TIME:
         s += _bias(offs_m[:, None], offs_n[None, :], row_ok[:, None], col_ok[None, :], shift, h, o_start,
