@@ -10,7 +10,7 @@ fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients
 when the key sequences are short (few key blocks per query, where the atomics would cost more than the
 recompute) a second kernel per query block computes dQ (7 matmuls per tile pair).
 
-Launches go through `_Kernel`: tiles autotuned once per (variant, head dim, bucketed length), candidates
+Launches go through `_Kernel`: tiles autotuned once per (variant, head dim, bucketed lengths), candidates
 compiled in parallel, then the compiled kernel is launched directly (no per-call argument binding).
 
 With `TRITON_INTERPRET=1` set before triton is first imported, the same kernels run on CPU tensors
@@ -679,7 +679,7 @@ def tuned_configs() -> list[dict]:
     for kind, kernel in _KERNELS.items():
         for entry in kernel.tuning_log:
             best_ms, best = min(entry["timings"], key=lambda tc: tc[0])
-            out.append({"kernel": kind, "constexprs": entry["consts"], "len_bucket": entry["key"][1],
+            out.append({"kernel": kind, "constexprs": entry["consts"], "len_buckets": entry["key"][1],
                         "config": best, "ms": round(best_ms, 4), "tuning_s": round(entry["seconds"], 2)})
     return out
 
@@ -715,7 +715,9 @@ class Problem:
         self.pos_log_inv = _log_inv(self.num_pos, pos_max_distance) if pos_table is not None else 0.0
         self.time_log_inv = 1.0 / math.log(time_log_base) if time_table is not None else 0.0
         self.inv_max_len = 1.0 / max(max_kv_len, 1)
-        self.bucket = (_len_bucket(max_q_len), _len_bucket(max_kv_len))
+        # Longest sequences and total rows: a 4-sequence correctness check must not pick the tiles of a full batch.
+        self.bucket = (_len_bucket(max_q_len), _len_bucket(max_kv_len), _len_bucket(q.shape[0]),
+                       _len_bucket(k.shape[0]))
         self.consts = dict(
             HEAD_DIM=self.head_dim, MODE=mode, CAUSAL=causal, NORM=norm,
             Q_STRIDE=0 if self.q_shared else 1, KV_STRIDE=0 if self.kv_shared else 1,
