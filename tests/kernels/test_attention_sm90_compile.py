@@ -1,0 +1,102 @@
+"""The Triton kernels compile for Hopper (sm_90) without a GPU: every kernel a call launches, with the arguments
+the real call builds, goes through triton.compile down to a cubin with the bundled ptxas. Catches what the CPU
+interpreter cannot: type errors in lowering, constexpr misuse, inline PTX (tanh.approx), shared-memory limits."""
+
+import pytest
+import torch
+import triton
+from gemrec.kernels import RelativeBias, gdpa, jagged_attention
+from gemrec.kernels import ops
+from gemrec.kernels import triton_attention as kernels
+
+pytestmark = pytest.mark.skipif(kernels.INTERPRET, reason="needs triton's compiler, not its interpreter")
+
+HOPPER = triton.backends.compiler.GPUTarget("cuda", 90, 32)
+SHARED_MEMORY_LIMIT = 232448  # bytes per block on an H100/H200
+POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+           torch.int32: "*i32"}
+
+
+def offsets_of(lengths):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+
+
+def launches(monkeypatch, call) -> list[tuple]:
+    """(kernel, runtime args, constexprs) of every launch `call` makes, without launching."""
+    recorded = []
+    monkeypatch.setattr(kernels._Kernel, "__call__",
+                        lambda self, grid, args, consts, bucket, reset=(): recorded.append((self, args, consts)))
+    monkeypatch.setattr(ops, "_kernels", lambda device: kernels)
+    call()
+    return recorded
+
+
+def signature(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return POINTER[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    assert value is None, type(value)
+    return "constexpr"
+
+
+def compile_for_hopper(kernel, args, consts):
+    tiles = kernels._candidates(kernel.kind, consts["HEAD_DIM"])[0]
+    constexprs = {**consts, **{k: v for k, v in tiles.items() if k.startswith("BLOCK")}}
+    runtime = [name for name in kernel.fn.arg_names if name not in kernel.const_names]
+    sig = {name: signature(value) for name, value in zip(runtime, args)}
+    fixed = {name: None for name, value in zip(runtime, args) if value is None}
+    sig.update({name: "constexpr" for name in kernel.const_names})
+    fixed.update({name: constexprs[name] for name in kernel.const_names})
+    options = {"num_warps": tiles.get("num_warps", 4), "num_stages": tiles.get("num_stages", 2)}
+    return triton.compile(triton.compiler.ASTSource(kernel.fn, sig, fixed), target=HOPPER, options=options)
+
+
+def tensors(rows, heads, dim, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(rows, heads, dim, generator=gen).to(dtype).requires_grad_() for _ in range(3)]
+
+
+def jfa_causal_fused_dq():  # long keys: dQ folded into the dK/dV kernel
+    q, k, v = tensors(1000, 2, 128, torch.bfloat16)
+    off = offsets_of([300, 0, 700])
+    jagged_attention(q, k, v, off, off, 700, 700, causal=True, backend="triton").sum().backward()
+
+
+def gdpa_cross_short_keys_fp16():  # long queries over a few keys: the separate dQ kernel
+    q = tensors(900, 4, 64, torch.float16)[0]
+    k, v = tensors(60, 4, 64, torch.float16, seed=1)[1:]
+    gdpa(q, k, v, offsets_of([400, 500]), offsets_of([20, 40]), 500, 40, activation="gelu_tanh",
+         backend="triton").sum().backward()
+
+
+def jfa_with_biases_head_dim_256():
+    q, k, v = tensors(300, 2, 256, torch.bfloat16)
+    off = offsets_of([100, 200])
+    rel = RelativeBias(position=torch.zeros(2, 32, requires_grad=True), time=torch.zeros(2, 16, requires_grad=True),
+                       q_timestamps=torch.arange(300), kv_timestamps=torch.arange(300))
+    jagged_attention(q, k, v, off, off, 200, 200, causal=True, rel_bias=rel, backend="triton").sum().backward()
+
+
+def pma_shared_seeds_with_attn_bias():
+    q = tensors(16, 2, 64, torch.bfloat16)[0]
+    k, v = tensors(500, 2, 64, torch.bfloat16, seed=2)[1:]
+    bias = torch.zeros(3 * 16, 2, 300, requires_grad=True)
+    gdpa(q, k, v, offsets_of([16]), offsets_of([100, 100, 300]), 16, 300, activation="relu2", attn_bias=bias,
+         normalize="max_len", backend="triton").sum().backward()
+
+
+@pytest.mark.parametrize("call", [jfa_causal_fused_dq, gdpa_cross_short_keys_fp16, jfa_with_biases_head_dim_256,
+                                  pma_shared_seeds_with_attn_bias])
+def test_every_launched_kernel_compiles_for_sm90(monkeypatch, call):
+    recorded = launches(monkeypatch, call)
+    kinds = {kernel.kind for kernel, _, _ in recorded}
+    assert {"fwd", "dkdv"} <= kinds, kinds
+    for kernel, args, consts in recorded:
+        compiled = compile_for_hopper(kernel, args, consts)
+        assert compiled.asm["cubin"], kernel.kind
+        assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, (kernel.kind, compiled.metadata.shared)
