@@ -9,12 +9,23 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     from gemrec.cli import CLIError
     from gemrec.kernels.bench import CONFIGS, format_row, run_benchmark
 
-    if not torch.cuda.is_available():
-        raise CLIError("bench kernels needs a CUDA GPU (the Triton kernels run compiled only there)")
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
         raise CLIError(f"unknown config(s) {unknown}; choose from {sorted(CONFIGS)}")
+    if args.static:
+        import json
+
+        from gemrec.kernels.aot import static_report
+
+        rows = static_report(names, progress=lambda line: print(line, flush=True))
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "kernels_static.json").write_text(json.dumps(rows, indent=2))
+        print(f"wrote {Path(args.out) / 'kernels_static.json'}")
+        return 0
+    if not torch.cuda.is_available():
+        raise CLIError("bench kernels needs a CUDA GPU (the Triton kernels run compiled only there; "
+                       "--static compiles them for sm_90 without one)")
     if args.profile:
         from gemrec.kernels.bench import profile_ours
 
@@ -34,6 +45,9 @@ def register(groups: dict) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", action="store_true", help="time only our kernels")
     p.add_argument("--profile", action="store_true", help="only print per-kernel device times of ours (fwd+bwd)")
+    p.add_argument("--static", action="store_true",
+                   help="no GPU needed: compile every kernel and candidate tile for sm_90, report registers, "
+                        "spill stack and shared memory")
     p.set_defaults(func=_bench_kernels)
 
 

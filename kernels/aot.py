@@ -1,0 +1,136 @@
+"""The attention kernels compiled ahead of time for a GPU architecture, on a machine without a GPU.
+
+`record_launches(call)` runs an op on CPU tensors with every kernel launch captured instead of executed: the
+kernels it would launch, with the arguments and constexprs the real call builds. `compile_launch` compiles one
+to a cubin with triton's bundled ptxas (Hopper, sm_90, by default) and `resource_usage` reads its registers,
+spill stack and shared memory. `gemrec bench kernels --static` reports these for every candidate tile of every
+benchmark config: a first look at register pressure and spills before any GPU time is spent.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import triton
+from gemrec.kernels import ops
+from gemrec.kernels import triton_attention as kernels
+
+HOPPER = triton.backends.compiler.GPUTarget("cuda", 90, 32)
+_POINTER = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32", torch.int64: "*i64",
+            torch.int32: "*i32"}
+
+
+@dataclass
+class Launch:
+    kernel: kernels._Kernel
+    args: tuple
+    consts: dict
+
+    @property
+    def kind(self) -> str:
+        return self.kernel.kind
+
+    def candidates(self) -> list[dict]:
+        return kernels._candidates(self.kind, self.consts["HEAD_DIM"])
+
+
+@contextmanager
+def _captured(recorded: list[Launch]):
+    if kernels.INTERPRET:
+        raise RuntimeError("ahead-of-time compilation needs triton's compiler: unset TRITON_INTERPRET")
+    launch, pick = kernels._Kernel.__call__, ops._kernels
+
+    def record(self, grid, args, consts, bucket, reset=()):
+        recorded.append(Launch(self, args, dict(consts)))
+
+    kernels._Kernel.__call__, ops._kernels = record, (lambda device: kernels)
+    try:
+        yield
+    finally:
+        kernels._Kernel.__call__, ops._kernels = launch, pick
+
+
+def record_launches(call) -> list[Launch]:
+    """Every kernel launch `call()` makes (on CPU tensors, backend="triton"), none executed; outputs are garbage."""
+    recorded: list[Launch] = []
+    with _captured(recorded):
+        call()
+    return recorded
+
+
+def _signature(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return _POINTER[value.dtype]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    if value is None:
+        return "constexpr"
+    raise TypeError(f"no triton signature for a {type(value).__name__} argument")
+
+
+def compile_launch(launch: Launch, config: dict | None = None, target=HOPPER):
+    """The compiled kernel (cubin in `.asm["cubin"]`) of one launch with a tile config (default: the first
+    candidate, what runs when autotuning is off)."""
+    config = config or launch.candidates()[0]
+    kernel = launch.kernel
+    runtime = [name for name in kernel.fn.arg_names if name not in kernel.const_names]
+    signature = {name: _signature(value) for name, value in zip(runtime, launch.args)}
+    fixed = {name: None for name, value in zip(runtime, launch.args) if value is None}
+    constexprs = {**launch.consts, **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
+    signature.update({name: "constexpr" for name in kernel.const_names})
+    fixed.update({name: constexprs[name] for name in kernel.const_names})
+    options = {"num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 2)}
+    return triton.compile(triton.compiler.ASTSource(kernel.fn, signature, fixed), target=target, options=options)
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """registers per thread, spill stack bytes per thread, shared memory bytes per block (cuobjdump's view)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        dump = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
+                              check=True).stdout
+    fields = dict(item.split(":", 1) for line in dump.splitlines() if "REG:" in line for item in line.split()
+                  if ":" in item and item.split(":", 1)[1].isdigit())
+    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "shared_bytes": compiled.metadata.shared}
+
+
+def static_report(config_names: list[str], progress=print) -> list[dict]:
+    """For each benchmark config and variant: every kernel its fwd+bwd launches x every candidate tile config,
+    compiled for sm_90, with its registers, spill stack and shared memory."""
+    from gemrec.kernels.bench import CONFIGS, make_case, run_ours
+
+    rows = []
+    for name in config_names:
+        cfg = CONFIGS[name]
+        for op, causal in cfg.variants:
+            case = make_case(cfg, 0, torch.device("cpu"), num_seqs=min(cfg.num_seqs, 8))
+            leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
+            launches: list[Launch] = []
+            with _captured(launches):
+                run_ours(op, case, causal, "triton", *leaves).sum().backward()
+            for launch in launches:
+                for tiles in launch.candidates():
+                    usage = resource_usage(compile_launch(launch, tiles))
+                    row = {"config": name, "variant": f"{op}{'-causal' if causal else ''}", "kernel": launch.kind,
+                           "fuse_dq": launch.consts.get("FUSE_DQ"), "tiles": tiles, **usage}
+                    progress(format_static_row(row))
+                    rows.append(row)
+    return rows
+
+
+def format_static_row(row: dict) -> str:
+    tiles = " ".join(f"{k}={v}" for k, v in row["tiles"].items())
+    fused = "" if row["fuse_dq"] is None else f" fuse_dq={row['fuse_dq']}"
+    return (f"{row['config']:8s} {row['variant']:12s} {row['kernel']:5s}{fused:14s} {tiles:52s} "
+            f"regs {row['registers']:3d}  spill stack {row['stack_bytes']:5d} B  shared {row['shared_bytes']:6d} B")
