@@ -97,7 +97,9 @@ def synthetic_batch(schema: FeatureSchema, bench, batch_size: int, max_seq_len: 
     return inp, labels
 
 
-def profile_table(step, steps: int, device: torch.device, trace: Path | None = None) -> str:
+def profile_steps(step, steps: int, device: torch.device, trace: Path | None = None) -> tuple[str, float]:
+    """(the profiler's op table, compiled graphs run per step). More than one graph per step means
+    torch.compile broke the model into pieces (each break also materialises tensors and runs Python between)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -108,8 +110,9 @@ def profile_table(step, steps: int, device: torch.device, trace: Path | None = N
             torch.cuda.synchronize()
     if trace is not None:
         prof.export_chrome_trace(str(trace))
+    graphs = sum(e.name == "CompiledFunction" for e in prof.events()) / max(steps, 1)
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    return prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=60)
+    return prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=60), graphs
 
 
 def run(argv: list[str] | None = None) -> dict:
@@ -187,8 +190,8 @@ def run(argv: list[str] | None = None) -> dict:
                                       device, autocast, repeats=max(3, config.train.local_mfu_repeats))
     step_ms = 1000 * seconds / bench.steps
     host_syncs, sync_sites = count_host_syncs(step) if device.type == "cuda" else (0, [])
-    table = profile_table(step, bench.profile_steps, device,
-                          args.out / "trace.json.gz" if args.trace else None)
+    table, graphs_per_step = profile_steps(step, bench.profile_steps, device,
+                                           args.out / "trace.json.gz" if args.trace else None)
     result = {
         "recipe": config.recipe,
         "device": peak.device,
@@ -218,6 +221,7 @@ def run(argv: list[str] | None = None) -> dict:
         "final_loss": float(losses[-1]),
         "host_syncs_per_step": host_syncs,
         "host_sync_sites": sync_sites,
+        "compiled_graphs_per_step": graphs_per_step,
         "datasheet_peak_h200": H200_BF16_DENSE_PEAK_FLOPS,
     }
     (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2))

@@ -15,5 +15,6 @@ def test_gpu_bench_reports_mfu_layers_and_profile_on_cpu(tmp_path):
     assert saved["model_tflop_per_step"] == result["model_tflop_per_step"] > 0
     assert {r["name"] for r in saved["layers"]} >= {"seq_tower.0", "pma", "heads"}
     assert saved["host_syncs_per_step"] == 0  # counted on CUDA only
+    assert saved["compiled_graphs_per_step"] == 0  # eager
     assert (tmp_path / "trace.json.gz").stat().st_size > 0
     assert "Self CPU" in (tmp_path / "profile.txt").read_text()
