@@ -546,12 +546,15 @@ def _cfg(bm, bn, warps, stages):
 # Candidate tiles per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages), all compiled in parallel and timed on the
 # first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory. The first
 # entry of each list is the default when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0).
+# The last entries of each list spill least at head dim 128 (`gemrec bench kernels --static`: every tile hits the
+# 255-register cap there; these spill 0-270 B per thread against 360 B to 4.5 KB); the autotuner times them all.
 CONFIGS = {
     "fwd": [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3),
-            _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2)],
+            _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 8, 3)],
     "dkdv": [_cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
-             _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2)],
-    "dq": [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2)],
+             _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 3), _cfg(16, 64, 8, 2)],
+    "dq": [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
+           _cfg(64, 32, 8, 2)],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
 }
 LARGE_HEAD_DIM_CONFIGS = {
