@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Every GPU number of docs/benchmarks.md in one run on a 2-GPU H200 host (device kind nvidia-h200-x2):
-#   1. GPU tests of the kernels and the model dispatch
-#   2. `gemrec bench kernels` on GPU 1, while GPU 0 runs the trainer's gpu_bench (compiled, then eager, then
-#      eager with the reference attention: the kernels' before/after)
-#   3. scaling_bench (compiled) at 1 then 2 GPUs, nothing else running; then its report
-# Each step has its own time limit, so a slow step cannot eat the others. Results land in OUT (JSON, logs,
-# traces) and OUT/all.tgz.
+# Every GPU number of docs/benchmarks.md on a 2-GPU H200 host (device kind nvidia-h200-x2), in parts:
+#   tests    GPU tests of the kernels and the model dispatch
+#   kernels  `gemrec bench kernels` on GPU 1, while (with `trainer`) GPU 0 runs the trainer's gpu_bench
+#   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
+#   scaling  scaling_bench (compiled) at 1 then 2 GPUs with nothing else running, and its report
+# Each step has its own time limit, so a slow step cannot eat the others. All parts take about 10 minutes plus
+# compile time: within one device call's 10-minute limit, run `tests,kernels,trainer` and `scaling` as two calls.
+# Results land in OUT (JSON, logs, traces) and OUT/all.tgz.
 #
-#   bash infra/bench/h200_session.sh OUT [STEP_LIMIT_SECONDS]
+#   bash infra/bench/h200_session.sh OUT [STEP_LIMIT_SECONDS] [PARTS]     (PARTS default: tests,kernels,trainer,scaling)
 # The repo root must be importable as `gemrec` (the device image has no install): this script links it.
 set -u
-out=${1:?usage: h200_session.sh OUT [STEP_LIMIT_SECONDS]}
+out=${1:?usage: h200_session.sh OUT [STEP_LIMIT_SECONDS] [PARTS]}
 limit=${2:-300}
+parts=",${3:-tests,kernels,trainer,scaling},"
 root=$(cd "$(dirname "$0")/../.." && pwd)
 mkdir -p "$out" /tmp/gemrec-path
 ln -sfn "$root" /tmp/gemrec-path/gemrec
@@ -21,18 +23,31 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > "$out/gpus.tx
 T=gemrec.components.trainer
 S=$T.parallel.scaling_bench
 run() { local name=$1; shift; timeout "$limit" "$@" > "$out/$name.log" 2>&1; echo "$name: exit $?" | tee -a "$out/status.txt"; }
+want() { [[ $parts == *",$1,"* ]]; }
 
-run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py tests/model/test_model_attention.py
-(export CUDA_VISIBLE_DEVICES=1; run kernels python3 -m gemrec.kernels.cli --out "$out/kernels") &
-export CUDA_VISIBLE_DEVICES=0
-run trainer_compiled python3 -m $T.gpu_bench --out "$out/trainer_compiled" --set train.compile=true --trace
-run trainer_eager python3 -m $T.gpu_bench --out "$out/trainer_eager"
-run trainer_reference python3 -m $T.gpu_bench --out "$out/trainer_reference" --set model.attention_backend=reference
+if want tests; then
+  run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py \
+    tests/model/test_model_attention.py
+fi
+if want kernels; then
+  (export CUDA_VISIBLE_DEVICES=1; run kernels python3 -m gemrec.kernels.cli --out "$out/kernels") &
+fi
+if want trainer; then
+  export CUDA_VISIBLE_DEVICES=0
+  run trainer_compiled python3 -m $T.gpu_bench --out "$out/trainer_compiled" --set train.compile=true --trace
+  run trainer_eager python3 -m $T.gpu_bench --out "$out/trainer_eager"
+  run trainer_reference python3 -m $T.gpu_bench --out "$out/trainer_reference" --set model.attention_backend=reference
+  unset CUDA_VISIBLE_DEVICES
+fi
 wait
-unset CUDA_VISIBLE_DEVICES
-steps="--set bench.steps=20 --set bench.warmup_steps=4"
-run scaling_1 python3 -m torch.distributed.run --nproc_per_node 1 -m $S --out "$out/scaling" --param-dtype bfloat16 --compile $steps
-run scaling_2 python3 -m torch.distributed.run --nproc_per_node 2 -m $S --out "$out/scaling" --param-dtype bfloat16 --compile --trace $steps
-python3 -m $S report "$out"/scaling/*.json > "$out/scaling_report.md" 2>&1
-cat "$out/status.txt" "$out/scaling_report.md"
+if want scaling; then
+  steps="--set bench.steps=20 --set bench.warmup_steps=4"
+  run scaling_1 python3 -m torch.distributed.run --nproc_per_node 1 -m $S --out "$out/scaling" --param-dtype bfloat16 \
+    --compile $steps
+  run scaling_2 python3 -m torch.distributed.run --nproc_per_node 2 -m $S --out "$out/scaling" --param-dtype bfloat16 \
+    --compile --trace $steps
+  python3 -m $S report "$out"/scaling/*.json > "$out/scaling_report.md" 2>&1
+  cat "$out/scaling_report.md"
+fi
+cat "$out/status.txt"
 (cd "$out" && tar czf all.tgz --exclude=all.tgz .)
