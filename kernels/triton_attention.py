@@ -154,6 +154,18 @@ def _seq_info(q_off, kv_off, b, Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr)
 
 
 @triton.jit
+def _norm_scale(kv_len, max_len_scale, NORM: tl.constexpr):
+    """GDPA's per-sequence output scale: 1 / key count (NORM 1), 1 / max length (NORM 2), or 1."""
+    if NORM == 1:
+        ns = tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
+    elif NORM == 2:
+        ns = max_len_scale
+    else:
+        ns = 1.0
+    return ns
+
+
+@triton.jit
 def _load_pair(A, B, a_rows, b_rows, stride_at, stride_ah, stride_bt, stride_bh, h, offs_d, mask,
                USE_MASK: tl.constexpr):
     """Two (rows, head_dim) tiles of head h; masked loads only where a tile can run past the data."""
@@ -277,12 +289,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
         lse = tl.where(l_ok, m_i + tl.math.log2(tl.where(l_ok, l_i, 1.0)), float("inf"))
         tl.store(LSE + o_rows * num_heads + h, lse, mask=row_ok)
     else:
-        if NORM == 1:
-            out = acc * tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
-        elif NORM == 2:
-            out = acc * inv_max_len
-        else:
-            out = acc
+        out = acc * _norm_scale(kv_len, inv_max_len, NORM)
     tl.store(Out + o_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
              mask=row_ok[:, None] & d_ok[None, :])
 
@@ -364,12 +371,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS,
         return
     shift = kv_len - q_len
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    if NORM == 1:
-        ns = tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
-    elif NORM == 2:
-        ns = norm_scale
-    else:
-        ns = 1.0
+    ns = _norm_scale(kv_len, norm_scale, NORM)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -483,12 +485,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, 
         return
     shift = kv_len - q_len
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
-    if NORM == 1:
-        ns = tl.where(kv_len > 0, 1.0 / tl.maximum(kv_len, 1).to(tl.float32), 0.0)
-    elif NORM == 2:
-        ns = norm_scale
-    else:
-        ns = 1.0
+    ns = _norm_scale(kv_len, norm_scale, NORM)
     offs_m = m0 + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -497,8 +494,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, 
     q_rows = q_start + offs_m
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :], mask=qmask, other=0.0)
-    do = tl.load(DO + o_rows[:, None] * stride_dot + h * stride_doh + offs_d[None, :], mask=qmask, other=0.0)
+    q, do = _load_pair(Q, DO, q_rows, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask, True)
     lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
