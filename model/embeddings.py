@@ -151,6 +151,15 @@ class SparseEmbeddings(nn.Module):
         )
         return _permute_rows(features.values(), features.lengths(), perm, features.values().numel())
 
+    def _seq_names(self, seq_item_features) -> list[str]:
+        """The schema's per-token item features, checked against what the input carries."""
+        seq_names = list(self.schema.seq_item_features)
+        if seq_names:
+            if seq_item_features is None:
+                raise ValueError(f"seq_item_features is None but the schema expects {seq_names}")
+            _check_keys(seq_item_features, seq_names, "seq_item_features")
+        return seq_names
+
     def _torch_lookup(self, sparse_features, seq_item_ids, seq_item_features, batch: int):
         """Torch backend: one `embedding_bag` over the examples' features and the tokens' item features only."""
         example_values, example_lengths = self._reorder(sparse_features, batch)
@@ -159,11 +168,8 @@ class SparseEmbeddings(nn.Module):
         tokens = seq_item_ids.numel()
         values = [example_values, seq_item_ids.long()]
         lengths = [example_lengths, torch.ones(tokens, dtype=torch.long, device=seq_item_ids.device)]
-        seq_names = list(self.schema.seq_item_features)
+        seq_names = self._seq_names(seq_item_features)
         if seq_names:
-            if seq_item_features is None:
-                raise ValueError(f"seq_item_features is None but the schema expects {seq_names}")
-            _check_keys(seq_item_features, seq_names, "seq_item_features")
             seq_values, seq_lengths = self._reorder(seq_item_features, tokens, seq_names, "seq_item_features")
             values.append(seq_values)
             lengths.append(seq_lengths)
@@ -176,11 +182,7 @@ class SparseEmbeddings(nn.Module):
         """One (values, lengths) batch of `batch + T` rows per key (see the module docstring)."""
         device = seq_item_ids.device
         tokens = seq_item_ids.numel()
-        seq_names = list(self.schema.seq_item_features)
-        if seq_names:
-            if seq_item_features is None:
-                raise ValueError(f"seq_item_features is None but the schema expects {seq_names}")
-            _check_keys(seq_item_features, seq_names, "seq_item_features")
+        seq_names = self._seq_names(seq_item_features)
         parts_values = [sparse_features.values(), seq_item_ids]
         parts_lengths = [sparse_features.lengths(), torch.ones(tokens, dtype=torch.long, device=device)]
         item_rows = sparse_features.lengths().numel()

@@ -32,13 +32,18 @@ def is_communication(name: str) -> bool:
     return any(marker in lowered for marker in COMM_MARKERS)
 
 
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
+def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[tuple[float, float]] = []
     for lo, hi in sorted(intervals):
-        if hi > end:
-            total += hi - max(lo, end)
-            end = hi
-    return total
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    return sum(hi - lo for lo, hi in _merged(intervals))
 
 
 def uncovered_length(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
@@ -75,16 +80,6 @@ def split_profile(events) -> tuple[list, list]:
         elif not e.cpu_children:
             compute.append(_span(e))
     return comm, compute
-
-
-def _merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[tuple[float, float]] = []
-    for lo, hi in sorted(intervals):
-        if merged and lo <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    return merged
 
 
 def communication_breakdown(events, top: int = 12) -> dict[str, list[dict]]:
