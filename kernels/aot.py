@@ -30,13 +30,14 @@ class Launch:
     kernel: kernels._Kernel
     args: tuple
     consts: dict
+    tma: bool
 
     @property
     def kind(self) -> str:
         return self.kernel.kind
 
     def candidates(self) -> list[dict]:
-        return kernels._candidates(self.kind, self.consts["HEAD_DIM"])
+        return kernels._candidates(self.kind, self.consts["HEAD_DIM"], self.tma)
 
 
 @contextmanager
@@ -45,8 +46,8 @@ def _captured(recorded: list[Launch]):
         raise RuntimeError("ahead-of-time compilation needs triton's compiler: unset TRITON_INTERPRET")
     launch, pick = kernels._Kernel.__call__, ops._kernels
 
-    def record(self, grid, args, consts, bucket, reset=()):
-        recorded.append(Launch(self, args, dict(consts)))
+    def record(self, grid, args, consts, bucket, reset=(), tma=False):
+        recorded.append(Launch(self, args, dict(consts), tma))
 
     kernels._Kernel.__call__, ops._kernels = record, (lambda device: kernels)
     try:

@@ -10,6 +10,10 @@ fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients
 when the key sequences are short (few key blocks per query, where the atomics would cost more than the
 recompute) a second kernel per query block computes dQ (7 matmuls per tile pair).
 
+Tiles that an inner loop streams (K/V in the forward and dQ kernels, Q/dO in dK/dV) come either through pointer
+tensors or, where the layout allows (`tma_ok`), through per-sequence tensor descriptors built on the device (TMA on
+Hopper: no per-element addresses in registers, zeros past the sequence's end); the autotuner picks per kernel.
+
 Launches go through `_Kernel`: tiles autotuned once per (variant, head dim, bucketed lengths), candidates
 compiled in parallel, then the compiled kernel is launched directly (no per-call argument binding).
 
@@ -166,6 +170,15 @@ def _norm_scale(kv_len, max_len_scale, NORM: tl.constexpr):
 
 
 @triton.jit
+def _seq_desc(X, start, length, stride_t, stride_h, h, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+              BLOCK_D: tl.constexpr):
+    """Tensor descriptor (TMA) over one sequence's (length, head_dim) rows of head h: loads past its end or past
+    head_dim read zeros, stores there are dropped; nothing outside the sequence is touched."""
+    return tl.make_tensor_descriptor(X + start * stride_t + h * stride_h, shape=[length, HEAD_DIM],
+                                     strides=[stride_t, 1], block_shape=[BLOCK_R, BLOCK_D])
+
+
+@triton.jit
 def _load_pair(A, B, a_rows, b_rows, stride_at, stride_ah, stride_bt, stride_bh, h, offs_d, mask,
                USE_MASK: tl.constexpr):
     """Two (rows, head_dim) tiles of head h; masked loads only where a tile can run past the data."""
@@ -188,45 +201,57 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
               pos_log_inv, time_log_inv,
               MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
               HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-              NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr):
+              NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
+              SCALE_POS: tl.constexpr, TMA: tl.constexpr):
     cols = n0 + offs_n
     col_ok = cols < kv_len
-    kv_rows = kv_start + cols
-    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
-                      col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
+    if TMA:  # K, V are this sequence's tensor descriptors: rows past kv_len read as zeros
+        k = K.load([n0, 0])
+        v = V.load([n0, 0])
+    else:
+        kv_rows = kv_start + cols
+        k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
+                          col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
     qk = tl.dot(q, tl.trans(k))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
         s = qk * scale + _bias(offs_m[:, None], cols[None, :], row_ok[:, None], col_ok[None, :], shift, h,
                                o_start, kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth,
                                QTS, KTS, pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
+    if MASKED:
+        valid = col_ok[None, :]
+        if CAUSAL:
+            valid = valid & (cols[None, :] <= offs_m[:, None] + shift)
     if MODE == 0:
+        # s * s_scale: log2-domain scores; with a positive scale it is applied inside the exp2's FMA below
+        # (one op per score instead of two)
+        s_scale = 1.0
         if HAS_BIAS:
             s = s * 1.4426950408889634
+        elif SCALE_POS:
+            s = qk
+            s_scale = qk_scale
         else:
             s = qk * qk_scale
         if MASKED:
-            valid = col_ok[None, :]
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + shift)
             s = tl.where(valid, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_safe[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1) * s_scale)
+        if MASKED or HAS_BIAS:  # a row that sees no key yet (or only -inf biases) keeps m = -inf
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_safe = m_new
+        p = tl.math.exp2(s * s_scale - m_safe[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     else:
         if not HAS_BIAS:
             s = qk * scale
         a, _ = _activation(s, MODE, FAST)
         if MASKED:
-            valid = col_ok[None, :]
-            if CAUSAL:
-                valid = valid & (cols[None, :] <= offs_m[:, None] + shift)
             a = tl.where(valid, a, 0.0)
-        acc += tl.dot(a.to(v.dtype), v)
+        acc = tl.dot(a.to(v.dtype), v, acc)
     return acc, m_i, l_i
 
 
@@ -239,7 +264,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
                 Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                 NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                SCALE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -259,6 +284,9 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
     q_rows = q_start + offs_m
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    if TMA:
+        K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
+        V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -274,13 +302,15 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
                                   offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt,
                                   stride_vh, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth,
                                   TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
-                                  MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST)
+                                  MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST,
+                                  SCALE_POS, TMA)
     for n0 in range(n_full, n_end, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
                                   offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt,
                                   stride_vh, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth,
                                   TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
-                                  MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST)
+                                  MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST,
+                                  SCALE_POS, TMA)
     o_rows = o_start + offs_m
     if MODE == 0:
         l_ok = l_i > 0.0
@@ -302,15 +332,19 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
                  MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                  HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                  NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
-                 FUSE_DQ: tl.constexpr):
-    """One query block's contribution to dK, dV (transposed tiles) and, with FUSE_DQ, its dQ share (atomics)."""
+                 FUSE_DQ: tl.constexpr, TMA: tl.constexpr):
+    """One query block's contribution to dK, dV (transposed tiles) and, with FUSE_DQ, its dQ share (atomics).
+    With TMA, Q and DO are the sequence's tensor descriptors."""
     offs_m = m0 + offs_m0
     row_ok = offs_m < q_len
-    q_rows = q_start + offs_m
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
-    q, do = _load_pair(Q, DO, q_rows, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask,
-                       MASKED or not EVEN_D)
+    if TMA:
+        q = Q.load([m0, 0])
+        do = DO.load([m0, 0])
+    else:
+        q, do = _load_pair(Q, DO, q_start + offs_m, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d,
+                           qmask, MASKED or not EVEN_D)
     sT = tl.dot(k, tl.trans(q)) * scale
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
@@ -360,7 +394,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS,
                      Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                      HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                      NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it."""
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
@@ -380,6 +414,9 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS,
     kv_rows = kv_start + offs_n
     kmask = col_ok[:, None] & d_ok[None, :]
     k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
+    if TMA:
+        Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+        DO = _seq_desc(DO, o_start, q_len, stride_dot, stride_doh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     # query blocks [m_lo, m_full): causal diagonal (masked); [m_full, m_tail): every pair valid (no masks);
@@ -397,19 +434,19 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS,
                               q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
                               stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
                               stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True,
-                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ)
+                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ, TMA)
     for m0 in range(m_full, m_tail, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
                               q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
                               stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
                               stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, False,
-                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ)
+                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ, TMA)
     for m0 in range(m_tail, q_len, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
                               q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
                               stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
                               stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True,
-                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ)
+                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ, TMA)
     dk_rows = dkv_start + offs_n
     tl.store(DK + dk_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=kmask)
@@ -424,13 +461,18 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
                 pos_log_inv, time_log_inv,
                 MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr):
-    """One key block's contribution to dQ and to the score-bias gradients."""
+                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
+                TMA: tl.constexpr):
+    """One key block's contribution to dQ and to the score-bias gradients (with TMA, K and V are descriptors)."""
     offs_n = n0 + offs_n0
     col_ok = offs_n < kv_len
-    kv_rows = kv_start + offs_n
-    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
-                      col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
+    if TMA:
+        k = K.load([n0, 0])
+        v = V.load([n0, 0])
+    else:
+        kv_rows = kv_start + offs_n
+        k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
+                          col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
     s = tl.dot(q, tl.trans(k)) * scale
     if HAS_AB or HAS_POS or HAS_TIME:
         s += _bias(offs_m[:, None], offs_n[None, :], row_ok[:, None], col_ok[None, :], shift, h, o_start,
@@ -472,7 +514,7 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, 
                    Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                    HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                    NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     """dQ for one query block, plus the score-bias gradients (dense bias rows, bucket tables)."""
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -497,6 +539,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, 
     q, do = _load_pair(Q, DO, q_rows, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask, True)
     lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
     delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
+    if TMA:
+        K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
+        V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     n_end = kv_len
     n_full = kv_len
@@ -509,13 +554,13 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, 
                          o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
                          stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
                          time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
-                         FAST)
+                         FAST, TMA)
     for n0 in range(n_full, n_end, BLOCK_N):
         dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
                          o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
                          stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
                          time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
-                         FAST)
+                         FAST, TMA)
     tl.store(DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
 
@@ -535,38 +580,62 @@ def _delta_kernel(Out, DO, DELTA, num_items, stride_ot, stride_oh, stride_dot, s
     tl.store(DELTA + item, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
 
 
-def _cfg(bm, bn, warps, stages):
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+def _cfg(bm, bn, warps, stages, tma=False):
+    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": tma}
 
 
-# Candidate tiles per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages), all compiled in parallel and timed on the
-# first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory. The first
-# entry of each list is the default when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0).
-# The last entries of each list spill least at head dim 128 (`gemrec bench kernels --static`: every tile hits the
-# 255-register cap there; these spill 0-270 B per thread against 360 B to 4.5 KB); the autotuner times them all.
+# Candidate tiles per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), all compiled in parallel and timed on
+# the first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory. The first
+# entry of each list is the default when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0). TMA: the tiles the inner
+# loop streams (K/V forward and in dQ, Q/dO in dK/dV) come through per-sequence tensor descriptors (TMA) instead of
+# pointer tensors; those candidates are dropped when a tensor's layout does not allow a descriptor.
 CONFIGS = {
     "fwd": [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3),
-            _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 8, 3)],
+            _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 8, 3),
+            _cfg(128, 128, 8, 3, True), _cfg(128, 64, 8, 3, True), _cfg(128, 64, 8, 4, True), _cfg(64, 64, 4, 3, True),
+            _cfg(64, 32, 4, 2, True)],
     "dkdv": [_cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
-             _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 3), _cfg(16, 64, 8, 2)],
+             _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 3), _cfg(16, 64, 8, 2),
+             _cfg(64, 128, 8, 3, True), _cfg(32, 128, 8, 3, True), _cfg(32, 64, 4, 2, True), _cfg(64, 64, 4, 3, True)],
     "dq": [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
-           _cfg(64, 32, 8, 2)],
+           _cfg(64, 32, 8, 2), _cfg(128, 64, 8, 3, True), _cfg(64, 64, 4, 3, True), _cfg(64, 32, 4, 2, True)],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
 }
 LARGE_HEAD_DIM_CONFIGS = {
-    "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2)],
-    "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2)],
-    "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2)],
+    "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2, True)],
+    "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True)],
+    "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2, True)],
 }
 # Fused dQ (atomics) pays when each query block meets several key blocks; with short key sequences (cross-
 # attention to a few tokens) the recompute kernel is cheaper than an fp32 atomic per dQ element per key block.
 FUSE_DQ_MIN_KV = 128
 
 
-def _candidates(kind: str, head_dim: int) -> list[dict]:
-    if head_dim > 128 and kind in LARGE_HEAD_DIM_CONFIGS:
-        return LARGE_HEAD_DIM_CONFIGS[kind]
-    return CONFIGS[kind]
+def _candidates(kind: str, head_dim: int, tma: bool = True) -> list[dict]:
+    configs = LARGE_HEAD_DIM_CONFIGS[kind] if head_dim > 128 and kind in LARGE_HEAD_DIM_CONFIGS else CONFIGS[kind]
+    return [c for c in configs if tma or not c.get("TMA")]
+
+
+def _tma_enabled() -> bool:
+    return os.environ.get("GEMREC_KERNEL_TMA", "1") != "0"
+
+
+def tma_ok(*tensors) -> bool:
+    """Whether (rows, heads, head_dim) tensors allow per-sequence tensor descriptors: 16-byte aligned base and
+    row/head strides, contiguous head_dim of at least 16 bytes."""
+    if not _tma_enabled():
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if (t.stride(2) != 1 or t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16
+                or t.shape[2] * size < 16):
+            return False
+    return True
+
+
+def _scratch(size: int, alignment: int, stream):
+    """Global scratch for kernels that build tensor descriptors on the device (128 bytes per descriptor)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _autotune_enabled() -> bool:
@@ -605,15 +674,20 @@ class _Kernel:
         self.compiled: dict = {}
         self.tuning_log: list[dict] = []  # per tuning: key, seconds, (ms, config) of every candidate
 
-    def __call__(self, grid, args: tuple, consts: dict, bucket: int, reset=()):
-        """grid: config -> launch grid; args: the runtime arguments in order; consts: constexprs but tiles."""
-        candidates = _candidates(self.kind, consts["HEAD_DIM"])
+    def __call__(self, grid, args: tuple, consts: dict, bucket: int, reset=(), tma: bool = False):
+        """grid: config -> launch grid; args: the runtime arguments in order; consts: constexprs but tiles;
+        tma: whether the tensors allow the tensor-descriptor candidates."""
+        candidates = _candidates(self.kind, consts["HEAD_DIM"], tma)
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
             tiles = {name: 16 for name in candidates[0] if name.startswith("BLOCK")}
+            if "TMA" in candidates[0]:
+                tiles["TMA"] = tma
             self.fn[grid(tiles)](*args, **consts, **tiles)
             return
+        if tma:  # per call: the allocator is a context variable, and backward runs on autograd's own thread
+            triton.set_allocator(_scratch)
         tune = _autotune_enabled() and len(candidates) > 1
-        tune_key = (tuple(consts.values()), bucket if tune else None, torch.cuda.current_device())
+        tune_key = (tuple(consts.values()), bucket if tune else None, tma, torch.cuda.current_device())
         config = self.best.get(tune_key)
         if config is None:
             config = self._tune(tune_key, grid, args, consts, candidates, reset) if tune else candidates[0]
@@ -628,7 +702,7 @@ class _Kernel:
             self.compiled[key] = (kernel, tail)
             return
         kernel, tail = entry
-        stream = triton.runtime.driver.active.get_current_stream(tune_key[2])
+        stream = triton.runtime.driver.active.get_current_stream(tune_key[3])
         kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
 
     def _tune(self, tune_key, grid, args, consts, candidates, reset) -> dict:
@@ -679,8 +753,18 @@ def tuned_configs() -> list[dict]:
         for entry in kernel.tuning_log:
             best_ms, best = min(entry["timings"], key=lambda tc: tc[0])
             out.append({"kernel": kind, "constexprs": entry["consts"], "len_buckets": entry["key"][1],
-                        "config": best, "ms": round(best_ms, 4), "tuning_s": round(entry["seconds"], 2)})
+                        "config": best, "ms": round(best_ms, 4), "tuning_s": round(entry["seconds"], 2),
+                        "candidates_ms": {_config_name(c): round(ms, 4) for ms, c in sorted(entry["timings"],
+                                                                                             key=lambda tc: tc[0])}})
     return out
+
+
+def _config_name(config: dict) -> str:
+    """e.g. 128x64w8s3 (BLOCK_M x BLOCK_N, warps, stages), +tma when the inner loop streams through descriptors."""
+    if "BLOCK_M" not in config:
+        return ",".join(f"{k}={v}" for k, v in config.items())
+    name = f"{config['BLOCK_M']}x{config['BLOCK_N']}w{config['num_warps']}s{config['num_stages']}"
+    return name + ("+tma" if config.get("TMA") else "")
 
 
 def _len_bucket(n: int) -> int:
@@ -756,7 +840,8 @@ def forward(p: Problem):
     args = (q, k, v, out, lse, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             sabt, sabh, spt, stt, p.scale, p.scale * LOG2E, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-    _KERNELS["fwd"](grid, args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket)
+    _KERNELS["fwd"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "SCALE_POS": p.scale > 0}, p.bucket,
+                    tma=tma_ok(k, v))
     return out, lse
 
 
@@ -804,7 +889,7 @@ def backward(p: Problem, grad_out, out, lse):
                 dqa.stride(0) if fused else 0, dqa.stride(1) if fused else 0, sabt, sabh, spt, stt,
                 p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
         _KERNELS["dkdv"](grid_kv, args, {**p.consts, "FUSE_DQ": fused, "BLOCK_D": p.block_d}, p.bucket,
-                         reset=(dqa,) if fused else ())
+                         reset=(dqa,) if fused else (), tma=tma_ok(q, go))
         if fused:
             dq = dqa
         else:
@@ -823,7 +908,7 @@ def backward(p: Problem, grad_out, out, lse):
                     go.stride(1), dq.stride(0), dq.stride(1), sabt, sabh, spt, stt,
                     p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
             _KERNELS["dq"](grid_q, args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket,
-                           reset=tuple(t for t in (dpt, dtt) if t is not None))
+                           reset=tuple(t for t in (dpt, dtt) if t is not None), tma=tma_ok(k, v))
     if p.q_shared:
         dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
     dq = dq.to(q.dtype)

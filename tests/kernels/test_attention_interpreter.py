@@ -165,3 +165,35 @@ def test_compiled_op_does_not_recompile_for_new_tensors(monkeypatch):
         q, k, v = (torch.randn(17, HEADS, DIM, requires_grad=True) for _ in range(3))
         compiled(q, k, v).sum().backward()
         assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+@pytest.mark.parametrize("op", ["jfa", "silu"])
+def test_pointer_loads_without_tensor_descriptors(op, monkeypatch):
+    monkeypatch.setenv("GEMREC_KERNEL_TMA", "0")  # the fallback for layouts a TMA descriptor cannot describe
+    compare(EDGE, EDGE, op=op, causal=True, bias=True, seed=16)
+    compare([4], [20, 0, 37], op=op, seed=17)
+    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=18)
+
+
+def test_tensor_descriptors_only_for_aligned_layouts():
+    x = torch.randn(10, HEADS, DIM)
+    assert kernels_module.tma_ok(x, x.half())
+    assert not kernels_module.tma_ok(torch.randn(10, HEADS, DIM + 1)[..., 1:])  # head stride not 16-byte aligned
+    assert not kernels_module.tma_ok(torch.randn(10, HEADS, 2).half())  # rows narrower than 16 bytes
+
+
+@pytest.mark.parametrize("op", ["jfa", "silu"])
+def test_a_sequence_never_reads_its_neighbours_rows(op):
+    # NaN keys/values in sequence 1 must not reach sequence 0, whose ragged last tile ends where they start
+    lens = [21, 11]
+    off = offsets_of(lens)
+    gen = torch.Generator().manual_seed(19)
+    q, k, v = (torch.randn(sum(lens), HEADS, DIM, generator=gen) for _ in range(3))
+    k[21:], v[21:] = float("nan"), float("nan")
+    kw = dict(causal=False, backend="triton")
+    out = (jagged_attention(q, k, v, off, off, 21, 21, **kw) if op == "jfa" else
+           gdpa(q, k, v, off, off, 21, 21, activation=op, **kw))
+    first = offsets_of(lens[:1])
+    ref = (jagged_attention(q[:21], k[:21], v[:21], first, first, 21, 21, backend="reference") if op == "jfa" else
+           gdpa(q[:21], k[:21], v[:21], first, first, 21, 21, activation=op, backend="reference"))
+    torch.testing.assert_close(out[:21], ref, rtol=1e-5, atol=1e-5)
