@@ -111,6 +111,7 @@ class ModelConfig:
     attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA) | "reference" (PyTorch everywhere)
     rotary: bool = True
     rotary_base: float = 10000.0
+    rotary_max_positions: int = 32768  # longest sequence the rotary tables cover
     time_encoding: str = "log_bucket"  # "log_bucket" | "continuous" (of time since the target event)
     num_time_buckets: int = 64
     recency_buckets: int = 32  # embedding of each token's rank from the end of its history; 0 = off
@@ -156,7 +157,8 @@ class ModelConfig:
             raise ValueError(
                 f"model config: moe_top_k {self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]"
             )
-        positive = ("embedding_dim", "d_model", "num_heads", "pma_seeds", "num_time_buckets", "head_hidden")
+        positive = ("embedding_dim", "d_model", "num_heads", "pma_seeds", "num_time_buckets", "head_hidden",
+                    "rotary_max_positions")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")

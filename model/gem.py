@@ -211,7 +211,7 @@ class GEMModel(nn.Module):
         hidden = int(config.mlp_ratio * d)
         self.embeddings = SparseEmbeddings(schema, config)
         self.seq_input = SeqInput(schema, config)
-        self.rotary = Rotary(d // heads, config.rotary_base) if config.rotary else None
+        self.rotary = Rotary(d // heads, config.rotary_base, config.rotary_max_positions) if config.rotary else None
         self.seq_tower = nn.ModuleList(
             SeqLayer(d, heads, hidden, config.seq_attention, config.seq_causal)
             for _ in range(config.seq_layers)
@@ -252,7 +252,7 @@ class GEMModel(nn.Module):
             torch.arange(batch, device=device), inp.seq_lengths(), output_size=tokens
         )
         positions = torch.arange(tokens, device=device) - offsets[token_example]
-        rope = self.rotary(positions) if self.rotary is not None else None
+        rope = self.rotary(positions, max_len) if self.rotary is not None else None
         from_end = offsets[1:][token_example] - 1 - torch.arange(tokens, device=device)
         seconds = inp.timestamps[token_example] - inp.seq_timestamps
         target_emb = None

@@ -56,17 +56,24 @@ def add(*pairs: tuple[int, int]) -> tuple[int, int]:
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding, one position per token; angles once per forward, rotation in x's dtype."""
+    """Rotary position embedding, one position per token. cos/sin come from tables built once: looking them up
+    keeps trigonometry out of the step (compiled, the angles were recomputed inside every rotation kernel)."""
 
-    def __init__(self, head_dim: int, base: float):
+    def __init__(self, head_dim: int, base: float, max_positions: int):
         super().__init__()
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq
+        self.register_buffer("cos_table", angles.cos().float(), persistent=False)
+        self.register_buffer("sin_table", angles.sin().float(), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), float32, shape (tokens, 1, head_dim / 2): broadcast over (tokens, heads, head_dim / 2)."""
-        angles = positions.float()[:, None] * self.inv_freq
-        return angles.cos()[:, None, :], angles.sin()[:, None, :]
+    def forward(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), float32, shape (tokens, 1, head_dim / 2): broadcast over (tokens, heads, head_dim / 2).
+        `max_len` bounds the positions (each is below its sequence's length)."""
+        capacity = self.cos_table.shape[0]
+        if max_len > capacity:
+            raise ValueError(f"rotary positions: a sequence of {max_len} tokens is longer than the "
+                             f"{capacity} positions of the rotary tables (raise model.rotary_max_positions)")
+        return self.cos_table[positions][:, None, :], self.sin_table[positions][:, None, :]
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,7 @@ def test_single_layers_forward_and_backward(monkeypatch):
     cases = {
         "seq": (
             SeqLayer(d, 4, 64, "silu", False),
-            lambda m: m(seq, offsets, 30, Rotary(8, 10000.0)(positions)),
+            lambda m: m(seq, offsets, 30, Rotary(8, 10000.0, 64)(positions, 30)),
         ),
         "pma": (PMA(d, 4, 64, 3, "softmax", 0.02), lambda m: m(seq, offsets, 30, 5)),
         "cross": (TokenLayer(d, 4, 64, True, "softmax", None), lambda m: m(tokens, seq, offsets, 30)[0]),

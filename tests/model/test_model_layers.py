@@ -1,9 +1,10 @@
+import pytest
 import torch
 from gemrec.model.layers import Rotary, rotate
 
 
 def test_rotary_is_a_rotation_that_keeps_only_relative_position():
-    rotary = Rotary(8, 10000.0)
+    rotary = Rotary(8, 10000.0, 16)
     gen = torch.Generator().manual_seed(0)
     q, k = (
         torch.randn(1, 2, 8, generator=gen, dtype=torch.float64),
@@ -11,14 +12,14 @@ def test_rotary_is_a_rotation_that_keeps_only_relative_position():
     )
 
     def score(pq, pk):
-        cq, sq = rotary(torch.tensor([pq]))
-        ck, sk = rotary(torch.tensor([pk]))
+        cq, sq = rotary(torch.tensor([pq]), pq + 1)
+        ck, sk = rotary(torch.tensor([pk]), pk + 1)
         return (rotate(q, cq.double(), sq.double()) * rotate(k, ck.double(), sk.double())).sum(-1)
 
     torch.testing.assert_close(score(3, 1), score(10, 8))
     torch.testing.assert_close(score(0, 0), (q * k).sum(-1))
     assert not torch.allclose(score(3, 1), score(3, 2))
-    cos, sin = rotary(torch.tensor([5]))
+    cos, sin = rotary(torch.tensor([5]), 6)
     rotated = rotate(q, cos.double(), sin.double())
     torch.testing.assert_close(rotated.norm(dim=-1), q.norm(dim=-1))  # norms kept
     # q and k rotated together as (tokens, 2, heads, head_dim) equals rotating each.
@@ -27,8 +28,19 @@ def test_rotary_is_a_rotation_that_keeps_only_relative_position():
 
 
 def test_rotary_runs_in_the_input_dtype():
-    cos, sin = Rotary(16, 10000.0)(torch.arange(4))
+    cos, sin = Rotary(16, 10000.0, 4)(torch.arange(4), 4)
     x = torch.randn(4, 2, 16).bfloat16()
     out = rotate(x, cos, sin)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), rotate(x.float(), cos, sin), rtol=2e-2, atol=2e-2)
+
+
+def test_rotary_tables_match_the_angles_and_refuse_longer_sequences():
+    rotary = Rotary(16, 10000.0, 64)
+    positions = torch.tensor([0, 5, 63, 17])
+    cos, sin = rotary(positions, 64)
+    angles = positions.double()[:, None] * 10000.0 ** (-torch.arange(0, 16, 2).double() / 16)
+    torch.testing.assert_close(cos[:, 0].double(), angles.cos(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[:, 0].double(), angles.sin(), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="65 tokens is longer than the 64 positions"):
+        rotary(positions, 65)
