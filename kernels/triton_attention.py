@@ -592,8 +592,8 @@ def _cfg(bm, bn, warps, stages, tma=False):
 CONFIGS = {
     "fwd": [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3),
             _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 8, 3),
-            _cfg(128, 128, 8, 3, True), _cfg(128, 64, 8, 3, True), _cfg(128, 64, 8, 4, True), _cfg(64, 64, 4, 3, True),
-            _cfg(64, 32, 4, 2, True)],
+            _cfg(128, 64, 8, 3, True), _cfg(128, 128, 8, 3, True), _cfg(128, 128, 8, 2, True), _cfg(128, 64, 8, 4, True),
+            _cfg(64, 64, 4, 3, True), _cfg(64, 32, 4, 2, True)],
     "dkdv": [_cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
              _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 3), _cfg(16, 64, 8, 2),
              _cfg(64, 128, 8, 3, True), _cfg(32, 128, 8, 3, True), _cfg(32, 64, 4, 2, True), _cfg(64, 64, 4, 3, True)],
@@ -677,20 +677,22 @@ class _Kernel:
     def __call__(self, grid, args: tuple, consts: dict, bucket: int, reset=(), tma: bool = False):
         """grid: config -> launch grid; args: the runtime arguments in order; consts: constexprs but tiles;
         tma: whether the tensors allow the tensor-descriptor candidates."""
-        candidates = _candidates(self.kind, consts["HEAD_DIM"], tma)
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
-            tiles = {name: 16 for name in candidates[0] if name.startswith("BLOCK")}
-            if "TMA" in candidates[0]:
+            first = _candidates(self.kind, consts["HEAD_DIM"], tma)[0]
+            tiles = {name: 16 for name in first if name.startswith("BLOCK")}
+            if "TMA" in first:
                 tiles["TMA"] = tma
             self.fn[grid(tiles)](*args, **consts, **tiles)
             return
         if tma:  # per call: the allocator is a context variable, and backward runs on autograd's own thread
             triton.set_allocator(_scratch)
-        tune = _autotune_enabled() and len(candidates) > 1
+        tune = _autotune_enabled()
         tune_key = (tuple(consts.values()), bucket if tune else None, tma, torch.cuda.current_device())
         config = self.best.get(tune_key)
         if config is None:
-            config = self._tune(tune_key, grid, args, consts, candidates, reset) if tune else candidates[0]
+            candidates = _candidates(self.kind, consts["HEAD_DIM"], tma)
+            tuned = tune and len(candidates) > 1
+            config = self._tune(tune_key, grid, args, consts, candidates, reset) if tuned else candidates[0]
             self.best[tune_key] = config
         key = (tune_key, _spec_key(args))
         entry = self.compiled.get(key)
@@ -715,7 +717,7 @@ class _Kernel:
         with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
             for config in candidates:
                 self.fn.warmup(*args, grid=grid(config), **consts, **config)
-        timings = []
+        timings, failures = [], []
         for config in candidates:
 
             def trial(config=config):
@@ -727,10 +729,14 @@ class _Kernel:
                 timings.append((do_bench(trial, warmup=5, rep=25, return_mode="median"), config))
             except OutOfResources:
                 continue
+            except Exception as err:  # a candidate that fails to build is skipped and logged
+                failures.append((_config_name(config), f"{type(err).__name__}: {err}"[:300]))
         for t in reset:
             t.zero_()
         self.tuning_log.append({"key": tune_key, "consts": dict(consts), "seconds": time.perf_counter() - start,
-                                "timings": timings})
+                                "timings": timings, "failures": failures})
+        if not timings:
+            raise RuntimeError(f"no {self.kind} candidate ran: {failures}")
         return min(timings, key=lambda tc: tc[0])[1]
 
 
@@ -755,7 +761,8 @@ def tuned_configs() -> list[dict]:
             out.append({"kernel": kind, "constexprs": entry["consts"], "len_buckets": entry["key"][1],
                         "config": best, "ms": round(best_ms, 4), "tuning_s": round(entry["seconds"], 2),
                         "candidates_ms": {_config_name(c): round(ms, 4) for ms, c in sorted(entry["timings"],
-                                                                                             key=lambda tc: tc[0])}})
+                                                                                             key=lambda tc: tc[0])},
+                        "failures": entry["failures"]})
     return out
 
 

@@ -12,9 +12,20 @@ pytestmark = [
 LENGTHS = [0, 1, 37, 300, 129, 1000, 64]
 
 
-@pytest.fixture(autouse=True)
-def _default_tiles(monkeypatch):
-    monkeypatch.setenv("GEMREC_KERNEL_AUTOTUNE", "0")  # one compile per specialization keeps this quick
+@pytest.fixture(autouse=True, params=[False, True], ids=["pointers", "tma"])
+def _default_tiles(request, monkeypatch):
+    """The first candidate tile of each kernel (one compile per specialization keeps this quick), once through
+    pointer loads and once through the tensor-descriptor (TMA) candidates."""
+    from gemrec.kernels import triton_attention as kernels
+
+    monkeypatch.setenv("GEMREC_KERNEL_AUTOTUNE", "0")
+    for table in ("CONFIGS", "LARGE_HEAD_DIM_CONFIGS"):
+        configs = getattr(kernels, table)
+        monkeypatch.setattr(kernels, table, {kind: sorted(c, key=lambda cfg: cfg.get("TMA", False) != request.param)
+                                             for kind, c in configs.items()})
+    for kernel in kernels._KERNELS.values():  # the chosen configs and compiled kernels of the other parameter
+        monkeypatch.setattr(kernel, "best", {})
+        monkeypatch.setattr(kernel, "compiled", {})
 
 
 def offsets_of(lengths):

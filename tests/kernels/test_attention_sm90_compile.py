@@ -58,9 +58,13 @@ def test_every_launched_kernel_compiles_for_sm90(call):
     launches = record_launches(call)
     assert {"fwd", "dkdv"} <= {launch.kind for launch in launches}
     for launch in launches:
-        compiled = compile_launch(launch)
-        assert compiled.asm["cubin"], launch.kind
-        assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, (launch.kind, compiled.metadata.shared)
+        # the default tile, and the first tensor-descriptor (TMA) candidate where the layout allows one
+        tma = [c for c in launch.candidates() if c.get("TMA")][:1]
+        assert bool(tma) == (launch.kind != "delta"), launch.kind  # every test tensor here is TMA-aligned
+        for config in [launch.candidates()[0], *tma]:
+            compiled = compile_launch(launch, config)
+            assert compiled.asm["cubin"], (launch.kind, config)
+            assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, (launch.kind, config, compiled.metadata.shared)
 
 
 def test_launches_are_restored_and_resources_read():
