@@ -249,9 +249,12 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
             key = f"{name}/{op}{'-causal' if causal else ''}"
             checks[key] = check_correctness(cfg, op, causal, device, seed + 1)
             progress(f"check {key}: {'ok' if checks[key]['ok'] else 'FAIL'} {checks[key]['errors']}")
+    from gemrec.kernels.triton_attention import tuned_configs
+
     for name in config_names:
         cfg = CONFIGS[name]
         case = make_case(cfg, seed, device)
+        tuned_before = len(tuned_configs())
         for op, causal in cfg.variants:
             variant = f"{op}{'-causal' if causal else ''}"
             fwd_flops, bwd_flops = attention_flops(case.q_offsets, case.kv_offsets, cfg.heads, cfg.head_dim, causal)
@@ -276,6 +279,12 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
                     torch.cuda.empty_cache()
                 rows.append(row)
                 progress(format_row(row))
+        for entry in tuned_configs()[tuned_before:]:  # every candidate's time, per kernel tuned for this config
+            consts = entry["constexprs"]
+            progress(f"  tuned {name} {entry['kernel']} mode={consts['MODE']} causal={consts['CAUSAL']} "
+                     f"fuse_dq={consts.get('FUSE_DQ')} buckets={entry['len_buckets']}: "
+                     + " ".join(f"{c}={ms}" for c, ms in entry["candidates_ms"].items())
+                     + (f" failed: {entry['failures']}" if entry["failures"] else ""))
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": _git_commit(),
@@ -285,7 +294,6 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
         "checks": checks,
     }
     import triton
-    from gemrec.kernels.triton_attention import tuned_configs
 
     meta["triton"] = triton.__version__
     meta["tuned"] = tuned_configs()
