@@ -246,9 +246,16 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     else:
-        if not HAS_BIAS:
-            s = qk * scale
-        a, _ = _activation(s, MODE, FAST)
+        if MODE == 1 and FAST:  # silu(s) = u + u * tanh(u), u = s / 2: one MUFU op and one FMA per score
+            if HAS_BIAS:
+                u = 0.5 * s
+            else:
+                u = qk * (0.5 * scale)
+            a = u + u * _tanh(u, FAST)
+        else:
+            if not HAS_BIAS:
+                s = qk * scale
+            a, _ = _activation(s, MODE, FAST)
         if MASKED:
             a = tl.where(valid, a, 0.0)
         acc = tl.dot(a.to(v.dtype), v, acc)
@@ -345,10 +352,10 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
     else:
         q, do = _load_pair(Q, DO, q_start + offs_m, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d,
                            qmask, MASKED or not EVEN_D)
-    sT = tl.dot(k, tl.trans(q)) * scale
+    qkT = tl.dot(k, tl.trans(q))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
-        sT += _bias(offs_m[None, :], offs_n[:, None], row_ok[None, :], col_ok[:, None], shift, h, o_start,
+        sT = qkT * scale + _bias(offs_m[None, :], offs_n[:, None], row_ok[None, :], col_ok[:, None], shift, h, o_start,
                     kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
                     pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
     if MASKED:
@@ -363,11 +370,16 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
         else:
             lse = tl.load(LSE + o_rows * num_heads + h)
             delta = tl.load(DELTA + o_rows * num_heads + h)
-        pT = tl.math.exp2(sT * 1.4426950408889634 - lse[None, :])
+        if HAS_BIAS:
+            pT = tl.math.exp2(sT * 1.4426950408889634 - lse[None, :])
+        else:  # scale and log2(e) in one FMA with the logsumexp
+            pT = tl.math.exp2(qkT * (scale * 1.4426950408889634) - lse[None, :])
         if MASKED:
             pT = tl.where(valid, pT, 0.0)
         dsT = pT * (dpT - delta[None, :])
     else:
+        if not HAS_BIAS:
+            sT = qkT * scale
         pT, daT = _activation(sT, MODE, FAST)
         pT = pT * ns
         dsT = dpT * daT * ns
@@ -473,15 +485,22 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
         kv_rows = kv_start + offs_n
         k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
                           col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
-    s = tl.dot(q, tl.trans(k)) * scale
-    if HAS_AB or HAS_POS or HAS_TIME:
-        s += _bias(offs_m[:, None], offs_n[None, :], row_ok[:, None], col_ok[None, :], shift, h, o_start,
+    qk = tl.dot(q, tl.trans(k))
+    HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
+    if HAS_BIAS:
+        s = qk * scale + _bias(offs_m[:, None], offs_n[None, :], row_ok[:, None], col_ok[None, :], shift, h, o_start,
                    kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
                    pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
     dp = tl.dot(do, tl.trans(v))
     if MODE == 0:
-        ds = tl.math.exp2(s * 1.4426950408889634 - lse[:, None]) * (dp - delta[:, None])
+        if HAS_BIAS:
+            p = tl.math.exp2(s * 1.4426950408889634 - lse[:, None])
+        else:
+            p = tl.math.exp2(qk * (scale * 1.4426950408889634) - lse[:, None])
+        ds = p * (dp - delta[:, None])
     else:
+        if not HAS_BIAS:
+            s = qk * scale
         _, da = _activation(s, MODE, FAST)
         ds = dp * da * ns
     # rows past q_len carry do = 0 (and lse = +inf), so their ds is 0 without a mask
