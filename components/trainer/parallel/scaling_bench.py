@@ -125,6 +125,7 @@ def run(argv: list[str]) -> dict:
     result = {
         "world_size": world,
         "ep": args.ep,
+        "dp_replicate": args.dp_replicate,
         "compile": args.compile,
         "reshard_after_forward": not args.no_reshard_after_forward,
         "fsdp_param_dtype": (args.param_dtype or "float32") if launched else "-",
@@ -148,6 +149,7 @@ def run(argv: list[str]) -> dict:
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
         name = (f"scaling_w{world}" + ("_fsdp" if launched else "_plain") + (f"_ep{args.ep}" if args.ep > 1 else "")
+                + (f"_rep{args.dp_replicate}" if args.dp_replicate > 1 else "")
                 + (f"_{args.param_dtype}" if args.param_dtype and launched else "")
                 + (f"_rs-{args.reduce_dtype}" if args.reduce_dtype and launched else "")
                 + ("_compiled" if args.compile else "") + ("_zero2" if args.no_reshard_after_forward else "") + ".json")
