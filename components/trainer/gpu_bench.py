@@ -67,11 +67,20 @@ def _ids(gen: torch.Generator, n: int, rows: int) -> torch.Tensor:
     return torch.randint(0, rows, (n,), generator=gen, dtype=torch.long)
 
 
-def synthetic_batch(schema: FeatureSchema, bench, batch_size: int, max_seq_len: int, gen: torch.Generator):
-    """(ModelInput on the host, labels): lognormal history lengths capped at max_seq_len."""
+def synthetic_lengths(bench, batch_size: int, max_seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    """Lognormal history lengths (mean `bench.mean_seq_len`) capped at max_seq_len."""
     mu = math.log(bench.mean_seq_len) - bench.length_sigma**2 / 2
     lengths = torch.exp(mu + bench.length_sigma * torch.randn(batch_size, generator=gen)).long()
-    lengths = lengths.clamp(1, max_seq_len)
+    return lengths.clamp(1, max_seq_len)
+
+
+def synthetic_batch(schema: FeatureSchema, bench, batch_size: int, max_seq_len: int, gen: torch.Generator,
+                    lengths: torch.Tensor | None = None):
+    """(ModelInput on the host, labels) with the given history `lengths`, else drawn by `synthetic_lengths`."""
+    if lengths is None:
+        lengths = synthetic_lengths(bench, batch_size, max_seq_len, gen)
+    elif len(lengths) != batch_size:
+        raise ValueError(f"synthetic_batch: {len(lengths)} lengths for a batch of {batch_size}")
     offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
     tokens = int(offsets[-1])
     per_key = {}

@@ -2,7 +2,8 @@
 1..N GPUs under torchrun, through `parallelize` (FSDP2 over all ranks, optionally expert parallelism); run
 without torchrun it trains the plain model on one device (the `gpu_bench` setup).
 
-Weak scaling: every rank trains on its own batch of the recipe's size, so the global batch grows with the world.
+Weak scaling: every rank trains on a batch of the recipe's size, so the global batch grows with the world; the
+ranks' batches are split from one global batch by attention cost, as the data service balances them.
 
     torchrun --nproc_per_node N -m gemrec.components.trainer.parallel.scaling_bench --out DIR [--ep 2] [--set k=v]
 
@@ -25,9 +26,27 @@ import torch
 import torch.distributed as dist
 
 
+def balanced_batches(schema, bench, batch_size: int, max_seq_len: int, rank: int, world: int) -> list:
+    """This rank's `bench.distinct_batches` batches, as the data service serves them: each step draws one global
+    batch of `world x batch_size` history lengths (the same on every rank), splits it by attention cost
+    (`gemrec.components.data_service.balance.partition`), and the rank draws its examples' other features."""
+    from gemrec.components.data_service.balance import partition
+    from gemrec.components.trainer.gpu_bench import synthetic_batch, synthetic_lengths
+
+    lengths_gen = torch.Generator().manual_seed(1000)
+    features_gen = torch.Generator().manual_seed(2000 + rank)
+    batches = []
+    for _ in range(bench.distinct_batches):
+        lengths = synthetic_lengths(bench, world * batch_size, max_seq_len, lengths_gen)
+        rows = partition(lengths.numpy(), world).rows[rank]
+        batches.append(synthetic_batch(schema, bench, batch_size, max_seq_len, features_gen,
+                                       lengths=lengths[torch.from_numpy(rows)]))
+    return batches
+
+
 def run(argv: list[str]) -> dict:
     from gemrec.components.trainer.config import load_recipe
-    from gemrec.components.trainer.gpu_bench import synthetic_batch, synthetic_schema
+    from gemrec.components.trainer.gpu_bench import synthetic_schema
     from gemrec.components.trainer.mfu import device_peak, total_flops
     from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
     from gemrec.components.trainer.parallel import ParallelConfig, ParallelDims, parallelize
@@ -80,9 +99,7 @@ def run(argv: list[str]) -> dict:
     optimizers = Optimizers(train_model, config.optim, bench.warmup_steps + bench.steps + 1)
     bf16 = config.train.precision == "bf16" or (cuda and config.train.precision == "auto")
 
-    gen = torch.Generator().manual_seed(1000 + rank)  # every rank its own batches
-    host = [synthetic_batch(schema, bench, config.data.batch_size, config.data.max_seq_len, gen)
-            for _ in range(bench.distinct_batches)]
+    host = balanced_batches(schema, bench, config.data.batch_size, config.data.max_seq_len, rank, world)
     flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
     batches = [(inp.to(device), labels.to(device)) for inp, labels in host]
     # The step before the timed window is profiled.

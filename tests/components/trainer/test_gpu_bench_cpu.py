@@ -2,6 +2,8 @@
 
 import json
 
+import numpy as np
+import torch
 from gemrec.components.trainer.gpu_bench import run
 
 SMALL = ["--set", "bench.steps=2", "--set", "bench.warmup_steps=1", "--set", "data.batch_size=8",
@@ -18,3 +20,25 @@ def test_gpu_bench_reports_mfu_layers_and_profile_on_cpu(tmp_path):
     assert saved["compiled_graphs_per_step"] == 0  # eager
     assert (tmp_path / "trace.json.gz").stat().st_size > 0
     assert "Self CPU" in (tmp_path / "profile.txt").read_text()
+
+
+def test_scaling_bench_splits_one_global_batch_by_attention_cost():
+    from gemrec.components.data_service.balance import example_cost, imbalance
+    from gemrec.components.trainer.config import load_recipe
+    from gemrec.components.trainer.gpu_bench import synthetic_lengths, synthetic_schema
+    from gemrec.components.trainer.parallel.scaling_bench import balanced_batches
+
+    config = load_recipe("tiny", ["bench.num_users=100", "bench.num_items=100", "bench.distinct_batches=2"])
+    schema, batch, max_len, world = synthetic_schema(config.bench), 16, 64, 4
+    per_rank = [balanced_batches(schema, config.bench, batch, max_len, rank, world) for rank in range(world)]
+    pool = synthetic_lengths(config.bench, world * batch, max_len, torch.Generator().manual_seed(1000))
+    lengths = [inp.seq_lengths() for inp, _ in (batches[0] for batches in per_rank)]
+    assert all(len(x) == batch for x in lengths)
+    assert sorted(torch.cat(lengths).tolist()) == sorted(pool.tolist())  # every example served, once
+    costs = [float(example_cost(x.numpy()).sum()) for x in lengths]
+    naive = [float(example_cost(pool[r * batch:(r + 1) * batch].numpy()).sum()) for r in range(world)]
+    assert imbalance(np.array(costs)) < min(1.05, imbalance(np.array(naive)))
+    # One rank: the global batch is the rank's batch, lengths in their drawn order.
+    (single, _), _ = balanced_batches(schema, config.bench, batch, max_len, 0, 1)
+    assert single.seq_lengths().tolist() == synthetic_lengths(config.bench, batch, max_len,
+                                                              torch.Generator().manual_seed(1000)).tolist()
