@@ -3,13 +3,16 @@
 #   tests    GPU tests of the kernels and the model dispatch
 #   kernels  `gemrec bench kernels` on GPU 1, while (with `trainer`) GPU 0 runs the trainer's gpu_bench
 #   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
-#   scaling  scaling_bench (compiled) at 1 then 2 GPUs with nothing else running, and its report
+#   scaling  scaling_bench (compiled, ZeRO-2, bf16 reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile
+#            cache) with nothing else running, and its report
 # Each step has its own time limit, so a slow step cannot eat the others. All parts take about 10 minutes plus
 # compile time: within one device call's 10-minute limit, run `tests,kernels,trainer` and `scaling` as two calls.
 # Results land in OUT (JSON, logs, traces) and OUT/all.tgz.
 #
 #   bash infra/bench/h200_session.sh OUT [STEP_LIMIT_SECONDS] [PARTS]     (PARTS default: tests,kernels,trainer,scaling)
 # The repo root must be importable as `gemrec` (the device image has no install): this script links it.
+# Name the copy's folder so it cannot be imported as another module: a copy in `.../tree` was found as the
+# dm-tree package, which dynamo skips, so torch.compile refused every function in the copy's tests.
 set -u
 out=${1:?usage: h200_session.sh OUT [STEP_LIMIT_SECONDS] [PARTS]}
 limit=${2:-300}
@@ -41,11 +44,10 @@ if want trainer; then
 fi
 wait
 if want scaling; then
+  common="--param-dtype bfloat16 --reduce-dtype bfloat16 --compile --no-reshard-after-forward"
   steps="--set bench.steps=20 --set bench.warmup_steps=4"
-  run scaling_1 python3 -m torch.distributed.run --nproc_per_node 1 -m $S --out "$out/scaling" --param-dtype bfloat16 \
-    --compile $steps
-  run scaling_2 python3 -m torch.distributed.run --nproc_per_node 2 -m $S --out "$out/scaling" --param-dtype bfloat16 \
-    --compile --trace $steps
+  run scaling_2 python3 -m torch.distributed.run --nproc_per_node 2 -m $S --out "$out/scaling" $common --trace $steps
+  run scaling_1 python3 -m torch.distributed.run --nproc_per_node 1 -m $S --out "$out/scaling" $common $steps
   python3 -m $S report "$out"/scaling/*.json > "$out/scaling_report.md" 2>&1
   cat "$out/scaling_report.md"
 fi
