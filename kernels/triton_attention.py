@@ -11,8 +11,9 @@ when the key sequences are short (few key blocks per query, where the atomics wo
 recompute) a second kernel per query block computes dQ (7 matmuls per tile pair).
 
 Tiles that an inner loop streams (K/V in the forward and dQ kernels, Q/dO in dK/dV) come either through pointer
-tensors or, where the layout allows (`tma_ok`), through per-sequence tensor descriptors built on the device (TMA on
-Hopper: no per-element addresses in registers, zeros past the sequence's end); the autotuner picks per kernel.
+tensors or, where the layout allows (`tma_ok`) and GEMREC_KERNEL_TMA=1 (off by default on the GPU until measured
+there), through per-sequence tensor descriptors built on the device (TMA on Hopper: no per-element addresses in
+registers, zeros past the sequence's end); the autotuner picks per kernel.
 
 Launches go through `_Kernel`: tiles autotuned once per (variant, head dim, bucketed lengths), candidates
 compiled in parallel, then the compiled kernel is launched directly (no per-call argument binding).
@@ -607,7 +608,9 @@ def _cfg(bm, bn, warps, stages, tma=False):
 # the first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory. The first
 # entry of each list is the default when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0). TMA: the tiles the inner
 # loop streams (K/V forward and in dQ, Q/dO in dK/dV) come through per-sequence tensor descriptors (TMA) instead of
-# pointer tensors; those candidates are dropped when a tensor's layout does not allow a descriptor.
+# pointer tensors; those candidates are dropped when a tensor's layout does not allow a descriptor, and unless
+# `_tma_enabled` (off on the GPU by default: they compile for sm_90 and pass the interpreter tests, but have not
+# run on a GPU yet).
 CONFIGS = {
     "fwd": [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3),
             _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 8, 3),
@@ -636,14 +639,15 @@ def _candidates(kind: str, head_dim: int, tma: bool = True) -> list[dict]:
 
 
 def _tma_enabled() -> bool:
-    return os.environ.get("GEMREC_KERNEL_TMA", "1") != "0"
+    """GEMREC_KERNEL_TMA=1/0 switches the tensor-descriptor candidates on/off. Unset: on in the CPU interpreter
+    (where the tests check them), off on the GPU until they are checked and timed there."""
+    flag = os.environ.get("GEMREC_KERNEL_TMA")
+    return INTERPRET if flag is None else flag != "0"
 
 
 def tma_ok(*tensors) -> bool:
     """Whether (rows, heads, head_dim) tensors allow per-sequence tensor descriptors: 16-byte aligned base and
     row/head strides, contiguous head_dim of at least 16 bytes."""
-    if not _tma_enabled():
-        return False
     for t in tensors:
         size = t.element_size()
         if (t.stride(2) != 1 or t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16
@@ -695,7 +699,8 @@ class _Kernel:
 
     def __call__(self, grid, args: tuple, consts: dict, bucket: int, reset=(), tma: bool = False):
         """grid: config -> launch grid; args: the runtime arguments in order; consts: constexprs but tiles;
-        tma: whether the tensors allow the tensor-descriptor candidates."""
+        tma: whether the tensors allow the tensor-descriptor candidates (used where `_tma_enabled`)."""
+        tma = tma and _tma_enabled()
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
             first = _candidates(self.kind, consts["HEAD_DIM"], tma)[0]
             tiles = {name: 16 for name in first if name.startswith("BLOCK")}

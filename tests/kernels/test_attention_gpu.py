@@ -19,6 +19,7 @@ def _default_tiles(request, monkeypatch):
     from gemrec.kernels import triton_attention as kernels
 
     monkeypatch.setenv("GEMREC_KERNEL_AUTOTUNE", "0")
+    monkeypatch.setenv("GEMREC_KERNEL_TMA", "1" if request.param else "0")
     for table in ("CONFIGS", "LARGE_HEAD_DIM_CONFIGS"):
         configs = getattr(kernels, table)
         monkeypatch.setattr(kernels, table, {kind: sorted(c, key=lambda cfg: cfg.get("TMA", False) != request.param)
