@@ -10,6 +10,7 @@ benchmark config: a first look at register pressure and spills before any GPU ti
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import tempfile
 from contextlib import contextmanager
@@ -89,14 +90,34 @@ def compile_launch(launch: Launch, config: dict | None = None, target=HOPPER):
                           options=options)
 
 
-def resource_usage(compiled) -> dict[str, int]:
-    """registers per thread, spill stack bytes per thread, shared memory bytes per block (cuobjdump's view)."""
+# SASS opcode groups counted over the whole kernel (both loop bodies dominate): fp32 arithmetic of the softmax or
+# activation, special-function (exp2/tanh) ops, integer address arithmetic, and spill traffic.
+SASS_GROUPS = {"fp32": ("FMUL", "FADD", "FFMA", "FMNMX", "FSEL"), "mufu": ("MUFU",), "int": ("IMAD", "IADD3", "LEA"),
+               "spill": ("STL", "LDL")}
+_SASS_OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
+
+
+def _cuobjdump(compiled, flag: str) -> str:
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        dump = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run([tool, flag, cubin.name], capture_output=True, text=True, check=True).stdout
+
+
+def sass_counts(compiled) -> dict[str, int]:
+    """Instructions of the kernel's machine code (SASS) in total and per `SASS_GROUPS` group."""
+    opcodes = [m.group(1) for line in _cuobjdump(compiled, "--dump-sass").splitlines()
+               if (m := _SASS_OPCODE.match(line))]
+    counts = {"total": len(opcodes)}
+    for group, names in SASS_GROUPS.items():
+        counts[group] = sum(op in names for op in opcodes)
+    return counts
+
+
+def resource_usage(compiled) -> dict[str, int]:
+    """registers per thread, spill stack bytes per thread, shared memory bytes per block (cuobjdump's view)."""
+    dump = _cuobjdump(compiled, "--dump-resource-usage")
     fields = dict(item.split(":", 1) for line in dump.splitlines() if "REG:" in line for item in line.split()
                   if ":" in item and item.split(":", 1)[1].isdigit())
     return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "shared_bytes": compiled.metadata.shared}
@@ -118,7 +139,8 @@ def static_report(config_names: list[str], progress=print) -> list[dict]:
                 run_ours(op, case, causal, "triton", *leaves).sum().backward()
             for launch in launches:
                 for tiles in launch.candidates():
-                    usage = resource_usage(compile_launch(launch, tiles))
+                    compiled = compile_launch(launch, tiles)
+                    usage = {**resource_usage(compiled), "sass": sass_counts(compiled)}
                     row = {"config": name, "variant": f"{op}{'-causal' if causal else ''}", "kernel": launch.kind,
                            "fuse_dq": launch.consts.get("FUSE_DQ"), "tiles": tiles, **usage}
                     progress(format_static_row(row))
@@ -130,4 +152,5 @@ def format_static_row(row: dict) -> str:
     tiles = " ".join(f"{k}={v}" for k, v in row["tiles"].items())
     fused = "" if row["fuse_dq"] is None else f" fuse_dq={row['fuse_dq']}"
     return (f"{row['config']:8s} {row['variant']:12s} {row['kernel']:5s}{fused:14s} {tiles:52s} "
-            f"regs {row['registers']:3d}  spill stack {row['stack_bytes']:5d} B  shared {row['shared_bytes']:6d} B")
+            f"regs {row['registers']:3d}  spill stack {row['stack_bytes']:5d} B  shared {row['shared_bytes']:6d} B  "
+            "sass " + " ".join(f"{k} {v}" for k, v in row["sass"].items()))

@@ -68,9 +68,22 @@ def test_every_launched_kernel_compiles_for_sm90(call):
 
 
 def test_launches_are_restored_and_resources_read():
-    from gemrec.kernels.aot import compile_launch, record_launches, resource_usage
+    from gemrec.kernels.aot import compile_launch, record_launches, resource_usage, sass_counts
 
     launches = record_launches(jfa_causal_fused_dq)
     assert kernels._Kernel.__call__.__name__ == "__call__"  # the real launcher is back
-    usage = resource_usage(compile_launch(launches[0]))
+    compiled = compile_launch(launches[0])
+    usage = resource_usage(compiled)
     assert 16 <= usage["registers"] <= 255 and usage["stack_bytes"] >= 0 and usage["shared_bytes"] > 0
+    sass = sass_counts(compiled)  # the softmax forward: exp2 on the MUFU unit, fp32 math, addresses
+    assert sass["total"] > sass["fp32"] + sass["int"] + sass["mufu"] and min(sass["fp32"], sass["int"], sass["mufu"]) > 0
+
+
+def test_launch_specialized_like_the_gpu_launcher():
+    # 16-byte aligned pointers and strides divisible by 16, as triton's launcher marks them on a GPU: the tiles
+    # stream through cp.async (LDGSTS), not scalar loads; without it every head-dim-128 tile used to spill
+    from gemrec.kernels.aot import _cuobjdump, compile_launch, record_launches, resource_usage
+
+    compiled = compile_launch(record_launches(jfa_causal_fused_dq)[0])
+    assert "LDGSTS" in _cuobjdump(compiled, "--dump-sass")
+    assert resource_usage(compiled)["stack_bytes"] == 0
