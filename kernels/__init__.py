@@ -21,8 +21,9 @@ ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust
   elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before triton is first imported.
 - The Triton path is the custom ops `gemrec::attention_fwd` / `gemrec::attention_bwd` (fake impls for
   `torch.compile(fullgraph=True)`, FLOP formulas for `FlopCounterMode` counting real pairs only),
-  autotuned on (bucketed max length, head dim, variant); GEMREC_KERNEL_AUTOTUNE=0 uses fixed tiles. Eager
-  calls on plain tensors skip the custom-op dispatch and launch the kernels straight from Python.
+  autotuned on (bucketed max length, head dim, variant); GEMREC_KERNEL_AUTOTUNE=0 uses fixed tiles;
+  GEMREC_KERNEL_TMA=1 adds tensor-descriptor (TMA) tiles to the candidates (off on the GPU until checked there).
+  Eager calls on plain tensors skip the custom-op dispatch and launch the kernels straight from Python.
 """
 
 from gemrec.kernels.ops import RelativeBias, attention_flops, attention_pairs, gdpa, jagged_attention

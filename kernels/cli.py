@@ -47,7 +47,7 @@ def register(groups: dict) -> None:
     p.add_argument("--profile", action="store_true", help="only print per-kernel device times of ours (fwd+bwd)")
     p.add_argument("--static", action="store_true",
                    help="no GPU needed: compile every kernel and candidate tile for sm_90, report registers, "
-                        "spill stack and shared memory")
+                        "spill stack, shared memory and SASS instruction counts")
     p.set_defaults(func=_bench_kernels)
 
 
