@@ -195,6 +195,21 @@ def _load_pair(A, B, a_rows, b_rows, stride_at, stride_ah, stride_bt, stride_bh,
 
 
 @triton.jit
+def _load_kv(K, V, n0, kv_start, cols, col_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
+             MASKED: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
+    """The K and V tiles of key rows `cols` (from n0); with TMA, K and V are this sequence's descriptors and
+    rows past its length read as zeros."""
+    if TMA:
+        k = K.load([n0, 0])
+        v = V.load([n0, 0])
+    else:
+        kv_rows = kv_start + cols
+        k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
+                          col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
+    return k, v
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
               offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh,
               qk_scale, scale,
@@ -206,13 +221,8 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
               SCALE_POS: tl.constexpr, TMA: tl.constexpr):
     cols = n0 + offs_n
     col_ok = cols < kv_len
-    if TMA:  # K, V are this sequence's tensor descriptors: rows past kv_len read as zeros
-        k = K.load([n0, 0])
-        v = V.load([n0, 0])
-    else:
-        kv_rows = kv_start + cols
-        k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
-                          col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
+    k, v = _load_kv(K, V, n0, kv_start, cols, col_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
+                    MASKED, EVEN_D, TMA)
     qk = tl.dot(q, tl.trans(k))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
@@ -479,13 +489,8 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
     """One key block's contribution to dQ and to the score-bias gradients (with TMA, K and V are descriptors)."""
     offs_n = n0 + offs_n0
     col_ok = offs_n < kv_len
-    if TMA:
-        k = K.load([n0, 0])
-        v = V.load([n0, 0])
-    else:
-        kv_rows = kv_start + offs_n
-        k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
-                          col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
+    k, v = _load_kv(K, V, n0, kv_start, offs_n, col_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
+                    MASKED, EVEN_D, TMA)
     qk = tl.dot(q, tl.trans(k))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
