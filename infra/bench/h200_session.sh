@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU number of docs/benchmarks.md on a 2-GPU H200 host (device kind nvidia-h200-x2), in parts:
 #   tests    GPU tests of the kernels and the model dispatch
-#   kernels  `gemrec bench kernels` on GPU 1, while (with `trainer`) GPU 0 runs the trainer's gpu_bench
+#   kernels  `gemrec bench kernels` on GPU 1, then again with the TMA tile candidates (GEMREC_KERNEL_TMA=1),
+#            while (with `trainer`) GPU 0 runs the trainer's gpu_bench
 #   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
 #   scaling  scaling_bench (compiled, ZeRO-2, bf16 reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile
 #            cache) with nothing else running, and its report
@@ -29,11 +30,12 @@ run() { local name=$1; shift; timeout "$limit" "$@" > "$out/$name.log" 2>&1; ech
 want() { [[ $parts == *",$1,"* ]]; }
 
 if want tests; then
-  run gpu_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_attention_gpu.py \
+  run gpu_tests python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/kernels/test_attention_gpu.py \
     tests/model/test_model_attention.py
 fi
 if want kernels; then
-  (export CUDA_VISIBLE_DEVICES=1; run kernels python3 -m gemrec.kernels.cli --out "$out/kernels") &
+  (export CUDA_VISIBLE_DEVICES=1; run kernels python3 -m gemrec.kernels.cli --out "$out/kernels"
+   GEMREC_KERNEL_TMA=1 run kernels_tma python3 -m gemrec.kernels.cli --out "$out/kernels_tma") &
 fi
 if want trainer; then
   export CUDA_VISIBLE_DEVICES=0
