@@ -59,6 +59,9 @@ def test_recipes_load_and_overrides_are_checked():
         load_recipe("tiny", ["train.steps=many"])
     with pytest.raises(RecipeError, match="section.key"):
         load_recipe("tiny", ["steps=3"])
+    with pytest.raises(RecipeError, match="data.max_seq_len 40000 exceeds model.rotary_max_positions 32768"):
+        load_recipe("tiny", ["data.max_seq_len=40000"])
+    assert load_recipe("tiny", ["data.max_seq_len=40000", "model.rotary_max_positions=40000"]).data.max_seq_len == 40000
 
 
 def _toy_model():
