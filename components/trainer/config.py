@@ -13,8 +13,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gemrec.model.config import ModelConfig
-
 RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 
 
@@ -224,6 +222,8 @@ def validate(config: TrainConfig) -> None:
         (0.0 <= config.optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]"),
         (config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
     ]
+    from gemrec.model.config import ModelConfig  # the model package imports torch: only when validating
+
     rotary_positions = config.model.get("rotary_max_positions", ModelConfig.rotary_max_positions)
     if config.model.get("rotary", ModelConfig.rotary) and config.data.max_seq_len > rotary_positions:
         checks.append((False, f"data.max_seq_len {config.data.max_seq_len} exceeds model.rotary_max_positions "
