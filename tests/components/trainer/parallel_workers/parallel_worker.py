@@ -113,9 +113,11 @@ def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
             for n, p in model.named_parameters() if p.grad is not None}
 
 
-def train_losses(model: nn.Module, batches, rank: int, world: int, steps: int, first_grads: dict | None = None):
+def train_losses(model: nn.Module, batches, rank: int, world: int, steps: int, first_grads: dict | None = None,
+                 bf16: bool = False):
     """Mean global-batch loss per step; each rank trains on its contiguous slice of the global batch. The dense
-    gradients of the first step go into `first_grads`."""
+    gradients of the first step go into `first_grads`. `bf16`: forward under bf16 autocast, as the trainer
+    runs FSDP2 mixed precision."""
     # Plain SGD: linear in the gradients, so a wrong gradient average (a factor of 2 here or there) shows in
     # the losses; Adam's scale invariance would hide it.
     opt = torch.optim.SGD(dense_params(model), lr=0.1)
@@ -124,7 +126,9 @@ def train_losses(model: nn.Module, batches, rank: int, world: int, steps: int, f
         rows = labels.shape[0] // world
         sl = slice(rank * rows, (rank + 1) * rows)
         local = split_kjt(kjt, world, rank) if world > 1 else kjt
-        loss = F.binary_cross_entropy_with_logits(model(local, dense[sl]), labels[sl])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            logits = model(local, dense[sl])
+        loss = F.binary_cross_entropy_with_logits(logits.float(), labels[sl])
         loss.backward()
         if first_grads is not None and not losses:
             first_grads.update(full_grads(model))
@@ -151,10 +155,13 @@ def check_train(mesh: str, rank: int, world: int) -> dict:
     model = build()
     attach_sparse_sgd(model)
     dims = ParallelDims(world, dp_replicate=rep, dp_shard=shard, ep=ep)
+    mixed = option == "zero2bf16"  # the layout measured on the H200: ZeRO-2, bf16 all-gathers and reductions
     config = ParallelConfig(dp_replicate=rep, dp_shard=shard, ep=ep,
-                            activation_checkpoint="full" if option == "ac" else "none", compile=option == "compile")
+                            activation_checkpoint="full" if option == "ac" else "none", compile=option == "compile",
+                            reshard_after_forward=not mixed, param_dtype="bfloat16" if mixed else None,
+                            reduce_dtype="bfloat16" if mixed else None)
     model, report = parallelize(model, dims, config, CPU)
-    losses = train_losses(model, batches, rank, world, steps, grads)
+    losses = train_losses(model, batches, rank, world, steps, grads, bf16=mixed)
     # Relative error of every dense gradient of step 1 (a wrong average shows as 0.5 or 2 here).
     grad_err = {n: ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in ref_grads.items()}
     return {"ref": ref_losses, "dist": losses, "grad_err": grad_err, "plan": report.embedding_plan,
