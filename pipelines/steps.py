@@ -199,6 +199,12 @@ def train_local(dataset: str, recipe: str, nproc: int, tracking_uri: str, experi
     """
     if nproc < 1:
         raise StepError(f"--nproc must be at least 1 (got {nproc})")
+    from gemrec.components.trainer.config import balance_linear_weight, load_recipe
+
+    try:  # before any service starts; the data service balances ranks for this model
+        linear_weight = balance_linear_weight(load_recipe(recipe))
+    except ValueError as err:  # RecipeError, or the model config's own checks
+        raise StepError(f"recipe {recipe!r}: {err}") from err
     logs = Path(run_dir) / "logs"
     feature_port = claim_port(feature_port, "feature service")
     data_port = claim_port(data_port, "data service")
@@ -214,7 +220,8 @@ def train_local(dataset: str, recipe: str, nproc: int, tracking_uri: str, experi
             feature_addr, logs / "feature-service.log")
         print(f"[gemrec] starting data service on {data_addr}", flush=True)
         group.start_service("data service", gemrec_command(
-            "serve", "data", "--dataset", dataset, "--port", str(data_port), "--features", feature_addr),
+            "serve", "data", "--dataset", dataset, "--port", str(data_port), "--features", feature_addr,
+            "--linear-weight", str(linear_weight)),
             data_addr, logs / "data-service.log")
         print(f"[gemrec] training with torchrun --nproc_per_node {nproc}", flush=True)
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),

@@ -1,9 +1,10 @@
 """Rank load balancing: split one global batch across ranks so per-rank attention cost is even.
 
 The cost of an example with history length L is `L^2 + linear_weight * L`: the L^2 term is attention,
-the linear term the per-token work (projections, MLPs, embeddings); `linear_weight` ~ 6 * d_model for a
-transformer layer. Every rank gets the same number of examples (sizes differ by at most one in the last,
-short global batch), so step counts and per-rank batch shapes stay equal.
+the linear term the per-token work (projections, MLPs, embeddings); `transformer_linear_weight` gives it for a
+transformer layer (12 * d_model for a causal one with a 4x MLP). Every rank gets the same number of examples
+(sizes differ by at most one in the last, short global batch), so step counts and per-rank batch shapes stay
+equal.
 
 Algorithm: LPT (longest processing time first) with a cardinality cap, then pairwise swaps between the
 most and the least loaded rank while they lower the maximum.
@@ -22,6 +23,14 @@ DEFAULT_LINEAR_WEIGHT = 512.0
 def example_cost(lengths: np.ndarray, linear_weight: float = DEFAULT_LINEAR_WEIGHT) -> np.ndarray:
     lengths = np.asarray(lengths, dtype=np.float64)
     return lengths * lengths + linear_weight * lengths
+
+
+def transformer_linear_weight(d_model: int, mlp_ratio: float, causal: bool) -> float:
+    """`linear_weight` of a pre-norm transformer layer: per token (4 + 2 * mlp_ratio) * d_model^2 multiply-adds
+    (q, k, v and output projections, the MLP) against 2 * d_model per visible query-key pair, of which there are
+    about L^2 / 2 when causal and L^2 otherwise."""
+    pairs_per_l2 = 0.5 if causal else 1.0
+    return (4 + 2 * mlp_ratio) * d_model / (2 * pairs_per_l2)
 
 
 def rank_sizes(total: int, world_size: int) -> np.ndarray:

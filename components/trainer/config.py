@@ -231,6 +231,24 @@ def validate(config: TrainConfig) -> None:
     for ok, message in checks:
         if not ok:
             raise RecipeError(message)
+    from gemrec.components.trainer.parallel.integration import ParallelConfigError, parallel_config
+
+    try:  # also on one rank, where the table is not used: a typo there should not wait for a multi-GPU run
+        parallel_config(config.parallel)
+    except (ParallelConfigError, TypeError, ValueError) as err:
+        raise RecipeError(f"[parallel]: {err}") from err
+
+
+def balance_linear_weight(config: TrainConfig) -> float:
+    """The data service's rank-balancing `linear_weight` for this recipe's model: its sequence layers' per-token
+    work against their attention (`balance.transformer_linear_weight`); the default for a model without one."""
+    from gemrec.components.data_service.balance import DEFAULT_LINEAR_WEIGHT, transformer_linear_weight
+    from gemrec.model.config import ModelConfig
+
+    model = ModelConfig.from_dict(config.model)
+    if model.arch != "gem":
+        return DEFAULT_LINEAR_WEIGHT
+    return transformer_linear_weight(model.d_model, model.mlp_ratio, model.seq_causal)
 
 
 def load_recipe(name: str, overrides: list[str] = (), arch: str | None = None) -> TrainConfig:

@@ -107,7 +107,7 @@ def test_failed_train_step_stops_services_and_marks_outputs(run, tmp_path, gemre
     """A trainer that fails after the services started: clear message, exit 2, nothing left running."""
     (dataset_dir,) = run["run_dir"].glob("kfp/*/ingest/dataset")
     recipe = tmp_path / "broken.toml"
-    recipe.write_text("[data]\nbatch_size = 0\n")
+    recipe.write_text("[train]\ntask_weights = {nope = 2.0}\n")  # a label only the trainer can check
     result = subprocess.run(
         [gemrec_script, "pipeline", "run", "--recipe", str(recipe), "--data", str(dataset_dir), "--runs",
          str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlruns.db"],
@@ -116,7 +116,7 @@ def test_failed_train_step_stops_services_and_marks_outputs(run, tmp_path, gemre
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("gemrec pipeline: error: step train failed: the trainer exited with code"), last
-    assert "batch_size must be > 0" in last and "marked failed" in last
+    assert "train.task_weights names unknown label(s) ['nope']" in last and "marked failed" in last
     (run_dir,) = (tmp_path / "runs").iterdir()
     status = json.loads((run_dir / "status.json").read_text())
     assert status["status"] == "failed" and status["step"] == "train"

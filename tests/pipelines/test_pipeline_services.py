@@ -124,3 +124,16 @@ def test_the_trainer_error_line_is_found_under_torchrun_prefixes(tmp_path):
     log.write_text("gemrec train: error: data.batch_size must be > 0\nValueError: later noise\n")
     assert last_error(log) == "gemrec train: error: data.batch_size must be > 0"
     assert last_error(tmp_path / "missing.log") == "no log"
+
+
+def test_train_step_refuses_a_broken_recipe_before_starting_services(tmp_path):
+    from gemrec.pipelines import steps
+
+    for text, problem in (("[data]\nbatch_size = 0\n", "data.batch_size must be > 0"),
+                          ("[model]\nd_model = 30\nnum_heads = 4\n", "d_model 30 is not divisible by num_heads 4")):
+        recipe = tmp_path / "broken.toml"
+        recipe.write_text(text)
+        with pytest.raises(steps.StepError, match=rf"recipe '.*broken.toml': .*{problem}"):
+            steps.train_local(str(tmp_path), str(recipe), 1, f"sqlite:///{tmp_path}/mlruns.db", "e",
+                              str(tmp_path / "run"), {}, str(tmp_path / "metrics.json"))
+        assert not (tmp_path / "run").exists()  # no service was started, no log written

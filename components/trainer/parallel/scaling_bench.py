@@ -26,10 +26,12 @@ import torch
 import torch.distributed as dist
 
 
-def balanced_batches(schema, bench, batch_size: int, max_seq_len: int, rank: int, world: int) -> list:
+def balanced_batches(schema, bench, batch_size: int, max_seq_len: int, rank: int, world: int,
+                     linear_weight: float) -> list:
     """This rank's `bench.distinct_batches` batches, as the data service serves them: each step draws one global
-    batch of `world x batch_size` history lengths (the same on every rank), splits it by attention cost
-    (`gemrec.components.data_service.balance.partition`), and the rank draws its examples' other features."""
+    batch of `world x batch_size` history lengths (the same on every rank), splits it by cost
+    (`gemrec.components.data_service.balance.partition` with `linear_weight`), and the rank draws its examples'
+    other features."""
     from gemrec.components.data_service.balance import partition
     from gemrec.components.trainer.gpu_bench import synthetic_batch, synthetic_lengths
 
@@ -38,14 +40,14 @@ def balanced_batches(schema, bench, batch_size: int, max_seq_len: int, rank: int
     batches = []
     for _ in range(bench.distinct_batches):
         lengths = synthetic_lengths(bench, world * batch_size, max_seq_len, lengths_gen)
-        rows = partition(lengths.numpy(), world).rows[rank]
+        rows = partition(lengths.numpy(), world, linear_weight).rows[rank]
         batches.append(synthetic_batch(schema, bench, batch_size, max_seq_len, features_gen,
                                        lengths=lengths[torch.from_numpy(rows)]))
     return batches
 
 
 def run(argv: list[str]) -> dict:
-    from gemrec.components.trainer.config import load_recipe
+    from gemrec.components.trainer.config import balance_linear_weight, load_recipe
     from gemrec.components.trainer.gpu_bench import synthetic_schema
     from gemrec.components.trainer.mfu import device_peak, total_flops
     from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
@@ -99,7 +101,8 @@ def run(argv: list[str]) -> dict:
     optimizers = Optimizers(train_model, config.optim, bench.warmup_steps + bench.steps + 1)
     bf16 = config.train.precision == "bf16" or (cuda and config.train.precision == "auto")
 
-    host = balanced_batches(schema, bench, config.data.batch_size, config.data.max_seq_len, rank, world)
+    host = balanced_batches(schema, bench, config.data.batch_size, config.data.max_seq_len, rank, world,
+                            balance_linear_weight(config))
     flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
     batches = [(inp.to(device), labels.to(device)) for inp, labels in host]
     # The step before the timed window is profiled.

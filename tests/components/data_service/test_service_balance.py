@@ -48,3 +48,16 @@ def test_single_rank_and_deterministic():
     assert one.cost_imbalance == 1.0
     a, b = partition(lengths, 3), partition(lengths, 3)
     assert all(np.array_equal(x, y) for x, y in zip(a.rows, b.rows))
+
+
+def test_transformer_linear_weight_matches_the_model_flop_count():
+    from gemrec.components.data_service.balance import transformer_linear_weight
+    from gemrec.model.layers import Jagged, SeqLayer
+
+    for causal in (True, False):
+        layer = SeqLayer(256, 4, 1024, "softmax", causal)
+        weight = transformer_linear_weight(256, 4.0, causal)
+        flops = {n: sum(layer.flops(Jagged([n]))) for n in (16, 512, 4096)}
+        for n in (512, 4096):  # cost ratios as the model counts them, within 1%
+            expected = example_cost(np.array([n]), weight)[0] / example_cost(np.array([16]), weight)[0]
+            assert abs(flops[n] / flops[16] / expected - 1) < 1e-2, (causal, n)

@@ -30,15 +30,15 @@ def test_scaling_bench_splits_one_global_batch_by_attention_cost():
 
     config = load_recipe("tiny", ["bench.num_users=100", "bench.num_items=100", "bench.distinct_batches=2"])
     schema, batch, max_len, world = synthetic_schema(config.bench), 16, 64, 4
-    per_rank = [balanced_batches(schema, config.bench, batch, max_len, rank, world) for rank in range(world)]
+    per_rank = [balanced_batches(schema, config.bench, batch, max_len, rank, world, 512.0) for rank in range(world)]
     pool = synthetic_lengths(config.bench, world * batch, max_len, torch.Generator().manual_seed(1000))
     lengths = [inp.seq_lengths() for inp, _ in (batches[0] for batches in per_rank)]
     assert all(len(x) == batch for x in lengths)
     assert sorted(torch.cat(lengths).tolist()) == sorted(pool.tolist())  # every example served, once
-    costs = [float(example_cost(x.numpy()).sum()) for x in lengths]
-    naive = [float(example_cost(pool[r * batch:(r + 1) * batch].numpy()).sum()) for r in range(world)]
+    costs = [float(example_cost(x.numpy(), 512.0).sum()) for x in lengths]
+    naive = [float(example_cost(pool[r * batch:(r + 1) * batch].numpy(), 512.0).sum()) for r in range(world)]
     assert imbalance(np.array(costs)) < min(1.05, imbalance(np.array(naive)))
     # One rank: the global batch is the rank's batch, lengths in their drawn order.
-    (single, _), _ = balanced_batches(schema, config.bench, batch, max_len, 0, 1)
+    (single, _), _ = balanced_batches(schema, config.bench, batch, max_len, 0, 1, 512.0)
     assert single.seq_lengths().tolist() == synthetic_lengths(config.bench, batch, max_len,
                                                               torch.Generator().manual_seed(1000)).tolist()

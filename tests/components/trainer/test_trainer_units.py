@@ -5,9 +5,15 @@ import math
 import numpy as np
 import pytest
 import torch
+from gemrec.components.data_service.balance import DEFAULT_LINEAR_WEIGHT
 from gemrec.components.trainer import metrics as qm
 from gemrec.components.trainer.checkpoint import CheckpointManager
-from gemrec.components.trainer.config import RecipeError, available_recipes, load_recipe
+from gemrec.components.trainer.config import (
+    RecipeError,
+    available_recipes,
+    balance_linear_weight,
+    load_recipe,
+)
 from gemrec.components.trainer.data import eval_row_chunks
 from gemrec.components.trainer.mfu import measure_local_mfu
 from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
@@ -62,6 +68,12 @@ def test_recipes_load_and_overrides_are_checked():
     with pytest.raises(RecipeError, match="data.max_seq_len 40000 exceeds model.rotary_max_positions 32768"):
         load_recipe("tiny", ["data.max_seq_len=40000"])
     assert load_recipe("tiny", ["data.max_seq_len=40000", "model.rotary_max_positions=40000"]).data.max_seq_len == 40000
+    with pytest.raises(RecipeError, match=r"\[parallel\]: unknown setting\(s\) parallel.bogus"):
+        load_recipe("tiny", ["parallel.bogus=1"])
+    # The data service's balancing weight follows the model: causal, 4x MLP -> 12 x d_model; no sequence -> default.
+    assert balance_linear_weight(load_recipe("h200-bench")) == 12 * 1024
+    assert balance_linear_weight(load_recipe("tiny", ["model.seq_causal=false"])) == 6 * 32
+    assert balance_linear_weight(load_recipe("movielens", arch="dlrm")) == DEFAULT_LINEAR_WEIGHT
 
 
 def _toy_model():
