@@ -57,6 +57,19 @@ def _captured(recorded: list[Launch]):
         kernels._Kernel.__call__, ops._kernels = launch, pick
 
 
+@contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
 def record_launches(call) -> list[Launch]:
     """Every kernel launch `call()` makes (on CPU tensors, backend="triton"), none executed; outputs are garbage."""
     recorded: list[Launch] = []
@@ -124,8 +137,9 @@ def resource_usage(compiled) -> dict[str, int]:
 
 
 def static_report(config_names: list[str], progress=print) -> list[dict]:
-    """For each benchmark config and variant: every kernel its fwd+bwd launches x every candidate tile config,
-    compiled for sm_90, with its registers, spill stack and shared memory."""
+    """For each benchmark config and variant: every kernel its fwd+bwd launches (plus the one-launch backward where
+    it applies, if GEMREC_KERNEL_ONE_LAUNCH left it off) x every candidate tile config, compiled for sm_90, with its
+    registers, spill stack and shared memory."""
     from gemrec.kernels.bench import CONFIGS, make_case, run_ours
 
     rows = []
@@ -133,10 +147,15 @@ def static_report(config_names: list[str], progress=print) -> list[dict]:
         cfg = CONFIGS[name]
         for op, causal in cfg.variants:
             case = make_case(cfg, 0, torch.device("cpu"), num_seqs=min(cfg.num_seqs, 8))
-            leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-            launches: list[Launch] = []
-            with _captured(launches):
+
+            def fwd_bwd(op=op, case=case, causal=causal):
+                leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
                 run_ours(op, case, causal, "triton", *leaves).sum().backward()
+
+            launches = record_launches(fwd_bwd)
+            if all(launch.kind != "bwd1" for launch in launches):  # the one-launch backward too, where it applies
+                with _env("GEMREC_KERNEL_ONE_LAUNCH", "1"):
+                    launches += [launch for launch in record_launches(fwd_bwd) if launch.kind == "bwd1"]
             for launch in launches:
                 for tiles in launch.candidates():
                     compiled = compile_launch(launch, tiles)

@@ -8,7 +8,12 @@ padded. Scores are `scale * q.k + attn_bias + pos_table[bucket(rel_pos)] + time_
 Backward: without score biases one kernel per key block computes dK, dV and adds its share of dQ into an
 fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients come from dQ-side tiles) or
 when the key sequences are short (few key blocks per query, where the atomics would cost more than the
-recompute) a second kernel per query block computes dQ (7 matmuls per tile pair).
+recompute) a second kernel per query block computes dQ (7 matmuls per tile pair). With GEMREC_KERNEL_ONE_LAUNCH=1
+(off by default on the GPU until measured there, on in the interpreter), problems below ONE_LAUNCH_MAX_WORK, which
+are bound by host launch time rather than by the GPU, run the whole backward as one launch
+(`_bwd_one_launch_kernel`: the dK/dV and the dQ programs in one grid, the softmax delta computed in-kernel, dQ
+stored directly; biases allowed): 2 launches per forward+backward instead of 4-5 (torch's zero fills of bias
+gradients and the reductions of shared queries/keys aside, which both paths have).
 
 Tiles that an inner loop streams (K/V in the forward and dQ kernels, Q/dO in dK/dV) come either through pointer
 tensors or, where the layout allows (`tma_ok`) and GEMREC_KERNEL_TMA=1 (off by default on the GPU until measured
@@ -180,17 +185,22 @@ def _seq_desc(X, start, length, stride_t, stride_h, h, HEAD_DIM: tl.constexpr, B
 
 
 @triton.jit
+def _load_tile(X, rows, stride_t, stride_h, h, offs_d, mask, USE_MASK: tl.constexpr):
+    """A (rows, head_dim) tile of head h; a masked load only where the tile can run past the data."""
+    ptrs = X + rows[:, None] * stride_t + h * stride_h + offs_d[None, :]
+    if USE_MASK:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
 def _load_pair(A, B, a_rows, b_rows, stride_at, stride_ah, stride_bt, stride_bh, h, offs_d, mask,
                USE_MASK: tl.constexpr):
-    """Two (rows, head_dim) tiles of head h; masked loads only where a tile can run past the data."""
-    a_ptrs = A + a_rows[:, None] * stride_at + h * stride_ah + offs_d[None, :]
-    b_ptrs = B + b_rows[:, None] * stride_bt + h * stride_bh + offs_d[None, :]
-    if USE_MASK:
-        a = tl.load(a_ptrs, mask=mask, other=0.0)
-        b = tl.load(b_ptrs, mask=mask, other=0.0)
-    else:
-        a = tl.load(a_ptrs)
-        b = tl.load(b_ptrs)
+    """Two (rows, head_dim) tiles of head h (`_load_tile`)."""
+    a = _load_tile(A, a_rows, stride_at, stride_ah, h, offs_d, mask, USE_MASK)
+    b = _load_tile(B, b_rows, stride_bt, stride_bh, h, offs_d, mask, USE_MASK)
     return a, b
 
 
@@ -344,15 +354,15 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
 
 @triton.jit
 def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start, q_len,
-                 shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot, stride_doh,
-                 stride_dqat, stride_dqah, num_heads,
+                 shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_ot, stride_oh,
+                 stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads,
                  AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
                  MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                  HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                  NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
-                 FUSE_DQ: tl.constexpr, TMA: tl.constexpr):
+                 FUSE_DQ: tl.constexpr, DELTA_INLINE: tl.constexpr, TMA: tl.constexpr):
     """One query block's contribution to dK, dV (transposed tiles) and, with FUSE_DQ, its dQ share (atomics).
-    With TMA, Q and DO are the sequence's tensor descriptors."""
+    With TMA, Q, DO (and Out, read for the softmax delta with DELTA_INLINE) are the sequence's tensor descriptors."""
     offs_m = m0 + offs_m0
     row_ok = offs_m < q_len
     o_rows = o_start + offs_m
@@ -377,9 +387,17 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
     if MODE == 0:
         if MASKED:
             lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
-            delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
         else:
             lse = tl.load(LSE + o_rows * num_heads + h)
+        if DELTA_INLINE:  # rows past the sequence read zeros (their delta is 0)
+            if TMA:
+                o = Out.load([m0, 0])
+            else:
+                o = _load_tile(Out, o_rows, stride_ot, stride_oh, h, offs_d, qmask, MASKED or not EVEN_D)
+            delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        elif MASKED:
+            delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
+        else:
             delta = tl.load(DELTA + o_rows * num_heads + h)
         if HAS_BIAS:
             pT = tl.math.exp2(sT * 1.4426950408889634 - lse[None, :])
@@ -408,20 +426,19 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
-                     stride_abt, stride_abh, stride_pth, stride_tth,
-                     scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                     HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                     Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                     HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                     NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it."""
-    pid_n = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+def _dkdv_program(pid_n, h, b, Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                  stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
+                  stride_abt, stride_abh, stride_pth, stride_tth,
+                  scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
+                  HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                  Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                  HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                  NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
+                  DELTA_INLINE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  TMA: tl.constexpr):
+    """dK and dV (and with FUSE_DQ, dQ by atomics) for key block pid_n, looping over the query blocks that see it;
+    the softmax delta read from DELTA, or with DELTA_INLINE computed from Out and DO per query block."""
     q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     n0 = pid_n * BLOCK_N
     if n0 >= kv_len:
@@ -440,6 +457,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS,
     if TMA:
         Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
         DO = _seq_desc(DO, o_start, q_len, stride_dot, stride_doh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+        if DELTA_INLINE:
+            Out = _seq_desc(Out, o_start, q_len, stride_ot, stride_oh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     # query blocks [m_lo, m_full): causal diagonal (masked); [m_full, m_tail): every pair valid (no masks);
@@ -454,27 +473,50 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS,
         m_tail = m_full
     for m0 in range(m_lo, m_full, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
-                              q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
-                              stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
-                              stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True,
-                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ, TMA)
+                              q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
+                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB,
+                              stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
+                              time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
+                              FAST, FUSE_DQ, DELTA_INLINE, TMA)
     for m0 in range(m_full, m_tail, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
-                              q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
-                              stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
-                              stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, False,
-                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ, TMA)
+                              q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
+                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB,
+                              stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
+                              time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
+                              FAST, FUSE_DQ, DELTA_INLINE, TMA)
     for m0 in range(m_tail, q_len, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
-                              q_len, shift, h, ns, scale, Q, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_dot,
-                              stride_doh, stride_dqat, stride_dqah, num_heads, AB, stride_abt, stride_abh, PT,
-                              stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True,
-                              HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, FUSE_DQ, TMA)
+                              q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
+                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB,
+                              stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
+                              time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
+                              FAST, FUSE_DQ, DELTA_INLINE, TMA)
     dk_rows = dkv_start + offs_n
     tl.store(DK + dk_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
              (dk * scale).to(DK.dtype.element_ty), mask=kmask)
     tl.store(DV + dk_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :],
              dv.to(DV.dtype.element_ty), mask=kmask)
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
+                     stride_abt, stride_abh, stride_pth, stride_tth,
+                     scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
+                     HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                     Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                     HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                     NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
+                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """dK and dV (and with FUSE_DQ, dQ by atomics) per (key block, head, sequence); delta from `_delta_kernel`."""
+    _dkdv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), Q, K, V, DELTA, DO, LSE, DELTA, DK, DV, DQA,
+                  AB, PT, TT, QTS, KTS, q_off, kv_off, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
+                  stride_vh, 0, 0, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+                  stride_dqat, stride_dqah, stride_abt, stride_abh, stride_pth, stride_tth, scale, norm_scale,
+                  pos_log_inv, time_log_inv, num_heads, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE, HAS_AB,
+                  HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, FUSE_DQ, False, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
 
 
 @triton.jit
@@ -531,21 +573,17 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                   stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
-                   scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                   HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                   Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                   HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                   NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """dQ for one query block, plus the score-bias gradients (dense bias rows, bucket tables)."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+def _dq_program(pid_m, h, b, Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
+                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
+                scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
+                HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """dQ for query block pid_m, plus the score-bias gradients (dense bias rows, bucket tables); the softmax delta
+    read from DELTA, or with DELTA_INLINE computed from Out and DO."""
     q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     m0 = pid_m * BLOCK_M
     if m0 >= q_len:
@@ -563,7 +601,11 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, 
     qmask = row_ok[:, None] & d_ok[None, :]
     q, do = _load_pair(Q, DO, q_rows, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask, True)
     lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
-    delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
+    if DELTA_INLINE:
+        o = _load_tile(Out, o_rows, stride_ot, stride_oh, h, offs_d, qmask, True)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    else:
+        delta = tl.load(DELTA + o_rows * num_heads + h, mask=row_ok, other=0.0)
     if TMA:
         K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
         V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -588,6 +630,65 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, 
                          FAST, TMA)
     tl.store(DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                   stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
+                   scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
+                   HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                   Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                   HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                   NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """dQ and the score-bias gradients per (query block, head, sequence), the longest causal blocks first."""
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    _dq_program(pid_m, tl.program_id(1), tl.program_id(2), Q, K, V, DELTA, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT,
+                DTT, QTS, KTS, q_off, kv_off, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, 0, 0,
+                stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth, scale,
+                norm_scale, pos_log_inv, time_log_inv, num_heads, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE,
+                HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, False, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
+
+
+@triton.jit
+def _bwd_one_launch_kernel(Q, K, V, Out, DO, LSE, DQ, DK, DV, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
+                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                           stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt,
+                           stride_dvh, stride_abt, stride_abh, stride_pth, stride_tth,
+                           scale, norm_scale, pos_log_inv, time_log_inv, num_heads, max_kv_len,
+                           HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                           Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                           HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                           NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """The whole backward in one launch. Programs [0, cdiv(max_kv_len, BLOCK_N)) of axis 0 compute dK/dV of one key
+    block of BLOCK_N rows (query tiles of BLOCK_M), the rest dQ and the bias gradients of one query block of
+    BLOCK_N rows (key tiles of BLOCK_M, the longest causal blocks first); both compute the softmax delta in-kernel."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    num_kv_blocks = tl.cdiv(max_kv_len, BLOCK_N)
+    DELTA_INLINE: tl.constexpr = MODE == 0
+    if pid < num_kv_blocks:
+        _dkdv_program(pid, h, b, Q, K, V, Out, DO, LSE, LSE, DK, DV, DQ, AB, PT, TT, QTS, KTS, q_off, kv_off,
+                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                      stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, 0, 0, stride_abt,
+                      stride_abh, stride_pth, stride_tth, scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
+                      HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME,
+                      FAST, False, DELTA_INLINE, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
+    else:
+        pid_m = pid - num_kv_blocks
+        if CAUSAL:
+            pid_m = tl.num_programs(0) - 1 - pid
+        _dq_program(pid_m, h, b, Q, K, V, Out, DO, LSE, LSE, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
+                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
+                    scale, norm_scale, pos_log_inv, time_log_inv, num_heads, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE,
+                    KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, DELTA_INLINE, BLOCK_D, BLOCK_N,
+                    BLOCK_M, TMA)
 
 
 @triton.jit
@@ -626,16 +727,25 @@ CONFIGS = {
              _cfg(64, 128, 8, 3, True), _cfg(32, 128, 8, 3, True), _cfg(32, 64, 4, 2, True), _cfg(64, 64, 4, 3, True)],
     "dq": [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
            _cfg(64, 32, 8, 2), _cfg(128, 64, 8, 3, True), _cfg(64, 64, 4, 3, True), _cfg(64, 32, 4, 2, True)],
+    # the one-launch backward: BLOCK_M x BLOCK_N tiles (queries x keys) in its dK/dV programs, swapped in its dQ ones
+    "bwd1": [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2),
+             _cfg(16, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(32, 128, 8, 3, True), _cfg(64, 128, 8, 3, True),
+             _cfg(32, 64, 4, 2, True)],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
 }
 LARGE_HEAD_DIM_CONFIGS = {
     "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2, True)],
     "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True)],
     "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2, True)],
+    "bwd1": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True)],
 }
 # Fused dQ (atomics) pays when each query block meets several key blocks; with short key sequences (cross-
 # attention to a few tokens) the recompute kernel is cheaper than an fp32 atomic per dQ element per key block.
 FUSE_DQ_MIN_KV = 128
+# With GEMREC_KERNEL_ONE_LAUNCH, problems whose padded work (sequences x max query length x max key length x heads x
+# head dim) is below this take the one-launch backward: bound by host launch time, not by the GPU (configs B and C
+# of `gemrec bench kernels` are 2^32-2^36, A is 2^39).
+ONE_LAUNCH_MAX_WORK = 2**37
 
 
 def _candidates(kind: str, head_dim: int, tma: bool = True) -> list[dict]:
@@ -647,6 +757,13 @@ def _tma_enabled() -> bool:
     """GEMREC_KERNEL_TMA=1/0 switches the tensor-descriptor candidates on/off. Unset: on in the CPU interpreter
     (where the tests check them), off on the GPU until they are checked and timed there."""
     flag = os.environ.get("GEMREC_KERNEL_TMA")
+    return INTERPRET if flag is None else flag != "0"
+
+
+def _one_launch_enabled() -> bool:
+    """GEMREC_KERNEL_ONE_LAUNCH=1/0 switches the one-launch backward on/off (`Problem.one_launch`). Unset: on in the
+    CPU interpreter (where the tests check it), off on the GPU until it is checked and timed there."""
+    flag = os.environ.get("GEMREC_KERNEL_ONE_LAUNCH")
     return INTERPRET if flag is None else flag != "0"
 
 
@@ -693,8 +810,9 @@ class _Kernel:
     triton's per-call argument binding, which costs more host time than small configs take on the GPU.
     """
 
-    def __init__(self, fn, kind: str):
+    def __init__(self, fn, kind: str, interpret_tiles: dict | None = None):
         self.fn, self.kind = fn, kind
+        self.interpret_tiles = interpret_tiles or {}  # tiles under the interpreter other than 16
         params = inspect.signature(fn.fn).parameters.values()
         self.const_names = [prm.name for prm in params if prm.annotation is tl.constexpr]
         assert [prm.name for prm in params][-len(self.const_names):] == self.const_names, "constexprs come last"
@@ -708,7 +826,7 @@ class _Kernel:
         tma = tma and _tma_enabled()
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
             first = _candidates(self.kind, consts["HEAD_DIM"], tma)[0]
-            tiles = {name: 16 for name in first if name.startswith("BLOCK")}
+            tiles = {name: self.interpret_tiles.get(name, 16) for name in first if name.startswith("BLOCK")}
             if "TMA" in first:
                 tiles["TMA"] = tma
             self.fn[grid(tiles)](*args, **consts, **tiles)
@@ -773,6 +891,8 @@ _KERNELS = {
     "fwd": _Kernel(_fwd_kernel, "fwd"),
     "dkdv": _Kernel(_bwd_dkdv_kernel, "dkdv"),
     "dq": _Kernel(_bwd_dq_kernel, "dq"),
+    # unequal tiles in the interpreter: its dQ programs swap them
+    "bwd1": _Kernel(_bwd_one_launch_kernel, "bwd1", interpret_tiles={"BLOCK_N": 32}),
     "delta": _Kernel(_delta_kernel, "delta"),
 }
 
@@ -848,6 +968,12 @@ class Problem:
     def fuse_dq(self) -> bool:
         return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
 
+    def one_launch(self) -> bool:
+        """Whether the backward is one launch (`_bwd_one_launch_kernel`): where GEMREC_KERNEL_ONE_LAUNCH is on, for
+        problems below ONE_LAUNCH_MAX_WORK, with or without score biases."""
+        work = self.num_seqs * self.max_q_len * self.max_kv_len * self.heads * self.head_dim
+        return _one_launch_enabled() and work < ONE_LAUNCH_MAX_WORK
+
     def bias_args(self):
         dummy = self.q_off
         ab = self.attn_bias if self.attn_bias is not None else dummy
@@ -894,6 +1020,35 @@ def _delta(p: Problem, out, grad_out):
     return delta
 
 
+def _bias_grad_args(p: Problem, dab, dpt, dtt) -> tuple:
+    """The dQ-side kernels' DAB, DPT, DTT arguments: the autotuner zeroes DPT/DTT between trials, so absent tables
+    get a scratch, never a live input."""
+    scratch = torch.zeros(1, dtype=torch.float32, device=p.q.device) if p.has_bias else p.q_off
+    return (dab if dab is not None else p.q_off, dpt if dpt is not None else scratch,
+            dtt if dtt is not None else scratch)
+
+
+def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
+    """dq (dk, dv and the bias gradients in place) from `_bwd_one_launch_kernel`: no delta kernel, no dQ buffer."""
+    q, k, v = p.q, p.k, p.v
+    dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
+    dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
+
+    def grid(meta):
+        blocks = triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]) + triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_N"])
+        return (blocks, p.heads, p.num_seqs)
+
+    args = (q, k, v, out, go, lse, dq, dk, dv, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            go.stride(0), go.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
+            dv.stride(1), sabt, sabh, spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads,
+            max(p.max_kv_len, 1))
+    _KERNELS["bwd1"](grid, args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket,
+                     reset=tuple(t for t in (dpt, dtt) if t is not None), tma=tma_ok(q, go, out, k, v))
+    return dq
+
+
 def backward(p: Problem, grad_out, out, lse):
     """Gradients (dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); bias grads None when absent."""
     q, k, v = p.q, p.k, p.v
@@ -910,6 +1065,8 @@ def backward(p: Problem, grad_out, out, lse):
         dq = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
         dk.zero_()
         dv.zero_()
+    elif p.one_launch():
+        dq = _backward_one_launch(p, grad_out, out, lse, dk, dv, dab, dpt, dtt)
     else:
         delta = _delta(p, out, grad_out) if p.mode == 0 else lse  # pointwise modes never read it
         ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
@@ -930,11 +1087,7 @@ def backward(p: Problem, grad_out, out, lse):
             dq = dqa
         else:
             dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
-            # the autotuner zeroes DPT/DTT between trials: absent tables get a scratch, never a live input
-            scratch = torch.zeros(1, dtype=torch.float32, device=dev) if p.has_bias else None
-            dab_arg = dab if dab is not None else p.q_off
-            dpt_arg = dpt if dpt is not None else (scratch if scratch is not None else p.q_off)
-            dtt_arg = dtt if dtt is not None else (scratch if scratch is not None else p.q_off)
+            dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
 
             def grid_q(meta):
                 return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)

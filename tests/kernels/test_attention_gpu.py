@@ -12,17 +12,21 @@ pytestmark = [
 LENGTHS = [0, 1, 37, 300, 129, 1000, 64]
 
 
-@pytest.fixture(autouse=True, params=[False, True], ids=["pointers", "tma"])
+@pytest.fixture(autouse=True, params=[(False, False), (True, False), (False, True), (True, True)],
+                ids=["pointers", "tma", "one_launch", "one_launch_tma"])
 def _default_tiles(request, monkeypatch):
-    """The first candidate tile of each kernel (one compile per specialization keeps this quick), once through
-    pointer loads and once through the tensor-descriptor (TMA) candidates."""
+    """The first candidate tile of each kernel (one compile per specialization keeps this quick), through pointer
+    loads or the tensor-descriptor (TMA) candidates, with the backward in separate launches or in one
+    (GEMREC_KERNEL_ONE_LAUNCH; every problem here is small enough for it)."""
     from gemrec.kernels import triton_attention as kernels
 
+    tma, one_launch = request.param
     monkeypatch.setenv("GEMREC_KERNEL_AUTOTUNE", "0")
-    monkeypatch.setenv("GEMREC_KERNEL_TMA", "1" if request.param else "0")
+    monkeypatch.setenv("GEMREC_KERNEL_TMA", "1" if tma else "0")
+    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "1" if one_launch else "0")
     for table in ("CONFIGS", "LARGE_HEAD_DIM_CONFIGS"):
         configs = getattr(kernels, table)
-        monkeypatch.setattr(kernels, table, {kind: sorted(c, key=lambda cfg: cfg.get("TMA", False) != request.param)
+        monkeypatch.setattr(kernels, table, {kind: sorted(c, key=lambda cfg: cfg.get("TMA", False) != tma)
                                              for kind, c in configs.items()})
     for kernel in kernels._KERNELS.values():  # the chosen configs and compiled kernels of the other parameter
         monkeypatch.setattr(kernel, "best", {})

@@ -2,7 +2,9 @@
 
 Forward and every gradient (q, k, v, attn_bias, position and time tables). The interpreter must be chosen
 before triton is first imported, so when this process imported triton without it these tests are skipped
-here and run in a subprocess by test_attention_interpreter_subprocess.py.
+here and run in a subprocess by test_attention_interpreter_subprocess.py. Under the interpreter the one-launch
+backward (GEMREC_KERNEL_ONE_LAUNCH) and the tensor-descriptor tiles (GEMREC_KERNEL_TMA) are on unless a test
+switches them off.
 """
 
 import pytest
@@ -91,12 +93,25 @@ def test_asymmetric_lengths(op):
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
 def test_backward_with_dq_fused_into_the_key_block_kernel(op, monkeypatch):
+    monkeypatch.setattr(kernels_module, "ONE_LAUNCH_MAX_WORK", 0)  # every problem too large for the one-launch path
     monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # dq by atomics from the dK/dV kernel everywhere
     compare(EDGE, EDGE, op=op, causal=True, seed=11)
     compare([4], [20, 0, 37], op=op, seed=12)  # shared seeds: dq reduced over the key sequences
     compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=13)
     compare([20, 3], [6], op=op, seed=14)
     compare([9, 4], [9, 4], op=op, dim=24, seed=15)
+
+
+@pytest.mark.parametrize("op", ["jfa", "silu"])
+def test_backward_in_separate_launches(op, monkeypatch):
+    """GEMREC_KERNEL_ONE_LAUNCH=0 (every other test here runs the one-launch backward): delta kernel, dK/dV kernel,
+    dQ kernel with the bias gradients; through tensor descriptors, then through pointer loads."""
+    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
+    compare(EDGE, EDGE, op=op, causal=True, bias=True, seed=20)
+    compare([4], [20, 0, 37], op=op, bias=True, seed=21)
+    monkeypatch.setenv("GEMREC_KERNEL_TMA", "0")
+    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=22)
+    compare([9, 4], [9, 4], op=op, dim=24, bias=True, seed=23)
 
 
 def test_batch_of_one_fp16_and_odd_head_dim():

@@ -50,13 +50,20 @@ def pma_shared_seeds_with_attn_bias():
          normalize="max_len", backend="triton").sum().backward()
 
 
-@pytest.mark.parametrize("call", [jfa_causal_fused_dq, gdpa_cross_short_keys_fp16, jfa_with_biases_head_dim_256,
-                                  pma_shared_seeds_with_attn_bias])
-def test_every_launched_kernel_compiles_for_sm90(call):
+@pytest.mark.parametrize("call,one_launch", [(jfa_causal_fused_dq, False), (gdpa_cross_short_keys_fp16, False),
+                                             (jfa_with_biases_head_dim_256, False),
+                                             (pma_shared_seeds_with_attn_bias, False), (jfa_causal_fused_dq, True),
+                                             (gdpa_cross_short_keys_fp16, True), (pma_shared_seeds_with_attn_bias, True)])
+def test_every_launched_kernel_compiles_for_sm90(call, one_launch, monkeypatch):
     from gemrec.kernels.aot import compile_launch, record_launches
 
+    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "1" if one_launch else "0")
     launches = record_launches(call)
-    assert {"fwd", "dkdv"} <= {launch.kind for launch in launches}
+    kinds = [launch.kind for launch in launches]
+    if one_launch:  # the whole fwd+bwd in two kernel launches, biases included
+        assert kinds == ["fwd", "bwd1"], kinds
+    else:
+        assert {"fwd", "dkdv"} <= set(kinds)
     for launch in launches:
         # the default tile, and the first tensor-descriptor (TMA) candidate where the layout allows one
         tma = [c for c in launch.candidates() if c.get("TMA")][:1]
