@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every GPU number of docs/benchmarks.md on a 2-GPU H200 host (device kind nvidia-h200-x2), in parts:
 #   tests    GPU tests of the kernels and the model dispatch
-#   kernels  `gemrec bench kernels` on GPU 1, then again with the TMA tile candidates (GEMREC_KERNEL_TMA=1),
+#   kernels  `gemrec bench kernels` on GPU 1, then again with the TMA tile candidates (GEMREC_KERNEL_TMA=1), then
+#            with the one-launch backward (GEMREC_KERNEL_ONE_LAUNCH=1) on B and C (A is too large for it),
 #            while (with `trainer`) GPU 0 runs the trainer's gpu_bench
 #   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
 #   scaling  scaling_bench (compiled, ZeRO-2, bf16 reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile
@@ -35,7 +36,9 @@ if want tests; then
 fi
 if want kernels; then
   (export CUDA_VISIBLE_DEVICES=1; run kernels python3 -m gemrec.kernels.cli --out "$out/kernels"
-   GEMREC_KERNEL_TMA=1 run kernels_tma python3 -m gemrec.kernels.cli --out "$out/kernels_tma") &
+   GEMREC_KERNEL_TMA=1 run kernels_tma python3 -m gemrec.kernels.cli --out "$out/kernels_tma"
+   GEMREC_KERNEL_ONE_LAUNCH=1 run kernels_one_launch python3 -m gemrec.kernels.cli --configs B,C-cross,C-pma \
+     --out "$out/kernels_one_launch") &
 fi
 if want trainer; then
   export CUDA_VISIBLE_DEVICES=0
