@@ -10,7 +10,7 @@ fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients
 when the key sequences are short (few key blocks per query, where the atomics would cost more than the
 recompute) a second kernel per query block computes dQ (7 matmuls per tile pair). With GEMREC_KERNEL_ONE_LAUNCH=1
 (off by default on the GPU until measured there, on in the interpreter), problems below ONE_LAUNCH_MAX_WORK, which
-are bound by host launch time rather than by the GPU, run the whole backward as one launch
+are bound by host launch time rather than by the GPU, with head dims up to 128 run the whole backward as one launch
 (`_bwd_one_launch_kernel`: the dK/dV and the dQ programs in one grid, the softmax delta computed in-kernel, dQ
 stored directly; biases allowed): 2 launches per forward+backward instead of 4-5 (torch's zero fills of bias
 gradients and the reductions of shared queries/keys aside, which both paths have).
@@ -426,19 +426,23 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
 
 
 @triton.jit
-def _dkdv_program(pid_n, h, b, Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                  stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
-                  stride_abt, stride_abh, stride_pth, stride_tth,
-                  scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                  HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                  Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                  HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                  NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
-                  DELTA_INLINE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  TMA: tl.constexpr):
-    """dK and dV (and with FUSE_DQ, dQ by atomics) for key block pid_n, looping over the query blocks that see it;
-    the softmax delta read from DELTA, or with DELTA_INLINE computed from Out and DO per query block."""
+def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
+                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
+                     stride_abt, stride_abh, stride_pth, stride_tth,
+                     scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
+                     HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                     Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                     HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                     NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
+                     DELTA_INLINE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     TMA: tl.constexpr):
+    """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it;
+    the softmax delta read from DELTA, or with DELTA_INLINE computed from Out and DO per query block. Also the
+    first programs of `_bwd_one_launch_kernel`."""
+    pid_n = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     n0 = pid_n * BLOCK_N
     if n0 >= kv_len:
@@ -500,26 +504,6 @@ def _dkdv_program(pid_n, h, b, Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                     stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
-                     stride_abt, stride_abh, stride_pth, stride_tth,
-                     scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                     HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                     Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                     HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                     NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
-                     BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """dK and dV (and with FUSE_DQ, dQ by atomics) per (key block, head, sequence); delta from `_delta_kernel`."""
-    _dkdv_program(tl.program_id(0), tl.program_id(1), tl.program_id(2), Q, K, V, DELTA, DO, LSE, DELTA, DK, DV, DQA,
-                  AB, PT, TT, QTS, KTS, q_off, kv_off, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt,
-                  stride_vh, 0, 0, stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                  stride_dqat, stride_dqah, stride_abt, stride_abh, stride_pth, stride_tth, scale, norm_scale,
-                  pos_log_inv, time_log_inv, num_heads, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE, HAS_AB,
-                  HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, FUSE_DQ, False, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
-
-
-@triton.jit
 def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len, o_start,
                 shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh,
                 AB, DAB, stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS,
@@ -573,17 +557,23 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
 
 
 @triton.jit
-def _dq_program(pid_m, h, b, Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
-                scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """dQ for query block pid_m, plus the score-bias gradients (dense bias rows, bucket tables); the softmax delta
-    read from DELTA, or with DELTA_INLINE computed from Out and DO."""
+def _bwd_dq_kernel(Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
+                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                   stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
+                   scale, norm_scale, pos_log_inv, time_log_inv, num_heads, first_program,
+                   HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                   Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                   HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                   NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    """dQ for one query block, plus the score-bias gradients (dense bias rows, bucket tables); the softmax delta
+    read from DELTA, or with DELTA_INLINE computed from Out and DO. Programs from `first_program` on (the last ones
+    of `_bwd_one_launch_kernel`), the longest causal query blocks first."""
+    pid_m = tl.program_id(0) - first_program
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     m0 = pid_m * BLOCK_M
     if m0 >= q_len:
@@ -633,27 +623,6 @@ def _dq_program(pid_m, h, b, Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT,
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                   stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
-                   scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                   HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                   Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                   HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                   NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    """dQ and the score-bias gradients per (query block, head, sequence), the longest causal blocks first."""
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    _dq_program(pid_m, tl.program_id(1), tl.program_id(2), Q, K, V, DELTA, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT,
-                DTT, QTS, KTS, q_off, kv_off, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, 0, 0,
-                stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth, scale,
-                norm_scale, pos_log_inv, time_log_inv, num_heads, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE,
-                HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, False, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
-
-
-@triton.jit
 def _bwd_one_launch_kernel(Q, K, V, Out, DO, LSE, DQ, DK, DV, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                            stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt,
@@ -667,28 +636,22 @@ def _bwd_one_launch_kernel(Q, K, V, Out, DO, LSE, DQ, DK, DV, AB, DAB, PT, DPT, 
     """The whole backward in one launch. Programs [0, cdiv(max_kv_len, BLOCK_N)) of axis 0 compute dK/dV of one key
     block of BLOCK_N rows (query tiles of BLOCK_M), the rest dQ and the bias gradients of one query block of
     BLOCK_N rows (key tiles of BLOCK_M, the longest causal blocks first); both compute the softmax delta in-kernel."""
-    pid = tl.program_id(0)
-    h = tl.program_id(1)
-    b = tl.program_id(2)
     num_kv_blocks = tl.cdiv(max_kv_len, BLOCK_N)
     DELTA_INLINE: tl.constexpr = MODE == 0
-    if pid < num_kv_blocks:
-        _dkdv_program(pid, h, b, Q, K, V, Out, DO, LSE, LSE, DK, DV, DQ, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                      stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, 0, 0, stride_abt,
-                      stride_abh, stride_pth, stride_tth, scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                      HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME,
-                      FAST, False, DELTA_INLINE, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
+    if tl.program_id(0) < num_kv_blocks:
+        _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, LSE, DK, DV, DQ, AB, PT, TT, QTS, KTS, q_off, kv_off, stride_qt,
+                         stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot,
+                         stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, 0, 0, stride_abt, stride_abh,
+                         stride_pth, stride_tth, scale, norm_scale, pos_log_inv, time_log_inv, num_heads, HEAD_DIM,
+                         MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST,
+                         False, DELTA_INLINE, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
     else:
-        pid_m = pid - num_kv_blocks
-        if CAUSAL:
-            pid_m = tl.num_programs(0) - 1 - pid
-        _dq_program(pid_m, h, b, Q, K, V, Out, DO, LSE, LSE, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
-                    scale, norm_scale, pos_log_inv, time_log_inv, num_heads, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE,
-                    KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, DELTA_INLINE, BLOCK_D, BLOCK_N,
-                    BLOCK_M, TMA)
+        _bwd_dq_kernel(Q, K, V, Out, DO, LSE, LSE, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off, stride_qt,
+                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot,
+                       stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth, scale,
+                       norm_scale, pos_log_inv, time_log_inv, num_heads, num_kv_blocks, HEAD_DIM, MODE, CAUSAL, NORM,
+                       Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, DELTA_INLINE, BLOCK_D,
+                       BLOCK_N, BLOCK_M, TMA)
 
 
 @triton.jit
@@ -737,7 +700,6 @@ LARGE_HEAD_DIM_CONFIGS = {
     "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2, True)],
     "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True)],
     "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2, True)],
-    "bwd1": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True)],
 }
 # Fused dQ (atomics) pays when each query block meets several key blocks; with short key sequences (cross-
 # attention to a few tokens) the recompute kernel is cheaper than an fp32 atomic per dQ element per key block.
@@ -970,9 +932,10 @@ class Problem:
 
     def one_launch(self) -> bool:
         """Whether the backward is one launch (`_bwd_one_launch_kernel`): where GEMREC_KERNEL_ONE_LAUNCH is on, for
-        problems below ONE_LAUNCH_MAX_WORK, with or without score biases."""
+        problems below ONE_LAUNCH_MAX_WORK with head dims up to 128 (above, its tiles spill 1.5-2.5 KB per thread on
+        sm_90), with or without score biases."""
         work = self.num_seqs * self.max_q_len * self.max_kv_len * self.heads * self.head_dim
-        return _one_launch_enabled() and work < ONE_LAUNCH_MAX_WORK
+        return _one_launch_enabled() and self.head_dim <= 128 and work < ONE_LAUNCH_MAX_WORK
 
     def bias_args(self):
         dummy = self.q_off
@@ -1076,12 +1039,13 @@ def backward(p: Problem, grad_out, out, lse):
         def grid_kv(meta):
             return (triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
 
-        args = (q, k, v, go, lse, delta, dk, dv, dqa, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0),
-                go.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        args = (q, k, v, out, go, lse, delta, dk, dv, dqa, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+                out.stride(1), go.stride(0), go.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
                 dqa.stride(0) if fused else 0, dqa.stride(1) if fused else 0, sabt, sabh, spt, stt,
                 p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-        _KERNELS["dkdv"](grid_kv, args, {**p.consts, "FUSE_DQ": fused, "BLOCK_D": p.block_d}, p.bucket,
+        _KERNELS["dkdv"](grid_kv, args, {**p.consts, "FUSE_DQ": fused, "DELTA_INLINE": False, "BLOCK_D": p.block_d},
+                         p.bucket,
                          reset=(dqa,) if fused else (), tma=tma_ok(q, go))
         if fused:
             dq = dqa
@@ -1092,11 +1056,11 @@ def backward(p: Problem, grad_out, out, lse):
             def grid_q(meta):
                 return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-            args = (q, k, v, go, lse, delta, dq, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off,
-                    q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), go.stride(0),
-                    go.stride(1), dq.stride(0), dq.stride(1), sabt, sabh, spt, stt,
-                    p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-            _KERNELS["dq"](grid_q, args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket,
+            args = (q, k, v, out, go, lse, delta, dq, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off,
+                    p.kv_off, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    out.stride(0), out.stride(1), go.stride(0), go.stride(1), dq.stride(0), dq.stride(1), sabt, sabh,
+                    spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, 0)
+            _KERNELS["dq"](grid_q, args, {**p.consts, "DELTA_INLINE": False, "BLOCK_D": p.block_d}, p.bucket,
                            reset=tuple(t for t in (dpt, dtt) if t is not None), tma=tma_ok(k, v))
     if p.q_shared:
         dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
