@@ -222,15 +222,13 @@ def validate(config: TrainConfig) -> None:
         (0.0 <= config.optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]"),
         (config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
     ]
-    from gemrec.model.config import ModelConfig  # the model package imports torch: only when validating
-
-    rotary_positions = config.model.get("rotary_max_positions", ModelConfig.rotary_max_positions)
-    if config.model.get("rotary", ModelConfig.rotary) and config.data.max_seq_len > rotary_positions:
-        checks.append((False, f"data.max_seq_len {config.data.max_seq_len} exceeds model.rotary_max_positions "
-                              f"{rotary_positions}: raise model.rotary_max_positions or shorten the histories"))
     for ok, message in checks:
         if not ok:
             raise RecipeError(message)
+    model = _model_config(config)
+    if model.rotary and config.data.max_seq_len > model.rotary_max_positions:
+        raise RecipeError(f"data.max_seq_len {config.data.max_seq_len} exceeds model.rotary_max_positions "
+                          f"{model.rotary_max_positions}: raise model.rotary_max_positions or shorten the histories")
     from gemrec.components.trainer.parallel.integration import ParallelConfigError, parallel_config
 
     try:  # also on one rank, where the table is not used: a typo there should not wait for a multi-GPU run
@@ -239,13 +237,22 @@ def validate(config: TrainConfig) -> None:
         raise RecipeError(f"[parallel]: {err}") from err
 
 
+def _model_config(config: TrainConfig):
+    """The recipe's `gemrec.model.ModelConfig` (imported here: the model package imports torch)."""
+    from gemrec.model.config import ModelConfig
+
+    try:
+        return ModelConfig.from_dict(config.model)
+    except (TypeError, ValueError) as err:
+        raise RecipeError(f"[model]: {err}") from err
+
+
 def balance_linear_weight(config: TrainConfig) -> float:
     """The data service's rank-balancing `linear_weight` for this recipe's model: its sequence layers' per-token
     work against their attention (`balance.transformer_linear_weight`); the default for a model without one."""
     from gemrec.components.data_service.balance import DEFAULT_LINEAR_WEIGHT, transformer_linear_weight
-    from gemrec.model.config import ModelConfig
 
-    model = ModelConfig.from_dict(config.model)
+    model = _model_config(config)
     if model.arch != "gem":
         return DEFAULT_LINEAR_WEIGHT
     return transformer_linear_weight(model.d_model, model.mlp_ratio, model.seq_causal)

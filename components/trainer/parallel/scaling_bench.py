@@ -92,10 +92,11 @@ def run(argv: list[str]) -> dict:
     apply_sparse_optimizer(model, config.optim)
     layout = "single device, no wrapper"
     train_model = model
+    reduce_dtype = args.reduce_dtype or ("float32" if args.param_dtype else "")
     if launched:
         pconfig = ParallelConfig(dp_replicate=args.dp_replicate, ep=args.ep, param_dtype=args.param_dtype,
                                  compile=args.compile, reshard_after_forward=not args.no_reshard_after_forward,
-                                 reduce_dtype=args.reduce_dtype or ("float32" if args.param_dtype else ""))
+                                 reduce_dtype=reduce_dtype)
         train_model, report = parallelize(model, ParallelDims.from_config(pconfig, world), pconfig, device)
         layout = report.layout
     optimizers = Optimizers(train_model, config.optim, bench.warmup_steps + bench.steps + 1)
@@ -149,7 +150,7 @@ def run(argv: list[str]) -> dict:
         "compile": args.compile,
         "reshard_after_forward": not args.no_reshard_after_forward,
         "fsdp_param_dtype": (args.param_dtype or "float32") if launched else "-",
-        "fsdp_reduce_dtype": (args.reduce_dtype or ("float32" if args.param_dtype else "param")) if launched else "-",
+        "fsdp_reduce_dtype": (reduce_dtype or "param") if launched else "-",
         "layout": layout,
         "device": peak.device,
         "torch": torch.__version__,

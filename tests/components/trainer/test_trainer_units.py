@@ -68,6 +68,8 @@ def test_recipes_load_and_overrides_are_checked():
     with pytest.raises(RecipeError, match="data.max_seq_len 40000 exceeds model.rotary_max_positions 32768"):
         load_recipe("tiny", ["data.max_seq_len=40000"])
     assert load_recipe("tiny", ["data.max_seq_len=40000", "model.rotary_max_positions=40000"]).data.max_seq_len == 40000
+    with pytest.raises(RecipeError, match=r"\[model\]: model config: unknown keys \['bogus'\]"):
+        load_recipe("tiny", ["model.bogus=1"])
     with pytest.raises(RecipeError, match=r"\[parallel\]: unknown setting\(s\) parallel.bogus"):
         load_recipe("tiny", ["parallel.bogus=1"])
     # The data service's balancing weight follows the model: causal, 4x MLP -> 12 x d_model; no sequence -> default.
