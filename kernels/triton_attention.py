@@ -715,18 +715,21 @@ def _candidates(kind: str, head_dim: int, tma: bool = True) -> list[dict]:
     return [c for c in configs if tma or not c.get("TMA")]
 
 
-def _tma_enabled() -> bool:
-    """GEMREC_KERNEL_TMA=1/0 switches the tensor-descriptor candidates on/off. Unset: on in the CPU interpreter
-    (where the tests check them), off on the GPU until they are checked and timed there."""
-    flag = os.environ.get("GEMREC_KERNEL_TMA")
+def _switch(name: str) -> bool:
+    """An unmeasured kernel path's switch: $name=1/0 turns it on/off. Unset: on in the CPU interpreter (where the
+    tests check it), off on the GPU until it is checked and timed there."""
+    flag = os.environ.get(name)
     return INTERPRET if flag is None else flag != "0"
+
+
+def _tma_enabled() -> bool:
+    """GEMREC_KERNEL_TMA: the tensor-descriptor tile candidates."""
+    return _switch("GEMREC_KERNEL_TMA")
 
 
 def _one_launch_enabled() -> bool:
-    """GEMREC_KERNEL_ONE_LAUNCH=1/0 switches the one-launch backward on/off (`Problem.one_launch`). Unset: on in the
-    CPU interpreter (where the tests check it), off on the GPU until it is checked and timed there."""
-    flag = os.environ.get("GEMREC_KERNEL_ONE_LAUNCH")
-    return INTERPRET if flag is None else flag != "0"
+    """GEMREC_KERNEL_ONE_LAUNCH: the one-launch backward (`Problem.one_launch`)."""
+    return _switch("GEMREC_KERNEL_ONE_LAUNCH")
 
 
 def tma_ok(*tensors) -> bool:
