@@ -22,9 +22,9 @@ ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust
 - The Triton path is the custom ops `gemrec::attention_fwd` / `gemrec::attention_bwd` (fake impls for
   `torch.compile(fullgraph=True)`, FLOP formulas for `FlopCounterMode` counting real pairs only),
   autotuned on (bucketed max length, head dim, variant); GEMREC_KERNEL_AUTOTUNE=0 uses fixed tiles;
-  GEMREC_KERNEL_TMA=1 adds tensor-descriptor (TMA) tiles to the candidates (off on the GPU until checked there);
-  GEMREC_KERNEL_ONE_LAUNCH=1 runs the backward of small, launch-bound problems as one kernel launch (delta and dQ
-  in-kernel; off on the GPU until checked there).
+  GEMREC_KERNEL_TMA=0 drops the tensor-descriptor (TMA) tiles from the candidates;
+  GEMREC_KERNEL_ONE_LAUNCH=1 runs the backward of small problems as one kernel launch (delta and dQ in-kernel;
+  off by default on the GPU, where it was not faster).
   Eager calls on plain tensors skip the custom-op dispatch and launch the kernels straight from Python.
 """
 
