@@ -190,21 +190,38 @@ def peers(op: str, case: Case, causal: bool, device):
     return out
 
 
-def _time(fn, leaves, backward: bool) -> float:
+# Peers that cannot be captured in a CUDA graph: nested tensors read their offsets on the host.
+NOT_CAPTURABLE = {"sdpa nested"}
+
+
+def _time(fn, leaves, backward: bool, graph: bool = False) -> float:
+    """Median ms of one call (with backward: forward and input gradients). graph: replayed from a CUDA graph,
+    i.e. device time without the host's launch and Python costs (how a graph-captured training step runs)."""
     import triton.testing
 
-    if not backward:
-        with torch.no_grad():
-            fn()
-            return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-    out = fn()
-    grad = torch.randn_like(out)
+    if backward:
+        grad = torch.randn_like(fn())
 
-    def step():
-        torch.autograd.grad(fn(), leaves, grad)
-
-    step()
-    return triton.testing.do_bench(step, warmup=25, rep=100, return_mode="median")
+        def call():
+            torch.autograd.grad(fn(), leaves, grad)
+    else:
+        call = fn
+    with torch.set_grad_enabled(backward):
+        call()
+        if not graph:
+            return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
+            for _ in range(3):
+                call()
+        torch.cuda.current_stream().wait_stream(side)
+        cuda_graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(cuda_graph):
+            call()
+        ms = triton.testing.do_bench(cuda_graph.replay, warmup=25, rep=100, return_mode="median")
+        del cuda_graph
+        return ms
 
 
 def profile_ours(config_names: list[str], seed: int = 0, progress=print) -> None:
@@ -235,6 +252,13 @@ def _git_commit() -> str:
                               cwd=Path(__file__).parent, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def _timings(fwd_flops: int, bwd_flops: int):
+    """(label, backward, graph, FLOPs) of each timing column."""
+    total = fwd_flops + bwd_flops
+    return (("fwd", False, False, fwd_flops), ("fwd+bwd", True, False, total),
+            ("graph fwd", False, True, fwd_flops), ("graph fwd+bwd", True, True, total))
 
 
 def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_peers: bool = True,
@@ -269,9 +293,12 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
             for impl, (fn, impl_leaves) in impls.items():
                 row = {"config": name, "variant": variant, "impl": impl, "fwd_gflop": fwd_flops / 1e9,
                        "bwd_gflop": bwd_flops / 1e9}
-                for label, backward, flops in (("fwd", False, fwd_flops), ("fwd+bwd", True, fwd_flops + bwd_flops)):
+                for label, backward, graph, flops in _timings(fwd_flops, bwd_flops):
+                    if graph and impl in NOT_CAPTURABLE:
+                        row[f"{label}_error"] = "not capturable"
+                        continue
                     try:
-                        ms = _time(fn, impl_leaves, backward)
+                        ms = _time(fn, impl_leaves, backward, graph)
                         row[f"{label}_ms"] = ms
                         row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12
                     except Exception as err:  # OOM or unsupported in a peer: record it and go on
@@ -303,13 +330,17 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
     return rows
 
 
+LABELS = ("fwd", "fwd+bwd", "graph fwd", "graph fwd+bwd")
+
+
 def format_row(row: dict) -> str:
     def cell(label):
         if f"{label}_tflops" in row:
             return f"{row[f'{label}_ms']:.3f} ms {row[f'{label}_tflops']:.0f} TF/s"
         return row.get(f"{label}_error", "-")
 
-    return f"{row['config']:8s} {row['variant']:12s} {row['impl']:26s} fwd {cell('fwd'):24s} fwd+bwd {cell('fwd+bwd')}"
+    return f"{row['config']:8s} {row['variant']:12s} {row['impl']:26s} " + " ".join(
+        f"{label} {cell(label):22s}" for label in LABELS)
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -321,9 +352,12 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         + "; ".join(f"{k} {'ok' if v['ok'] else 'FAIL'} (max {max(v['errors'].values()):.1e})"
                     for k, v in meta["checks"].items()),
         "",
-        "| config | variant | impl | fwd ms | fwd TFLOP/s | fwd+bwd ms | fwd+bwd TFLOP/s |",
-        "|---|---|---|---|---|---|---|",
+        "Eager: each call launched from Python. Graph: replayed from a CUDA graph (device time, no host costs).",
+        "",
+        "| config | variant | impl | " + " | ".join(f"{label} ms | {label} TFLOP/s" for label in LABELS) + " |",
+        "|---|---|---|" + "---|---|" * len(LABELS),
     ]
+
     def ms(r, label):
         return f"{r[f'{label}_ms']:.3f}" if f"{label}_ms" in r else r.get(f"{label}_error", "-")[:40]
 
@@ -331,6 +365,6 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         return f"{r[f'{label}_tflops']:.0f}" if f"{label}_tflops" in r else "-"
 
     for r in rows:
-        lines.append(f"| {r['config']} | {r['variant']} | {r['impl']} | {ms(r, 'fwd')} | {tf(r, 'fwd')} | "
-                     f"{ms(r, 'fwd+bwd')} | {tf(r, 'fwd+bwd')} |")
+        lines.append(f"| {r['config']} | {r['variant']} | {r['impl']} | "
+                     + " | ".join(f"{ms(r, label)} | {tf(r, label)}" for label in LABELS) + " |")
     return "\n".join(lines) + "\n"
