@@ -823,7 +823,9 @@ class _Kernel:
             return
         kernel, tail = entry
         stream = triton.runtime.driver.active.get_current_stream(tune_key[3])
-        kernel.run(g[0], g[1], g[2], stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail)
+        grid_x, grid_y, grid_z = (*g, 1, 1)[:3]  # grids may have fewer than 3 dimensions (the delta kernel's has 1)
+        kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
+                   *tail)
 
     def _tune(self, tune_key, grid, args, consts, candidates, reset) -> dict:
         from triton.runtime._async_compile import AsyncCompileMode
