@@ -8,6 +8,7 @@ unmasked) query-key pairs: 4*pairs*H*D forward, 10*pairs*H*D backward.
 
 import json
 import math
+import os
 import platform
 import subprocess
 import time
@@ -247,6 +248,9 @@ def profile_ours(config_names: list[str], seed: int = 0, progress=print) -> None
 
 
 def _git_commit() -> str:
+    """GEMREC_COMMIT (set for a copy without git history, e.g. a `git archive` snapshot), else git's HEAD."""
+    if os.environ.get("GEMREC_COMMIT"):
+        return os.environ["GEMREC_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, check=True).stdout.strip()

@@ -19,6 +19,8 @@ out=${1:?usage: h200_session.sh OUT [STEP_LIMIT_SECONDS] [PARTS]}
 limit=${2:-300}
 parts=",${3:-tests,kernels,trainer,scaling},"
 root=$(cd "$(dirname "$0")/../.." && pwd)
+# a `git archive` snapshot has no history: its commit comes from COMMIT (`git rev-parse --short HEAD > COMMIT`)
+if [[ -f $root/COMMIT ]]; then export GEMREC_COMMIT=$(cat "$root/COMMIT"); fi
 mkdir -p "$out" /tmp/gemrec-path
 ln -sfn "$root" /tmp/gemrec-path/gemrec
 export PYTHONPATH=/tmp/gemrec-path PYTHONUNBUFFERED=1
