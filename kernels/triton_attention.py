@@ -430,7 +430,7 @@ def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
                      stride_abt, stride_abh, stride_pth, stride_tth,
-                     scale, norm_scale, pos_log_inv, time_log_inv, num_heads, num_splits, split_len, stride_dkvs,
+                     scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
                      HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
                      Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                      HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
@@ -439,13 +439,8 @@ def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS,
                      TMA: tl.constexpr):
     """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it;
     the softmax delta read from DELTA, or with DELTA_INLINE computed from Out and DO per query block. Also the
-    first programs of `_bwd_one_launch_kernel`. With num_splits > 1 each program takes queries
-    [split * split_len, (split + 1) * split_len) and stores partial dK, dV at DK, DV + split * stride_dkvs."""
-    pid_n = tl.program_id(0) // num_splits
-    m_lo_split = (tl.program_id(0) % num_splits) * split_len
-    m_hi_split = m_lo_split + split_len
-    DK += (tl.program_id(0) % num_splits).to(tl.int64) * stride_dkvs
-    DV += (tl.program_id(0) % num_splits).to(tl.int64) * stride_dkvs
+    first programs of `_bwd_one_launch_kernel`."""
+    pid_n = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
@@ -480,10 +475,6 @@ def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS,
     m_tail = tl.maximum(q_len // BLOCK_M * BLOCK_M, m_full)
     if n0 + BLOCK_N > kv_len:
         m_tail = m_full
-    m_lo = tl.maximum(m_lo, m_lo_split)
-    m_full = tl.minimum(tl.maximum(m_full, m_lo), m_hi_split)
-    m_tail = tl.minimum(tl.maximum(m_tail, m_full), m_hi_split)
-    m_end = tl.minimum(q_len, m_hi_split)
     for m0 in range(m_lo, m_full, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
                               q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
@@ -498,7 +489,7 @@ def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS,
                               stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
                               time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
                               FAST, FUSE_DQ, DELTA_INLINE, TMA)
-    for m0 in range(m_tail, m_end, BLOCK_M):
+    for m0 in range(m_tail, q_len, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
                               q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
                               stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB,
@@ -570,7 +561,6 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, 
                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                    stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
                    scale, norm_scale, pos_log_inv, time_log_inv, num_heads, first_program,
-                   num_splits, split_len, stride_dqs,
                    HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
                    Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                    HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
@@ -578,15 +568,10 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, 
                    BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     """dQ for one query block, plus the score-bias gradients (dense bias rows, bucket tables); the softmax delta
     read from DELTA, or with DELTA_INLINE computed from Out and DO. Programs from `first_program` on (the last ones
-    of `_bwd_one_launch_kernel`), the longest causal query blocks first. With num_splits > 1 each program takes
-    keys [split * split_len, (split + 1) * split_len) and stores its partial dQ at DQ + split * stride_dqs."""
-    pid = tl.program_id(0) - first_program
+    of `_bwd_one_launch_kernel`), the longest causal query blocks first."""
+    pid_m = tl.program_id(0) - first_program
     if CAUSAL:
-        pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    pid_m = pid // num_splits
-    n_lo = (pid % num_splits) * split_len
-    n_hi = n_lo + split_len
-    DQ += (pid % num_splits).to(tl.int64) * stride_dqs
+        pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
@@ -621,13 +606,13 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, 
         n_end = tl.minimum(kv_len, m0 + BLOCK_M + shift)
         n_full = tl.minimum(kv_len, m0 + 1 + shift)
     n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(n_lo, tl.minimum(n_full, n_hi), BLOCK_N):
+    for n0 in range(0, n_full, BLOCK_N):
         dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
                          o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
                          stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
                          time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
                          FAST, TMA)
-    for n0 in range(tl.maximum(n_full, n_lo), tl.minimum(n_end, n_hi), BLOCK_N):
+    for n0 in range(n_full, n_end, BLOCK_N):
         dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
                          o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
                          stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
@@ -657,15 +642,14 @@ def _bwd_one_launch_kernel(Q, K, V, Out, DO, LSE, DQ, DK, DV, AB, DAB, PT, DPT, 
         _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, LSE, DK, DV, DQ, AB, PT, TT, QTS, KTS, q_off, kv_off, stride_qt,
                          stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot,
                          stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, 0, 0, stride_abt, stride_abh,
-                         stride_pth, stride_tth, scale, norm_scale, pos_log_inv, time_log_inv, num_heads, 1, 1 << 30,
-                         0, HEAD_DIM, MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS,
-                         NUM_TIME, FAST, False, DELTA_INLINE, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
+                         stride_pth, stride_tth, scale, norm_scale, pos_log_inv, time_log_inv, num_heads, HEAD_DIM,
+                         MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST,
+                         False, DELTA_INLINE, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
     else:
         _bwd_dq_kernel(Q, K, V, Out, DO, LSE, LSE, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off, stride_qt,
                        stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot,
                        stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth, scale,
-                       norm_scale, pos_log_inv, time_log_inv, num_heads, num_kv_blocks, 1, 1 << 30, 0, HEAD_DIM, MODE,
-                       CAUSAL, NORM,
+                       norm_scale, pos_log_inv, time_log_inv, num_heads, num_kv_blocks, HEAD_DIM, MODE, CAUSAL, NORM,
                        Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, DELTA_INLINE, BLOCK_D,
                        BLOCK_N, BLOCK_M, TMA)
 
@@ -723,11 +707,6 @@ FUSE_DQ_MIN_KV = 128
 # head dim) is below this take the one-launch backward: bound by host launch time, not by the GPU (configs B and C
 # of `gemrec bench kernels` are 2^32-2^36, A is 2^39).
 ONE_LAUNCH_MAX_WORK = 2**37
-# A backward kernel whose grid has fewer than SPLIT_MIN_PROGRAMS programs (few, long serial loops: the dK/dV of
-# cross-attention to a few keys, the dQ of PMA seeds over long keys) splits each program's loop into ranges of a
-# multiple of SPLIT_LEN rows (a multiple of every tile), each storing an fp32 partial that torch sums.
-SPLIT_MIN_PROGRAMS = 2048
-SPLIT_LEN = 256
 
 
 def _candidates(kind: str, head_dim: int, tma: bool = True) -> list[dict]:
@@ -959,24 +938,8 @@ class Problem:
         )
         self.block_d = max(16, _pow2_at_least(self.head_dim))
 
-    def _splits(self, parallel_len: int, serial_len: int) -> tuple[int, int]:
-        """(splits, rows per split) of a backward kernel with programs over `parallel_len` rows (per sequence and
-        head) that each loop over `serial_len` rows; one split is the whole loop."""
-        programs = triton.cdiv(max(parallel_len, 1), 64) * self.heads * self.num_seqs
-        if programs >= SPLIT_MIN_PROGRAMS or serial_len <= SPLIT_LEN:
-            return 1, 1 << 30
-        splits = min(triton.cdiv(serial_len, SPLIT_LEN), triton.cdiv(SPLIT_MIN_PROGRAMS, programs))
-        split_len = triton.cdiv(triton.cdiv(serial_len, splits), SPLIT_LEN) * SPLIT_LEN
-        return triton.cdiv(serial_len, split_len), split_len
-
-    def dkdv_splits(self) -> tuple[int, int]:
-        return self._splits(self.max_kv_len, self.max_q_len)
-
-    def dq_splits(self) -> tuple[int, int]:
-        return self._splits(self.max_q_len, self.max_kv_len)
-
     def fuse_dq(self) -> bool:
-        return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV and self.dq_splits()[0] == 1
+        return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
 
     def one_launch(self) -> bool:
         """Whether the backward is one launch (`_bwd_one_launch_kernel`): where GEMREC_KERNEL_ONE_LAUNCH is on, for
@@ -1066,82 +1029,58 @@ def backward(p: Problem, grad_out, out, lse):
     dev = q.device
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     num_kv_rows = k.shape[0] * p.num_seqs if p.kv_shared else k.shape[0]
-    dkv_shape = (num_kv_rows, p.heads, p.head_dim)
+    dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
+    dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
     dab = torch.zeros_like(p.attn_bias) if p.attn_bias is not None else None
     dpt = torch.zeros(p.pos_table.shape, dtype=torch.float32, device=dev) if p.pos_table is not None else None
     dtt = torch.zeros(p.time_table.shape, dtype=torch.float32, device=dev) if p.time_table is not None else None
+    fused = p.fuse_dq()
     if p.num_seqs == 0 or p.total_out == 0 or num_kv_rows == 0:
         dq = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
-        dk = torch.zeros(dkv_shape, dtype=k.dtype, device=dev)
-        dv = torch.zeros(dkv_shape, dtype=v.dtype, device=dev)
+        dk.zero_()
+        dv.zero_()
     elif p.one_launch():
-        dk = torch.empty(dkv_shape, dtype=k.dtype, device=dev)
-        dv = torch.empty(dkv_shape, dtype=v.dtype, device=dev)
         dq = _backward_one_launch(p, grad_out, out, lse, dk, dv, dab, dpt, dtt)
     else:
-        dq, dk, dv = _backward_launches(p, grad_out, out, lse, dkv_shape, dab, dpt, dtt)
+        delta = _delta(p, out, grad_out) if p.mode == 0 else lse  # pointwise modes never read it
+        ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
+        dqa = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=dev) if fused else lse
+        go = grad_out
+
+        def grid_kv(meta):
+            return (triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
+
+        args = (q, k, v, out, go, lse, delta, dk, dv, dqa, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
+                out.stride(1), go.stride(0), go.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+                dqa.stride(0) if fused else 0, dqa.stride(1) if fused else 0, sabt, sabh, spt, stt,
+                p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
+        _KERNELS["dkdv"](grid_kv, args, {**p.consts, "FUSE_DQ": fused, "DELTA_INLINE": False, "BLOCK_D": p.block_d},
+                         p.bucket,
+                         reset=(dqa,) if fused else (), tma=tma_ok(q, go))
+        if fused:
+            dq = dqa
+        else:
+            dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
+            dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
+
+            def grid_q(meta):
+                return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
+
+            args = (q, k, v, out, go, lse, delta, dq, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off,
+                    p.kv_off, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                    out.stride(0), out.stride(1), go.stride(0), go.stride(1), dq.stride(0), dq.stride(1), sabt, sabh,
+                    spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, 0)
+            _KERNELS["dq"](grid_q, args, {**p.consts, "DELTA_INLINE": False, "BLOCK_D": p.block_d}, p.bucket,
+                           reset=tuple(t for t in (dpt, dtt) if t is not None), tma=tma_ok(k, v))
     if p.q_shared:
         dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
     dq = dq.to(q.dtype)
     if p.kv_shared:
-        dk = dk.view(p.num_seqs, k.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
-        dv = dv.view(p.num_seqs, k.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
-    dk, dv = dk.to(k.dtype), dv.to(v.dtype)
+        dk = dk.view(p.num_seqs, k.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32).to(k.dtype)
+        dv = dv.view(p.num_seqs, k.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32).to(v.dtype)
     if dpt is not None:
         dpt = dpt.to(p.pos_table.dtype)
     if dtt is not None:
         dtt = dtt.to(p.time_table.dtype)
     return dq, dk, dv, dab, dpt, dtt
-
-
-def _backward_launches(p: Problem, go, out, lse, dkv_shape, dab, dpt, dtt):
-    """(dq, dk, dv) from the dK/dV kernel (with fused dQ atomics, or then the dQ kernel), after the delta kernel for
-    softmax; split kernels (`Problem._splits`) return the sum of their fp32 partials."""
-    q, k, v = p.q, p.k, p.v
-    dev = q.device
-    fused = p.fuse_dq()
-    delta = _delta(p, out, go) if p.mode == 0 else lse  # pointwise modes never read it
-    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-    dqa = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=dev) if fused else lse
-    kv_splits, kv_split_len = p.dkdv_splits()
-    if kv_splits > 1:
-        dk = torch.empty((kv_splits, *dkv_shape), dtype=torch.float32, device=dev)
-        dv = torch.empty((kv_splits, *dkv_shape), dtype=torch.float32, device=dev)
-    else:
-        dk = torch.empty(dkv_shape, dtype=k.dtype, device=dev)
-        dv = torch.empty(dkv_shape, dtype=v.dtype, device=dev)
-
-    def grid_kv(meta):
-        return (triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]) * kv_splits, p.heads, p.num_seqs)
-
-    args = (q, k, v, out, go, lse, delta, dk, dv, dqa, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-            out.stride(1), go.stride(0), go.stride(1), dk.stride(-3), dk.stride(-2), dv.stride(-3), dv.stride(-2),
-            dqa.stride(0) if fused else 0, dqa.stride(1) if fused else 0, sabt, sabh, spt, stt,
-            p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, kv_splits, kv_split_len,
-            dk.stride(0) if kv_splits > 1 else 0)
-    _KERNELS["dkdv"](grid_kv, args, {**p.consts, "FUSE_DQ": fused, "DELTA_INLINE": False, "BLOCK_D": p.block_d},
-                     p.bucket, reset=(dqa,) if fused else (), tma=tma_ok(q, go))
-    if kv_splits > 1:
-        dk, dv = dk.sum(0), dv.sum(0)
-    if fused:
-        return dqa, dk, dv
-    q_splits, q_split_len = p.dq_splits()
-    dq_shape = (p.total_out, p.heads, p.head_dim)
-    if q_splits > 1:
-        dq = torch.empty((q_splits, *dq_shape), dtype=torch.float32, device=dev)
-    else:
-        dq = torch.empty(dq_shape, dtype=q.dtype, device=dev)
-    dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
-
-    def grid_q(meta):
-        return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]) * q_splits, p.heads, p.num_seqs)
-
-    args = (q, k, v, out, go, lse, delta, dq, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off,
-            p.kv_off, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            out.stride(0), out.stride(1), go.stride(0), go.stride(1), dq.stride(-3), dq.stride(-2), sabt, sabh,
-            spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, 0, q_splits, q_split_len,
-            dq.stride(0) if q_splits > 1 else 0)
-    _KERNELS["dq"](grid_q, args, {**p.consts, "DELTA_INLINE": False, "BLOCK_D": p.block_d}, p.bucket,
-                   reset=tuple(t for t in (dpt, dtt) if t is not None), tma=tma_ok(k, v))
-    return (dq.sum(0) if q_splits > 1 else dq), dk, dv

@@ -114,20 +114,6 @@ def test_backward_in_separate_launches(op, monkeypatch):
     compare([9, 4], [9, 4], op=op, dim=24, bias=True, seed=23)
 
 
-@pytest.mark.parametrize("op", ["jfa", "silu"])
-def test_backward_loops_split_into_partials(op, monkeypatch):
-    """Every dK/dV and dQ loop longer than one 16-row tile split into ranges whose fp32 partials are summed."""
-    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
-    monkeypatch.setattr(kernels_module, "SPLIT_MIN_PROGRAMS", 10**9)
-    monkeypatch.setattr(kernels_module, "SPLIT_LEN", 16)
-    compare(EDGE, EDGE, op=op, causal=True, bias=True, seed=30)  # dK/dV over queries and dQ over keys
-    compare([4], [20, 0, 37], op=op, bias=True, seed=31)  # PMA seeds: dQ over the long keys
-    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=32)  # cross-attention: dK/dV over the long queries
-    monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)
-    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=33)  # split dK/dV with fused dQ atomics
-    compare([1, 50], [50, 1], op=op, causal=True, seed=34)
-
-
 def test_batch_of_one_fp16_and_odd_head_dim():
     compare([19], [19], causal=True, dtype=torch.float16, tol=1e-2, seed=8)
     compare([19], [19], op="silu", dtype=torch.float16, tol=1e-2, seed=9)
