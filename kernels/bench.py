@@ -218,11 +218,12 @@ def _time(fn, leaves, backward: bool, graph: bool = False) -> float:
                 call()
         torch.cuda.current_stream().wait_stream(side)
         cuda_graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(cuda_graph):
-            call()
-        ms = triton.testing.do_bench(cuda_graph.replay, warmup=25, rep=100, return_mode="median")
-        del cuda_graph
-        return ms
+        try:
+            with torch.cuda.graph(cuda_graph):
+                call()
+            return triton.testing.do_bench(cuda_graph.replay, warmup=25, rep=100, return_mode="median")
+        finally:
+            cuda_graph.reset()  # its memory pool goes back, captured or not
 
 
 def profile_ours(config_names: list[str], seed: int = 0, progress=print) -> None:
@@ -258,6 +259,17 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _record(row: dict, label: str, flops: int, fn, leaves, backward: bool, graph: bool) -> None:
+    """row[label_ms / label_tflops] from `_time`, or row[label_error] where it fails (a peer's OOM, say)."""
+    try:
+        ms = _time(fn, leaves, backward, graph)
+        row[f"{label}_ms"] = ms
+        row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12
+    except Exception as err:
+        row[f"{label}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    torch.cuda.empty_cache()
+
+
 def _timings(fwd_flops: int, bwd_flops: int):
     """(label, backward, graph, FLOPs) of each timing column."""
     total = fwd_flops + bwd_flops
@@ -270,6 +282,7 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
     """Correctness of every variant first, then fwd and fwd+bwd timings of ours and the peers."""
     device = torch.device("cuda")
     rows: list[dict] = []
+    graph_jobs = []
     checks = {}
     for name in config_names:
         cfg = CONFIGS[name]
@@ -298,16 +311,12 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
                 row = {"config": name, "variant": variant, "impl": impl, "fwd_gflop": fwd_flops / 1e9,
                        "bwd_gflop": bwd_flops / 1e9}
                 for label, backward, graph, flops in _timings(fwd_flops, bwd_flops):
-                    if graph and impl in NOT_CAPTURABLE:
+                    if not graph:
+                        _record(row, label, flops, fn, impl_leaves, backward, graph)
+                    elif impl in NOT_CAPTURABLE:
                         row[f"{label}_error"] = "not capturable"
-                        continue
-                    try:
-                        ms = _time(fn, impl_leaves, backward, graph)
-                        row[f"{label}_ms"] = ms
-                        row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12
-                    except Exception as err:  # OOM or unsupported in a peer: record it and go on
-                        row[f"{label}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-                    torch.cuda.empty_cache()
+                    else:
+                        graph_jobs.append((row, label, flops, fn, impl_leaves, backward))
                 rows.append(row)
                 progress(format_row(row))
         for entry in tuned_configs()[tuned_before:]:  # every candidate's time, per kernel tuned for this config
@@ -316,6 +325,12 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
                      f"fuse_dq={consts.get('FUSE_DQ')} buckets={entry['len_buckets']}: "
                      + " ".join(f"{c}={ms}" for c, ms in entry["candidates_ms"].items())
                      + (f" failed: {entry['failures']}" if entry["failures"] else ""))
+    # CUDA-graph timings last: a failed capture can leave the CUDA RNG and the allocator's pools unusable for the
+    # calls after it, which must not cost any eager timing
+    for row, label, flops, fn, impl_leaves, backward in graph_jobs:
+        _record(row, label, flops, fn, impl_leaves, backward, graph=True)
+        if label == "graph fwd+bwd":
+            progress(format_row(row))
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": _git_commit(),
