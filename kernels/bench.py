@@ -3,7 +3,8 @@
 Peers (each on its own preferred layout, the layout conversion left out of its time): FlexAttention with
 a document mask over the packed tokens, padded SDPA with a key-padding mask, nested-tensor (jagged) SDPA,
 and, for GDPA, `torch.compile` of a padded pointwise attention. TFLOP/s always count the real (unpadded,
-unmasked) query-key pairs: 4*pairs*H*D forward, 10*pairs*H*D backward.
+unmasked) query-key pairs: 4*pairs*H*D forward, 10*pairs*H*D backward. Each is timed eagerly (launched from
+Python, host costs included) and, after every eager timing, replayed from a CUDA graph (device time only).
 """
 
 import json
