@@ -350,7 +350,7 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
     return rows
 
 
-LABELS = ("fwd", "fwd+bwd", "graph fwd", "graph fwd+bwd")
+LABELS = tuple(label for label, *_ in _timings(0, 0))  # the timing columns, in order
 
 
 def format_row(row: dict) -> str:
