@@ -15,6 +15,11 @@ are bound by host launch time rather than by the GPU, with head dims up to 128 r
 stored directly; biases allowed): 2 launches per forward+backward instead of 4-5 (torch's zero fills of bias
 gradients and the reductions of shared queries/keys aside, which both paths have).
 
+Where one side's sequences all fit one tile (`Problem.resident`: cross-attention to a few tokens, PMA seeds), that
+side stays loaded while each program walks CHUNK rows of the other, so the loop prefetches the next streamed tile
+while this one computes (programs with a single tile each cannot overlap their loads and math); the backward is then
+a single kernel that stores the streamed side's gradients and adds the resident side's into fp32 buffers (atomics).
+
 Tiles that an inner loop streams (K/V in the forward and dQ kernels, Q/dO in dK/dV) come either through pointer
 tensors or, where the layout allows (`tma_ok`) unless GEMREC_KERNEL_TMA=0, through per-sequence tensor descriptors
 built on the device (TMA on Hopper: no per-element addresses in registers, zeros past the sequence's end); the
@@ -233,6 +238,19 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
     col_ok = cols < kv_len
     k, v = _load_kv(K, V, n0, kv_start, cols, col_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
                     MASKED, EVEN_D, TMA)
+    return _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_start, offs_m, row_ok, qk_scale,
+                       scale, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
+                       time_log_inv, MODE, CAUSAL, MASKED, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST,
+                       SCALE_POS)
+
+
+@triton.jit
+def _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_start, offs_m, row_ok, qk_scale, scale,
+                AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
+                MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+                HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, SCALE_POS: tl.constexpr):
+    """One (queries x keys) tile of the forward on loaded k, v: online softmax (MODE 0) or activation, into acc."""
     qk = tl.dot(q, tl.trans(k))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
@@ -339,7 +357,14 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
                                   TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
                                   MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST,
                                   SCALE_POS, TMA)
-    o_rows = o_start + offs_m
+    _fwd_store(acc, m_i, l_i, Out, LSE, o_start + offs_m, row_ok, d_ok, offs_d, stride_ot, stride_oh, h, num_heads,
+               kv_len, inv_max_len, MODE, NORM)
+
+
+@triton.jit
+def _fwd_store(acc, m_i, l_i, Out, LSE, o_rows, row_ok, d_ok, offs_d, stride_ot, stride_oh, h, num_heads, kv_len,
+               inv_max_len, MODE: tl.constexpr, NORM: tl.constexpr):
+    """A query block's output (softmax-normalized, or GDPA-scaled) and, for softmax, its logsumexp."""
     if MODE == 0:
         l_ok = l_i > 0.0
         out = acc / tl.where(l_ok, l_i, 1.0)[:, None]
@@ -353,16 +378,67 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
 
 
 @triton.jit
+def _fwd_kv_resident_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                            stride_abt, stride_abh, stride_pth, stride_tth,
+                            scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads,
+                            HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                            Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                            HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                            NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                            SCALE_POS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                            CHUNK: tl.constexpr, TMA: tl.constexpr):
+    """Forward when every key sequence fits one BLOCK_N tile (cross-attention to a few tokens): K and V are loaded
+    once and each program walks CHUNK query rows, so the next query block loads while this one computes."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
+    m_begin = tl.program_id(0) * CHUNK
+    if m_begin >= q_len:
+        return
+    m_end = tl.minimum(q_len, m_begin + CHUNK)
+    shift = kv_len - q_len
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = offs_n < kv_len
+    d_ok = offs_d < HEAD_DIM
+    kv_rows = kv_start + offs_n
+    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
+                      col_ok[:, None] & d_ok[None, :], True)
+    if TMA:
+        Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+    for m0 in range(m_begin, m_end, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < q_len
+        if TMA:
+            q = Q.load([m0, 0])
+        else:
+            q = _load_tile(Q, q_start + offs_m, stride_qt, stride_qh, h, offs_d, row_ok[:, None] & d_ok[None, :], True)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+        m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc, m_i, l_i = _fwd_scores(acc, m_i, l_i, q, k, v, offs_n, col_ok, kv_start, shift, h, o_start, offs_m,
+                                    row_ok, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth, TT,
+                                    stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True, HAS_AB,
+                                    HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, SCALE_POS)
+        _fwd_store(acc, m_i, l_i, Out, LSE, o_start + offs_m, row_ok, d_ok, offs_d, stride_ot, stride_oh, h,
+                   num_heads, kv_len, inv_max_len, MODE, NORM)
+
+
+@triton.jit
 def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start, q_len,
                  shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_ot, stride_oh,
                  stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads,
-                 AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
+                 AB, DAB, stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
+                 time_log_inv,
                  MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                  HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                  NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
                  FUSE_DQ: tl.constexpr, DELTA_INLINE: tl.constexpr, TMA: tl.constexpr):
-    """One query block's contribution to dK, dV (transposed tiles) and, with FUSE_DQ, its dQ share (atomics).
-    With TMA, Q, DO (and Out, read for the softmax delta with DELTA_INLINE) are the sequence's tensor descriptors."""
+    """One query block's contribution to dK, dV (transposed tiles) and its dQ: FUSE_DQ 1 adds its share into an fp32
+    buffer (atomics); FUSE_DQ 2, where this key block holds every key of the sequence, stores the block's whole dQ
+    and the score-bias gradients. With TMA, Q, DO (and Out, read for the softmax delta with DELTA_INLINE) are the
+    sequence's tensor descriptors."""
     offs_m = m0 + offs_m0
     row_ok = offs_m < q_len
     o_rows = o_start + offs_m
@@ -418,10 +494,17 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
     dv += tl.dot(pT.to(do.dtype), do)
     dsT_lo = dsT.to(q.dtype)
     dk += tl.dot(dsT_lo, q)
-    if FUSE_DQ:
+    if FUSE_DQ == 1:
         dq = tl.dot(tl.trans(dsT_lo), k) * scale
         tl.atomic_add(DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq, mask=qmask,
                       sem="relaxed")
+    elif FUSE_DQ == 2:
+        dq = tl.dot(tl.trans(dsT_lo), k) * scale
+        tl.store(DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq.to(DQA.dtype.element_ty),
+                 mask=qmask)
+        _bias_grads(dsT, offs_m[None, :], offs_n[:, None], row_ok[None, :], col_ok[:, None], valid, shift, h, o_start,
+                    kv_start, DAB, stride_abt, stride_abh, DPT, DTT, QTS, KTS, pos_log_inv, time_log_inv, HAS_AB,
+                    HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
     return dk, dv
 
 
@@ -478,22 +561,22 @@ def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS,
     for m0 in range(m_lo, m_full, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
                               q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
-                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB,
-                              stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
+                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB, AB,
+                              stride_abt, stride_abh, PT, PT, stride_pth, TT, TT, stride_tth, QTS, KTS, pos_log_inv,
                               time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
                               FAST, FUSE_DQ, DELTA_INLINE, TMA)
     for m0 in range(m_full, m_tail, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
                               q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
-                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB,
-                              stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
+                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB, AB,
+                              stride_abt, stride_abh, PT, PT, stride_pth, TT, TT, stride_tth, QTS, KTS, pos_log_inv,
                               time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
                               FAST, FUSE_DQ, DELTA_INLINE, TMA)
     for m0 in range(m_tail, q_len, BLOCK_M):
         dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
                               q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
-                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB,
-                              stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
+                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB, AB,
+                              stride_abt, stride_abh, PT, PT, stride_pth, TT, TT, stride_tth, QTS, KTS, pos_log_inv,
                               time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
                               FAST, FUSE_DQ, DELTA_INLINE, TMA)
     dk_rows = dkv_start + offs_n
@@ -507,12 +590,13 @@ def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS,
 def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len, o_start,
                 shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh,
                 AB, DAB, stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS,
-                pos_log_inv, time_log_inv,
+                pos_log_inv, time_log_inv, DK, DV, dkv_start, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                 MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                 NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
-                TMA: tl.constexpr):
-    """One key block's contribution to dQ and to the score-bias gradients (with TMA, K and V are descriptors)."""
+                TMA: tl.constexpr, STORE_DKV: tl.constexpr):
+    """One key block's contribution to dQ and to the score-bias gradients (with TMA, K and V are descriptors).
+    STORE_DKV, where this query block holds every query of the sequence: also the key block's whole dK and dV."""
     offs_n = n0 + offs_n0
     col_ok = offs_n < kv_len
     k, v = _load_kv(K, V, n0, kv_start, offs_n, col_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
@@ -533,7 +617,8 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
     else:
         if not HAS_BIAS:
             s = qk * scale
-        _, da = _activation(s, MODE, FAST)
+        p, da = _activation(s, MODE, FAST)
+        p = p * ns
         ds = dp * da * ns
     # rows past q_len carry do = 0 (and lse = +inf), so their ds is 0 without a mask
     valid = row_ok[:, None] & col_ok[None, :]
@@ -541,19 +626,41 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
         if CAUSAL:
             valid = valid & (offs_n[None, :] <= offs_m[:, None] + shift)
         ds = tl.where(valid, ds, 0.0)
-    dq += tl.dot(ds.to(k.dtype), k)
+    ds_lo = ds.to(k.dtype)
+    dq += tl.dot(ds_lo, k)
+    _bias_grads(ds, offs_m[:, None], offs_n[None, :], row_ok[:, None], col_ok[None, :], valid, shift, h, o_start,
+                kv_start, DAB, stride_abt, stride_abh, DPT, DTT, QTS, KTS, pos_log_inv, time_log_inv, HAS_AB, HAS_POS,
+                HAS_TIME, NUM_POS, NUM_TIME)
+    if STORE_DKV:
+        p = tl.where(valid, p, 0.0)
+        dkv_rows = dkv_start + offs_n
+        kmask = col_ok[:, None] & d_ok[None, :]
+        dv_tile = tl.dot(tl.trans(p.to(do.dtype)), do)
+        tl.store(DV + dkv_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :],
+                 dv_tile.to(DV.dtype.element_ty), mask=kmask)
+        dk_tile = tl.dot(tl.trans(ds_lo), q) * scale
+        tl.store(DK + dkv_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
+                 dk_tile.to(DK.dtype.element_ty), mask=kmask)
+    return dq
+
+
+@triton.jit
+def _bias_grads(ds, rows, cols, row_ok, col_ok, valid, shift, h, o_start, kv_start, DAB, stride_abt, stride_abh, DPT,
+                DTT, QTS, KTS, pos_log_inv, time_log_inv, HAS_AB: tl.constexpr, HAS_POS: tl.constexpr,
+                HAS_TIME: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr):
+    """Score-bias gradients of one tile of score gradients ds (`rows`/`cols` broadcastable local indices, either
+    orientation): the dense bias's tile stored, the bucket tables' entries added (atomics) where `valid`."""
     if HAS_AB:
-        tl.store(DAB + (o_start + offs_m)[:, None] * stride_abt + h * stride_abh + offs_n[None, :],
-                 ds.to(DAB.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+        tl.store(DAB + (o_start + rows).to(tl.int64) * stride_abt + h * stride_abh + cols,
+                 ds.to(DAB.dtype.element_ty), mask=row_ok & col_ok)
     if HAS_POS:
-        bucket = _pos_bucket(offs_m[:, None] + shift - offs_n[None, :], NUM_POS, pos_log_inv)
+        bucket = _pos_bucket(rows + shift - cols, NUM_POS, pos_log_inv)
         tl.atomic_add(DPT + h * NUM_POS + bucket, ds, mask=valid)
     if HAS_TIME:
-        qts = tl.load(QTS + o_start + offs_m, mask=row_ok, other=0)
-        kts = tl.load(KTS + kv_start + offs_n, mask=col_ok, other=0)
-        bucket = _time_bucket(qts[:, None] - kts[None, :], NUM_TIME, time_log_inv)
+        qts = tl.load(QTS + o_start + rows, mask=row_ok, other=0)
+        kts = tl.load(KTS + kv_start + cols, mask=col_ok, other=0)
+        bucket = _time_bucket(qts - kts, NUM_TIME, time_log_inv)
         tl.atomic_add(DTT + h * NUM_TIME + bucket, ds, mask=valid)
-    return dq
 
 
 @triton.jit
@@ -610,16 +717,121 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, 
         dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
                          o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
                          stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
-                         time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
-                         FAST, TMA)
+                         time_log_inv, DQ, DQ, 0, 0, 0, 0, 0, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS,
+                         NUM_TIME, EVEN_D, FAST, TMA, False)
     for n0 in range(n_full, n_end, BLOCK_N):
         dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
                          o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
                          stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
-                         time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
-                         FAST, TMA)
+                         time_log_inv, DQ, DQ, 0, 0, 0, 0, 0, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS,
+                         NUM_TIME, EVEN_D, FAST, TMA, False)
     tl.store(DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
              (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+
+
+@triton.jit
+def _bwd_kv_resident_kernel(Q, K, V, Out, DO, LSE, DQ, DKA, DVA, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
+                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                            stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkvt, stride_dkvh,
+                            stride_abt, stride_abh, stride_pth, stride_tth,
+                            scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
+                            HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                            Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                            HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                            NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr):
+    """The whole backward when every key sequence fits one BLOCK_N tile: each program walks CHUNK query rows with K
+    and V loaded once, stores their dQ and score-bias gradients, and adds its share of dK (scaled) and dV into the
+    fp32 DKA, DVA (atomics); the softmax delta comes from Out and DO per query block."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
+    m_begin = tl.program_id(0) * CHUNK
+    if m_begin >= q_len:
+        return
+    m_end = tl.minimum(q_len, m_begin + CHUNK)
+    shift = kv_len - q_len
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    DELTA_INLINE: tl.constexpr = MODE == 0
+    ns = _norm_scale(kv_len, norm_scale, NORM)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = offs_n < kv_len
+    d_ok = offs_d < HEAD_DIM
+    kv_rows = kv_start + offs_n
+    kmask = col_ok[:, None] & d_ok[None, :]
+    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
+    if TMA:
+        Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+        DO = _seq_desc(DO, o_start, q_len, stride_dot, stride_doh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+        if DELTA_INLINE:
+            Out = _seq_desc(Out, o_start, q_len, stride_ot, stride_oh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+    dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
+    for m0 in range(m_begin, m_end, BLOCK_M):
+        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
+                              q_len, shift, h, ns, scale, Q, Out, DO, LSE, LSE, DQ, stride_qt, stride_qh, stride_ot,
+                              stride_oh, stride_dot, stride_doh, stride_dqt, stride_dqh, num_heads, AB, DAB,
+                              stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
+                              time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
+                              FAST, 2, DELTA_INLINE, TMA)
+    dkv_ptrs = (dkv_start + offs_n)[:, None] * stride_dkvt + h * stride_dkvh + offs_d[None, :]
+    tl.atomic_add(DKA + dkv_ptrs, dk * scale, mask=kmask, sem="relaxed")
+    tl.atomic_add(DVA + dkv_ptrs, dv, mask=kmask, sem="relaxed")
+
+
+@triton.jit
+def _bwd_q_resident_kernel(Q, K, V, Out, DO, LSE, DQA, DK, DV, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
+                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+                           stride_dot, stride_doh, stride_dqat, stride_dqah, stride_dkt, stride_dkh, stride_dvt,
+                           stride_dvh, stride_abt, stride_abh, stride_pth, stride_tth,
+                           scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
+                           HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
+                           Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
+                           HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
+                           NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
+                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr):
+    """The whole backward when every query sequence fits one BLOCK_M tile (PMA seeds over long keys): each program
+    walks CHUNK key rows with Q, dO and the softmax delta loaded once, stores their dK, dV and score-bias gradients,
+    and adds its share of dQ (scaled) into the fp32 DQA (atomics)."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
+    n_begin = tl.program_id(0) * CHUNK
+    if n_begin >= kv_len:
+        return
+    n_end = tl.minimum(kv_len, n_begin + CHUNK)
+    shift = kv_len - q_len
+    EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
+    ns = _norm_scale(kv_len, norm_scale, NORM)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = offs_m < q_len
+    d_ok = offs_d < HEAD_DIM
+    o_rows = o_start + offs_m
+    qmask = row_ok[:, None] & d_ok[None, :]
+    q, do = _load_pair(Q, DO, q_start + offs_m, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask,
+                       True)
+    lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
+    if MODE == 0:
+        o = _load_tile(Out, o_rows, stride_ot, stride_oh, h, offs_d, qmask, True)
+        delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    else:
+        delta = lse
+    if TMA:
+        K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
+        V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
+    dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for n0 in range(n_begin, n_end, BLOCK_N):
+        dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len, o_start,
+                         shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB, stride_abt,
+                         stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, DK,
+                         DV, dkv_start, stride_dkt, stride_dkh, stride_dvt, stride_dvh, MODE, CAUSAL, True, HAS_AB,
+                         HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, TMA, True)
+    tl.atomic_add(DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq * scale, mask=qmask,
+                  sem="relaxed")
 
 
 @triton.jit
@@ -673,6 +885,16 @@ def _cfg(bm, bn, warps, stages, tma=False):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": tma}
 
 
+def _rcfg(block, chunk, warps, stages, tma=False, streamed="BLOCK_M"):
+    """A resident-side kernel's tile: the streamed side's block, CHUNK streamed rows per program (the resident side's
+    block comes from the lengths)."""
+    return {streamed: block, "CHUNK": chunk, "num_warps": warps, "num_stages": stages, "TMA": tma}
+
+
+def _rq(block, chunk, warps, stages, tma=False):
+    return _rcfg(block, chunk, warps, stages, tma, streamed="BLOCK_N")
+
+
 # Candidate tiles per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), all compiled in parallel and timed on
 # the first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory. The first
 # entry of each list is the default when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0). TMA: the tiles the inner
@@ -694,12 +916,28 @@ CONFIGS = {
              _cfg(16, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(32, 128, 8, 3, True), _cfg(64, 128, 8, 3, True),
              _cfg(32, 64, 4, 2, True)],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
+    # resident K/V (forward, backward: query blocks streamed) and resident queries (backward: key blocks streamed)
+    "fwd_rkv": [_rcfg(128, 1024, 8, 3), _rcfg(128, 512, 8, 3), _rcfg(64, 512, 4, 3), _rcfg(128, 2048, 8, 3),
+                _rcfg(128, 1024, 8, 3, True), _rcfg(128, 512, 8, 2, True), _rcfg(64, 512, 4, 3, True),
+                _rcfg(128, 1024, 4, 3, True)],
+    "bwd_rkv": [_rcfg(64, 1024, 8, 2), _rcfg(64, 512, 8, 2), _rcfg(32, 512, 4, 2), _rcfg(64, 1024, 4, 3),
+                _rcfg(128, 1024, 8, 2), _rcfg(64, 1024, 8, 2, True), _rcfg(64, 512, 8, 3, True),
+                _rcfg(32, 512, 4, 3, True), _rcfg(128, 1024, 8, 2, True)],
+    "bwd_rq": [_rq(64, 1024, 4, 3), _rq(64, 512, 4, 3), _rq(128, 1024, 8, 3), _rq(128, 2048, 8, 2),
+               _rq(64, 2048, 4, 3), _rq(64, 1024, 4, 3, True), _rq(128, 1024, 8, 3, True), _rq(64, 512, 4, 2, True),
+               _rq(128, 2048, 8, 3, True)],
 }
 LARGE_HEAD_DIM_CONFIGS = {
     "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2, True)],
     "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True)],
     "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2, True)],
+    "fwd_rkv": [_rcfg(64, 512, 4, 2), _rcfg(64, 512, 8, 2), _rcfg(64, 512, 4, 2, True)],
+    "bwd_rkv": [_rcfg(32, 512, 4, 2), _rcfg(32, 512, 8, 2), _rcfg(32, 512, 4, 2, True)],
+    "bwd_rq": [_rq(32, 512, 4, 2), _rq(32, 512, 8, 2), _rq(32, 512, 4, 2, True)],
 }
+# The resident-side kernels keep the short side's (rows x head dim) tile, and its fp32 gradient, loaded for the whole
+# program: used where the short side's rows (a power of two, at least 16) times the head-dim tile fit this.
+RESIDENT_MAX_TILE = 64 * 128
 # Fused dQ (atomics) pays when each query block meets several key blocks; with short key sequences (cross-
 # attention to a few tokens) the recompute kernel is cheaper than an fp32 atomic per dQ element per key block.
 FUSE_DQ_MIN_KV = 128
@@ -723,6 +961,11 @@ def _switch(name: str, default: bool) -> bool:
 def _tma_enabled() -> bool:
     """GEMREC_KERNEL_TMA: the tensor-descriptor tile candidates (on unless =0)."""
     return _switch("GEMREC_KERNEL_TMA", True)
+
+
+def _resident_enabled() -> bool:
+    """GEMREC_KERNEL_RESIDENT: the resident-side kernels (`Problem.resident`) where they apply (on unless =0)."""
+    return _switch("GEMREC_KERNEL_RESIDENT", True)
 
 
 def _one_launch_enabled() -> bool:
@@ -798,7 +1041,8 @@ class _Kernel:
         tma = tma and _tma_enabled()
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
             first = _candidates(self.kind, consts["HEAD_DIM"], tma)[0]
-            tiles = {name: self.interpret_tiles.get(name, 16) for name in first if name.startswith("BLOCK")}
+            tiles = {name: self.interpret_tiles.get(name, 16) for name in first
+                     if name.startswith("BLOCK") or name in self.interpret_tiles}
             if "TMA" in first:
                 tiles["TMA"] = tma
             self.fn[grid(tiles)](*args, **consts, **tiles)
@@ -867,6 +1111,10 @@ _KERNELS = {
     # unequal tiles in the interpreter: its dQ programs swap them
     "bwd1": _Kernel(_bwd_one_launch_kernel, "bwd1", interpret_tiles={"BLOCK_N": 32}),
     "delta": _Kernel(_delta_kernel, "delta"),
+    # two streamed blocks per program in the interpreter: the loop and the cross-program atomics both run
+    "fwd_rkv": _Kernel(_fwd_kv_resident_kernel, "fwd_rkv", interpret_tiles={"CHUNK": 32}),
+    "bwd_rkv": _Kernel(_bwd_kv_resident_kernel, "bwd_rkv", interpret_tiles={"CHUNK": 32}),
+    "bwd_rq": _Kernel(_bwd_q_resident_kernel, "bwd_rq", interpret_tiles={"CHUNK": 32}),
 }
 
 
@@ -889,10 +1137,16 @@ def tuned_configs() -> list[dict]:
 
 
 def _config_name(config: dict) -> str:
-    """e.g. 128x64w8s3 (BLOCK_M x BLOCK_N, warps, stages), +tma when the inner loop streams through descriptors."""
-    if "BLOCK_M" not in config:
+    """e.g. 128x64w8s3 (BLOCK_M x BLOCK_N, warps, stages), m128c1024w8s3 for a resident-side kernel (streamed block,
+    CHUNK rows per program), +tma when the streamed tiles come through descriptors."""
+    if "BLOCK_M" not in config and "BLOCK_N" not in config:
         return ",".join(f"{k}={v}" for k, v in config.items())
-    name = f"{config['BLOCK_M']}x{config['BLOCK_N']}w{config['num_warps']}s{config['num_stages']}"
+    if "CHUNK" in config:
+        streamed = "m" if "BLOCK_M" in config else "n"
+        name = f"{streamed}{config.get('BLOCK_M', config.get('BLOCK_N'))}c{config['CHUNK']}"
+    else:
+        name = f"{config['BLOCK_M']}x{config['BLOCK_N']}"
+    name += f"w{config['num_warps']}s{config['num_stages']}"
     return name + ("+tma" if config.get("TMA") else "")
 
 
@@ -938,6 +1192,22 @@ class Problem:
         )
         self.block_d = max(16, _pow2_at_least(self.head_dim))
 
+    def resident_block(self, length: int) -> int:
+        return max(16, _pow2_at_least(length))
+
+    def resident(self) -> str | None:
+        """Which side a program keeps loaded while it walks the other (`RESIDENT_MAX_TILE`): "kv" where every key
+        sequence fits one tile (cross-attention to a few tokens; forward and backward), else "q" where every query
+        sequence does (PMA seeds; backward, whose forward already keeps its query block); None otherwise or with
+        GEMREC_KERNEL_RESIDENT=0. Their backward is one launch with the softmax delta computed in-kernel."""
+        if not _resident_enabled():
+            return None
+        if self.resident_block(self.max_kv_len) * self.block_d <= RESIDENT_MAX_TILE:
+            return "kv"
+        if self.resident_block(self.max_q_len) * self.block_d <= RESIDENT_MAX_TILE:
+            return "q"
+        return None
+
     def fuse_dq(self) -> bool:
         return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
 
@@ -969,15 +1239,23 @@ def forward(p: Problem):
     if p.total_out == 0 or p.num_seqs == 0:
         return out.zero_(), lse.fill_(float("inf"))
     ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-
-    def grid(meta):
-        return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
-
     args = (q, k, v, out, lse, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             sabt, sabh, spt, stt, p.scale, p.scale * LOG2E, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-    _KERNELS["fwd"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "SCALE_POS": p.scale > 0}, p.bucket,
-                    tma=tma_ok(k, v))
+    consts = {**p.consts, "BLOCK_D": p.block_d, "SCALE_POS": p.scale > 0}
+    if p.resident() == "kv":
+
+        def grid(meta):
+            return (triton.cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
+
+        _KERNELS["fwd_rkv"](grid, args, {**consts, "BLOCK_N": p.resident_block(p.max_kv_len)}, p.bucket,
+                            tma=tma_ok(q))
+    else:
+
+        def grid(meta):
+            return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
+
+        _KERNELS["fwd"](grid, args, consts, p.bucket, tma=tma_ok(k, v))
     return out, lse
 
 
@@ -1023,25 +1301,75 @@ def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
     return dq
 
 
+def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
+    """(dq, dk, dv) from `_bwd_kv_resident_kernel`, bias gradients in place."""
+    q, k, v = p.q, p.k, p.v
+    dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+    dka = torch.zeros((num_kv_rows, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
+    dva = torch.zeros_like(dka)
+    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
+    dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
+
+    def grid(meta):
+        return (triton.cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
+
+    args = (q, k, v, out, go, lse, dq, dka, dva, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            go.stride(0), go.stride(1), dq.stride(0), dq.stride(1), dka.stride(0), dka.stride(1), sabt, sabh, spt, stt,
+            p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
+    _KERNELS["bwd_rkv"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "BLOCK_N": p.resident_block(p.max_kv_len)},
+                        p.bucket, reset=tuple(t for t in (dka, dva, dpt, dtt) if t is not None),
+                        tma=tma_ok(q, go, out))
+    return dq, dka.to(k.dtype), dva.to(v.dtype)
+
+
+def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
+    """(dq in fp32, dk, dv) from `_bwd_q_resident_kernel`, bias gradients in place."""
+    q, k, v = p.q, p.k, p.v
+    dqa = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
+    dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
+    dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
+    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
+    dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
+
+    def grid(meta):
+        return (triton.cdiv(max(p.max_kv_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
+
+    args = (q, k, v, out, go, lse, dqa, dk, dv, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            go.stride(0), go.stride(1), dqa.stride(0), dqa.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
+            dv.stride(1), sabt, sabh, spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
+    _KERNELS["bwd_rq"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "BLOCK_M": p.resident_block(p.max_q_len)},
+                       p.bucket, reset=tuple(t for t in (dqa, dpt, dtt) if t is not None), tma=tma_ok(k, v))
+    return dqa, dk, dv
+
+
 def backward(p: Problem, grad_out, out, lse):
     """Gradients (dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); bias grads None when absent."""
     q, k, v = p.q, p.k, p.v
     dev = q.device
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
     num_kv_rows = k.shape[0] * p.num_seqs if p.kv_shared else k.shape[0]
-    dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
-    dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
     dab = torch.zeros_like(p.attn_bias) if p.attn_bias is not None else None
     dpt = torch.zeros(p.pos_table.shape, dtype=torch.float32, device=dev) if p.pos_table is not None else None
     dtt = torch.zeros(p.time_table.shape, dtype=torch.float32, device=dev) if p.time_table is not None else None
     fused = p.fuse_dq()
+    resident = p.resident()
     if p.num_seqs == 0 or p.total_out == 0 or num_kv_rows == 0:
         dq = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
-        dk.zero_()
-        dv.zero_()
+        dk = torch.zeros((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
+        dv = torch.zeros((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
+    elif resident == "kv":
+        dq, dk, dv = _backward_kv_resident(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt)
+    elif resident == "q":
+        dq, dk, dv = _backward_q_resident(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt)
     elif p.one_launch():
+        dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
+        dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
         dq = _backward_one_launch(p, grad_out, out, lse, dk, dv, dab, dpt, dtt)
     else:
+        dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
+        dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
         delta = _delta(p, out, grad_out) if p.mode == 0 else lse  # pointwise modes never read it
         ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
         dqa = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=dev) if fused else lse

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every GPU number of docs/benchmarks.md on a 2-GPU H200 host (device kind nvidia-h200-x2), in parts:
 #   tests    GPU tests of the kernels and the model dispatch
-#   kernels  `gemrec bench kernels` on GPU 1; with the one-launch backward (GEMREC_KERNEL_ONE_LAUNCH=1) on B and C
-#            (A is too large for it) on GPU 0 at the same time, or after the trainer there when `trainer` runs
+#   kernels  `gemrec bench kernels` on GPU 1; on GPU 0 at the same time (or after the trainer when `trainer` runs)
+#            the per-kernel device times of ours on B and C (--profile), then C with the resident-side kernels off
+#            (GEMREC_KERNEL_RESIDENT=0, ours only: their before/after)
 #   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
 #   scaling  scaling_bench (compiled, ZeRO-2, bf16 reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile
 #            cache) with nothing else running, and its report
@@ -37,16 +38,19 @@ if want tests; then
 fi
 if want kernels; then
   (export CUDA_VISIBLE_DEVICES=1; run kernels python3 -m gemrec.kernels.cli --out "$out/kernels") &
-  one_launch() { GEMREC_KERNEL_ONE_LAUNCH=1 run kernels_one_launch python3 -m gemrec.kernels.cli \
-    --configs B,C-cross,C-pma --out "$out/kernels_one_launch"; }
-  if ! want trainer; then (export CUDA_VISIBLE_DEVICES=0; one_launch) & fi  # GPU 0 is free without the trainer
+  kernel_extras() {
+    run kernels_profile python3 -m gemrec.kernels.cli --configs B,C-cross,C-pma --profile
+    GEMREC_KERNEL_RESIDENT=0 run kernels_tiled python3 -m gemrec.kernels.cli --configs C-cross,C-pma --no-peers \
+      --out "$out/kernels_tiled"
+  }
+  if ! want trainer; then (export CUDA_VISIBLE_DEVICES=0; kernel_extras) & fi  # GPU 0 is free without the trainer
 fi
 if want trainer; then
   export CUDA_VISIBLE_DEVICES=0
   run trainer_compiled python3 -m $T.gpu_bench --out "$out/trainer_compiled" --set train.compile=true --trace
   run trainer_eager python3 -m $T.gpu_bench --out "$out/trainer_eager"
   run trainer_reference python3 -m $T.gpu_bench --out "$out/trainer_reference" --set model.attention_backend=reference
-  if want kernels; then one_launch; fi
+  if want kernels; then kernel_extras; fi
   unset CUDA_VISIBLE_DEVICES
 fi
 wait

@@ -121,6 +121,21 @@ def test_asymmetric(op):
     check(op, [1, 500, 3], [1000, 17, 3], causal=True, bias=True, seed=5)
 
 
+@pytest.mark.parametrize("op", ["jfa", "gdpa"])
+def test_resident_side_kernels(op):
+    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 33, 17], bias=True, seed=12)  # resident keys, every bias
+    check(op, [3000, 5, 0], [100, 128, 7], head_dim=64, causal=True, seed=13)  # a 128-row resident key tile
+    check(op, [32], [700, 1, 0, 2000, 65], head_dim=256, bias=True, seed=14)  # resident seeds, widest head dim
+    check(op, [20, 0, 7], [1500, 3, 0], causal=True, seed=15)  # resident queries of their own per sequence
+
+
+@pytest.mark.parametrize("op", ["jfa", "gdpa"])
+def test_asymmetric_tiled(op, monkeypatch):
+    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")  # the same shapes through the tiled kernels
+    check(op, [32], [700, 1, 0, 2000, 65], seed=3)
+    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 33, 17], causal=True, seed=4)
+
+
 def test_compile_fullgraph_and_flops():
     from gemrec.kernels import attention_flops
     from torch.utils.flop_counter import FlopCounterMode

@@ -4,14 +4,15 @@ Forward and every gradient (q, k, v, attn_bias, position and time tables). The i
 before triton is first imported, so when this process imported triton without it these tests are skipped
 here and run in a subprocess by test_attention_interpreter_subprocess.py. Under the interpreter the one-launch
 backward (GEMREC_KERNEL_ONE_LAUNCH) and the tensor-descriptor tiles (GEMREC_KERNEL_TMA) are on unless a test
-switches them off.
+switches them off. With 16-wide head dims nearly every shape here fits the resident-K/V kernels, so the main tests
+run each shape three ways (`kernel_path`).
 """
 
 import pytest
 import torch
 from gemrec.kernels import RelativeBias, attention_flops, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels_module
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 pytestmark = pytest.mark.skipif(not kernels_module.INTERPRET,
@@ -71,28 +72,87 @@ def compare(q_lens, kv_lens, op="jfa", causal=False, normalize="kv_len", bias=Fa
 EDGE = [5, 0, 17, 1, 33]  # empty, length 1, lengths not multiples of the 16-wide interpreter tiles
 
 
+@pytest.fixture(params=["resident_kv", "resident_q", "tiled"])
+def kernel_path(request, monkeypatch):
+    """resident_kv: the defaults (K/V resident wherever the keys fit, 32 query rows per program); resident_q: only
+    query sequences of up to 16 rows fit, so those shapes keep the queries resident; tiled: resident kernels off."""
+    if request.param == "resident_q":
+        monkeypatch.setattr(kernels_module, "RESIDENT_MAX_TILE", 16 * DIM)
+    elif request.param == "tiled":
+        monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
+    return request.param
+
+
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("op", ["jfa", "silu"])
-def test_self_attention_with_all_biases(op, causal):
+def test_self_attention_with_all_biases(op, causal, kernel_path):
     compare(EDGE, EDGE, op=op, causal=causal, bias=True, seed=int(causal))
 
 
 @pytest.mark.parametrize("op,normalize", [("gelu", "max_len"), ("gelu_tanh", "none"), ("relu", "kv_len"),
                                           ("relu2", "max_len")])
-def test_activations(op, normalize):
+def test_activations(op, normalize, kernel_path):
     compare([7, 18], [7, 18], op=op, causal=True, normalize=normalize, seed=3)
+    compare([5, 40], [9, 3], op=op, causal=True, normalize=normalize, seed=30)
 
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
-def test_asymmetric_lengths(op):
+def test_asymmetric_lengths(op, kernel_path):
     compare([4], [20, 0, 37], op=op, bias=True, seed=4)  # PMA: shared seeds, never copied B times
-    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=5)  # cross-attention: long q over few keys
+    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, bias=True, seed=5)  # cross-attention: long q over few keys
     compare([20, 3], [6], op=op, seed=6)  # one key/value sequence shared by every query sequence
     compare([1, 50], [50, 1], op=op, causal=True, bias=True, seed=7)  # very unequal, both ways
+    compare([70, 0, 33], [3, 4, 0], op=op, seed=24)  # 3 query chunks of 32 rows over resident keys; no keys at all
+    compare([3, 0, 9], [70, 5, 0], op=op, causal=True, bias=True, seed=25)  # 3 key chunks over resident queries
+
+
+def test_resident_kernels_are_the_ones_that_run(monkeypatch):
+    launched = []
+    call = kernels_module._Kernel.__call__
+
+    def record(self, *args, **kwargs):
+        launched.append(self.kind)
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_module._Kernel, "__call__", record)
+    compare([40, 3], [5, 9], seed=26)
+    assert launched == ["fwd_rkv", "bwd_rkv"]
+    launched.clear()
+    monkeypatch.setattr(kernels_module, "RESIDENT_MAX_TILE", 16 * DIM)
+    compare([4], [40, 3], op="silu", seed=27)
+    assert launched == ["fwd", "bwd_rq"]
+    launched.clear()
+    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
+    compare([4], [40, 3], op="silu", seed=27)
+    assert "bwd_rq" not in launched and "fwd_rkv" not in launched
+
+
+def test_resident_side_choice_on_the_benchmark_shapes():
+    def problem(q_rows, kv_rows, q_lens, kv_lens, dim=128):
+        q = torch.empty(q_rows, 8, dim, device="meta")
+        k = torch.empty(kv_rows, 8, dim, device="meta")
+        return kernels_module.Problem(q, k, k, torch.zeros(q_lens + 1), torch.zeros(kv_lens + 1), 4096 if q_lens > 1
+                                      else 32, 4096 if kv_lens > 1 else 64, 0, False, 0.1, 0, None, None, None, None,
+                                      None, 128, 2.0)
+
+    assert problem(65536, 1280, 32, 32).resident() is None  # max lengths 4096 both ways
+    cross = kernels_module.Problem(torch.empty(65536, 8, 128, device="meta"), torch.empty(1280, 8, 128, device="meta"),
+                                   torch.empty(1280, 8, 128, device="meta"), torch.zeros(33), torch.zeros(33), 4096,
+                                   64, 0, False, 0.1, 0, None, None, None, None, None, 128, 2.0)
+    assert cross.resident() == "kv"  # C-cross: 64 keys x 128 dims
+    pma = kernels_module.Problem(torch.empty(32, 8, 128, device="meta"), torch.empty(65536, 8, 128, device="meta"),
+                                 torch.empty(65536, 8, 128, device="meta"), torch.zeros(2), torch.zeros(33), 32, 4096,
+                                 0, False, 0.1, 0, None, None, None, None, None, 128, 2.0)
+    assert pma.resident() == "q"  # C-pma: 32 seeds
+    wide = kernels_module.Problem(torch.empty(32, 8, 256, device="meta"), torch.empty(65536, 8, 256, device="meta"),
+                                  torch.empty(65536, 8, 256, device="meta"), torch.zeros(2), torch.zeros(33), 64,
+                                  4096, 0, False, 0.1, 0, None, None, None, None, None, 128, 2.0)
+    assert wide.resident() is None  # 64 seeds x 256 dims stay tiled
 
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
 def test_backward_with_dq_fused_into_the_key_block_kernel(op, monkeypatch):
+    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
     monkeypatch.setattr(kernels_module, "ONE_LAUNCH_MAX_WORK", 0)  # every problem too large for the one-launch path
     monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # dq by atomics from the dK/dV kernel everywhere
     compare(EDGE, EDGE, op=op, causal=True, seed=11)
@@ -107,6 +167,7 @@ def test_backward_in_separate_launches(op, monkeypatch):
     """GEMREC_KERNEL_ONE_LAUNCH=0 (every other test here runs the one-launch backward): delta kernel, dK/dV kernel,
     dQ kernel with the bias gradients; through tensor descriptors, then through pointer loads."""
     monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
+    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
     compare(EDGE, EDGE, op=op, causal=True, bias=True, seed=20)
     compare([4], [20, 0, 37], op=op, bias=True, seed=21)
     monkeypatch.setenv("GEMREC_KERNEL_TMA", "0")
@@ -125,14 +186,15 @@ def test_all_sequences_empty():
     compare([0, 3], [2, 0], op="silu", causal=True)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])  # kernel_path only selects a path
 @given(
     lens=st.lists(st.tuples(st.integers(0, 24), st.integers(0, 24)), min_size=1, max_size=3),
     op=st.sampled_from(["jfa", "silu", "gelu_tanh"]),
     causal=st.booleans(),
     bias=st.booleans(),
 )
-def test_random_jagged_shapes(lens, op, causal, bias):
+def test_random_jagged_shapes(lens, op, causal, bias, kernel_path):
     q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
     if max(q_lens) == 0 or max(kv_lens) == 0:
         q_lens, kv_lens = [a + 1 for a in q_lens], [b + 1 for b in kv_lens]
@@ -183,7 +245,7 @@ def test_compiled_op_does_not_recompile_for_new_tensors(monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
-def test_pointer_loads_without_tensor_descriptors(op, monkeypatch):
+def test_pointer_loads_without_tensor_descriptors(op, kernel_path, monkeypatch):
     monkeypatch.setenv("GEMREC_KERNEL_TMA", "0")  # the fallback for layouts a TMA descriptor cannot describe
     compare(EDGE, EDGE, op=op, causal=True, bias=True, seed=16)
     compare([4], [20, 0, 37], op=op, seed=17)

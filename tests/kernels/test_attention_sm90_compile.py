@@ -50,20 +50,30 @@ def pma_shared_seeds_with_attn_bias():
          normalize="max_len", backend="triton").sum().backward()
 
 
-@pytest.mark.parametrize("call,one_launch", [(jfa_causal_fused_dq, False), (gdpa_cross_short_keys_fp16, False),
-                                             (jfa_with_biases_head_dim_256, False),
-                                             (pma_shared_seeds_with_attn_bias, False), (jfa_causal_fused_dq, True),
-                                             (gdpa_cross_short_keys_fp16, True), (pma_shared_seeds_with_attn_bias, True)])
-def test_every_launched_kernel_compiles_for_sm90(call, one_launch, monkeypatch):
+RESIDENT_OFF = {"GEMREC_KERNEL_RESIDENT": "0"}
+ONE_LAUNCH = {"GEMREC_KERNEL_ONE_LAUNCH": "1", **RESIDENT_OFF}
+
+
+@pytest.mark.parametrize("call,env,kinds", [
+    (jfa_causal_fused_dq, {}, ["fwd", "delta", "dkdv"]),
+    (gdpa_cross_short_keys_fp16, {}, ["fwd_rkv", "bwd_rkv"]),  # keys resident: the whole backward in one kernel
+    (gdpa_cross_short_keys_fp16, RESIDENT_OFF, ["fwd", "dkdv", "dq"]),
+    (jfa_with_biases_head_dim_256, {}, ["fwd", "delta", "dkdv", "dq"]),
+    (pma_shared_seeds_with_attn_bias, {}, ["fwd", "bwd_rq"]),  # seeds resident
+    (pma_shared_seeds_with_attn_bias, RESIDENT_OFF, ["fwd", "dkdv", "dq"]),
+    (jfa_causal_fused_dq, ONE_LAUNCH, ["fwd", "bwd1"]),  # the whole fwd+bwd in two launches, biases included
+    (gdpa_cross_short_keys_fp16, ONE_LAUNCH, ["fwd", "bwd1"]),
+    (pma_shared_seeds_with_attn_bias, ONE_LAUNCH, ["fwd", "bwd1"]),
+], ids=lambda x: x.__name__ if callable(x) else ("-".join(f"{k[14:].lower()}={v}" for k, v in x.items()) or "default")
+    if isinstance(x, dict) else None)
+def test_every_launched_kernel_compiles_for_sm90(call, env, kinds, monkeypatch):
     from gemrec.kernels.aot import compile_launch, record_launches
 
-    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "1" if one_launch else "0")
+    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     launches = record_launches(call)
-    kinds = [launch.kind for launch in launches]
-    if one_launch:  # the whole fwd+bwd in two kernel launches, biases included
-        assert kinds == ["fwd", "bwd1"], kinds
-    else:
-        assert {"fwd", "dkdv"} <= set(kinds)
+    assert [launch.kind for launch in launches] == kinds
     for launch in launches:
         # the default tile, and the first tensor-descriptor (TMA) candidate where the layout allows one
         tma = [c for c in launch.candidates() if c.get("TMA")][:1]
