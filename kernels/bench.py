@@ -138,7 +138,7 @@ def _masks(case: Case, causal: bool, device):
 
 
 def peers(op: str, case: Case, causal: bool, device):
-    """name -> (callable returning an output, leaf tensors) for each peer that applies."""
+    """name -> (callable of the leaf tensors returning an output, leaf tensors) for each peer that applies."""
     scale = case.q.shape[-1] ** -0.5
     q_full = case.q.repeat(len(case.kv_lens), 1, 1) if case.shared_q else case.q
     out = {}
@@ -167,12 +167,12 @@ def peers(op: str, case: Case, causal: bool, device):
         block_mask = create_block_mask(doc_mask, None, None, doc_q.numel(), doc_kv.numel(), device=device)
         flex = torch.compile(flex_attention, dynamic=False)
         fq, fk, fv = (t.detach().clone().transpose(0, 1)[None].requires_grad_() for t in (q_full, case.k, case.v))
-        out["flex (doc mask)"] = (lambda: flex(fq, fk, fv, block_mask=block_mask, scale=scale), [fq, fk, fv])
+        out["flex (doc mask)"] = (lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=scale), [fq, fk, fv])
         out["sdpa padded (mask)"] = (
-            lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale), [qp, kp, vp])
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), [qp, kp, vp])
         nq, nk, nv = (t.detach().clone().requires_grad_() for t in (q_full, case.k, case.v))
 
-        def nested():
+        def nested(nq, nk, nv):
             jq = torch.nested.nested_tensor_from_jagged(nq, offsets_of(case.q_lens, device)).transpose(1, 2)
             jk = torch.nested.nested_tensor_from_jagged(nk, kv_off).transpose(1, 2)
             jv = torch.nested.nested_tensor_from_jagged(nv, kv_off).transpose(1, 2)
@@ -188,7 +188,7 @@ def peers(op: str, case: Case, causal: bool, device):
             s = torch.matmul(q, k.transpose(-1, -2)) * scale
             return torch.matmul((F.silu(s.float()) * maskf * inv_len).to(q.dtype), v)
 
-        out["compiled padded pointwise"] = (lambda: padded_gdpa(qp, kp, vp), [qp, kp, vp])
+        out["compiled padded pointwise"] = (padded_gdpa, [qp, kp, vp])
     return out
 
 
@@ -197,17 +197,23 @@ NOT_CAPTURABLE = {"sdpa nested"}
 
 
 def _time(fn, leaves, backward: bool, graph: bool = False) -> float:
-    """Median ms of one call (with backward: forward and input gradients). graph: replayed from a CUDA graph,
-    i.e. device time without the host's launch and Python costs (how a graph-captured training step runs)."""
+    """Median ms of one call `fn(*leaves)` (with backward: forward and input gradients). graph: replayed from a
+    CUDA graph, i.e. device time without the host's launch and Python costs (how a graph-captured training step
+    runs), on fresh copies of the leaves: an older autograd graph still holding a leaf's gradient accumulator made
+    on the default stream makes the capture fail ("operation would make the legacy stream depend on a capturing
+    blocking stream")."""
     import triton.testing
 
+    if graph:
+        leaves = [t.detach().clone().requires_grad_() for t in leaves]
     if backward:
-        grad = torch.randn_like(fn())
+        grad = torch.randn_like(fn(*leaves))
 
         def call():
-            torch.autograd.grad(fn(), leaves, grad)
+            torch.autograd.grad(fn(*leaves), leaves, grad)
     else:
-        call = fn
+        def call():
+            return fn(*leaves)
     with torch.set_grad_enabled(backward):
         call()
         if not graph:
@@ -282,6 +288,9 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
                   progress=print) -> list[dict]:
     """Correctness of every variant first, then fwd and fwd+bwd timings of ours and the peers."""
     device = torch.device("cuda")
+    # every config and grad mode compiles the peers' flex_attention and padded GDPA again; past dynamo's default
+    # limit of 8 recompiles they silently ran uncompiled (the C-pma Flex row at 20 ms)
+    torch._dynamo.config.recompile_limit = 64
     rows: list[dict] = []
     graph_jobs = []
     checks = {}
@@ -301,8 +310,8 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
             variant = f"{op}{'-causal' if causal else ''}"
             fwd_flops, bwd_flops = attention_flops(case.q_offsets, case.kv_offsets, cfg.heads, cfg.head_dim, causal)
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-            impls = {"ours (triton)": (lambda leaves=leaves, op=op, causal=causal, case=case: run_ours(
-                op, case, causal, "auto", *leaves), leaves)}
+            impls = {"ours (triton)": (lambda q, k, v, op=op, causal=causal, case=case: run_ours(
+                op, case, causal, "auto", q, k, v), leaves)}
             if with_peers:
                 try:
                     impls.update(peers(op, case, causal, device))
