@@ -7,6 +7,7 @@
 #   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
 #   scaling  scaling_bench (compiled, ZeRO-2, bf16 reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile
 #            cache) with nothing else running, and its report
+# On a 1-GPU host (nvidia-h200) the kernels part runs its steps one after another on that GPU instead.
 # Each step has its own time limit, so a slow step cannot eat the others. All parts take about 10 minutes plus
 # compile time: within one device call's 10-minute limit, run `tests,kernels,trainer` and `scaling` as two calls.
 # Results land in OUT (JSON, logs, traces) and OUT/all.tgz.
@@ -37,20 +38,25 @@ if want tests; then
     tests/model/test_model_attention.py
 fi
 if want kernels; then
-  (export CUDA_VISIBLE_DEVICES=1; run kernels python3 -m gemrec.kernels.cli --out "$out/kernels") &
   kernel_extras() {
     run kernels_profile python3 -m gemrec.kernels.cli --configs B,C-cross,C-pma --profile
     GEMREC_KERNEL_RESIDENT=0 run kernels_tiled python3 -m gemrec.kernels.cli --configs C-cross,C-pma --no-peers \
       --out "$out/kernels_tiled"
   }
-  if ! want trainer; then (export CUDA_VISIBLE_DEVICES=0; kernel_extras) & fi  # GPU 0 is free without the trainer
+  if (( $(nvidia-smi -L | wc -l) < 2 )); then
+    run kernels python3 -m gemrec.kernels.cli --out "$out/kernels"
+    kernel_extras
+  else
+    (export CUDA_VISIBLE_DEVICES=1; run kernels python3 -m gemrec.kernels.cli --out "$out/kernels") &
+    if ! want trainer; then (export CUDA_VISIBLE_DEVICES=0; kernel_extras) & fi  # GPU 0 is free without the trainer
+  fi
 fi
 if want trainer; then
   export CUDA_VISIBLE_DEVICES=0
   run trainer_compiled python3 -m $T.gpu_bench --out "$out/trainer_compiled" --set train.compile=true --trace
   run trainer_eager python3 -m $T.gpu_bench --out "$out/trainer_eager"
   run trainer_reference python3 -m $T.gpu_bench --out "$out/trainer_reference" --set model.attention_backend=reference
-  if want kernels; then kernel_extras; fi
+  if want kernels && (( $(nvidia-smi -L | wc -l) >= 2 )); then kernel_extras; fi
   unset CUDA_VISIBLE_DEVICES
 fi
 wait
