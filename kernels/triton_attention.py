@@ -311,11 +311,14 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                 NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
                 SCALE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    pid_m = tl.program_id(0)
-    if CAUSAL:
-        pid_m = tl.num_programs(0) - 1 - pid_m
-    h = tl.program_id(1)
-    b = tl.program_id(2)
+    if CAUSAL:  # grid (heads, sequences, query blocks): the blocks that see the most keys start first, in every sequence
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
+    else:
+        pid_m = tl.program_id(0)
+        h = tl.program_id(1)
+        b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     m0 = pid_m * BLOCK_M
     if m0 >= q_len:
@@ -917,15 +920,16 @@ CONFIGS = {
              _cfg(32, 64, 4, 2, True)],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
     # resident K/V (forward, backward: query blocks streamed) and resident queries (backward: key blocks streamed)
-    "fwd_rkv": [_rcfg(128, 1024, 8, 3), _rcfg(128, 512, 8, 3), _rcfg(64, 512, 4, 3), _rcfg(128, 2048, 8, 3),
-                _rcfg(128, 1024, 8, 3, True), _rcfg(128, 512, 8, 2, True), _rcfg(64, 512, 4, 3, True),
-                _rcfg(128, 1024, 4, 3, True)],
-    "bwd_rkv": [_rcfg(64, 1024, 8, 2), _rcfg(64, 512, 8, 2), _rcfg(32, 512, 4, 2), _rcfg(64, 1024, 4, 3),
-                _rcfg(128, 1024, 8, 2), _rcfg(64, 1024, 8, 2, True), _rcfg(64, 512, 8, 3, True),
-                _rcfg(32, 512, 4, 3, True), _rcfg(128, 1024, 8, 2, True)],
-    "bwd_rq": [_rq(64, 1024, 4, 3), _rq(64, 512, 4, 3), _rq(128, 1024, 8, 3), _rq(128, 2048, 8, 2),
-               _rq(64, 2048, 4, 3), _rq(64, 1024, 4, 3, True), _rq(128, 1024, 8, 3, True), _rq(64, 512, 4, 2, True),
-               _rq(128, 2048, 8, 3, True)],
+    "fwd_rkv": [_rcfg(128, 1024, 8, 3), _rcfg(128, 512, 8, 3), _rcfg(64, 512, 4, 3), _rcfg(128, 256, 8, 3),
+                _rcfg(64, 256, 4, 3), _rcfg(128, 1024, 8, 3, True), _rcfg(128, 512, 8, 2, True),
+                _rcfg(64, 512, 4, 3, True), _rcfg(128, 256, 8, 3, True)],
+    "bwd_rkv": [_rcfg(64, 1024, 8, 2), _rcfg(64, 512, 8, 2), _rcfg(32, 512, 4, 2), _rcfg(32, 256, 4, 2),
+                _rcfg(32, 256, 4, 3), _rcfg(128, 1024, 8, 2), _rcfg(64, 1024, 8, 2, True), _rcfg(64, 512, 8, 3, True),
+                _rcfg(32, 512, 4, 3, True), _rcfg(32, 256, 4, 3, True), _rcfg(32, 256, 4, 2, True),
+                _rcfg(64, 256, 8, 3, True)],
+    "bwd_rq": [_rq(64, 1024, 4, 3), _rq(64, 512, 4, 3), _rq(64, 256, 4, 3), _rq(32, 256, 4, 3), _rq(32, 512, 4, 2),
+               _rq(128, 1024, 8, 3), _rq(64, 1024, 4, 3, True), _rq(128, 1024, 8, 3, True), _rq(64, 512, 4, 2, True),
+               _rq(64, 256, 4, 3, True), _rq(64, 512, 4, 3, True)],
 }
 LARGE_HEAD_DIM_CONFIGS = {
     "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2, True)],
@@ -1097,8 +1101,8 @@ class _Kernel:
                 failures.append((_config_name(config), f"{type(err).__name__}: {err}"[:300]))
         for t in reset:
             t.zero_()
-        self.tuning_log.append({"key": tune_key, "consts": dict(consts), "seconds": time.perf_counter() - start,
-                                "timings": timings, "failures": failures})
+        self.tuning_log.append({"key": tune_key, "consts": dict(consts), "started": start,
+                                "seconds": time.perf_counter() - start, "timings": timings, "failures": failures})
         if not timings:
             raise RuntimeError(f"no {self.kind} candidate ran: {failures}")
         return min(timings, key=lambda tc: tc[0])[1]
@@ -1123,16 +1127,18 @@ def _pow2_at_least(n: int) -> int:
 
 
 def tuned_configs() -> list[dict]:
-    """What the autotuner chose so far in this process, per kernel and key (for benchmark reports)."""
+    """What the autotuner chose so far in this process, per kernel and key, in the order it tuned them (for
+    benchmark reports)."""
     out = []
-    for kind, kernel in _KERNELS.items():
-        for entry in kernel.tuning_log:
-            best_ms, best = min(entry["timings"], key=lambda tc: tc[0])
-            out.append({"kernel": kind, "constexprs": entry["consts"], "len_buckets": entry["key"][1],
-                        "config": best, "ms": round(best_ms, 4), "tuning_s": round(entry["seconds"], 2),
-                        "candidates_ms": {_config_name(c): round(ms, 4) for ms, c in sorted(entry["timings"],
-                                                                                             key=lambda tc: tc[0])},
-                        "failures": entry["failures"]})
+    entries = sorted(((entry, kind) for kind, kernel in _KERNELS.items() for entry in kernel.tuning_log),
+                     key=lambda pair: pair[0]["started"])
+    for entry, kind in entries:
+        best_ms, best = min(entry["timings"], key=lambda tc: tc[0])
+        out.append({"kernel": kind, "constexprs": entry["consts"], "len_buckets": entry["key"][1], "config": best,
+                    "ms": round(best_ms, 4), "tuning_s": round(entry["seconds"], 2),
+                    "candidates_ms": {_config_name(c): round(ms, 4) for ms, c in sorted(entry["timings"],
+                                                                                         key=lambda tc: tc[0])},
+                    "failures": entry["failures"]})
     return out
 
 
@@ -1253,7 +1259,8 @@ def forward(p: Problem):
     else:
 
         def grid(meta):
-            return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
+            blocks = triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"])
+            return (p.heads, p.num_seqs, blocks) if p.causal else (blocks, p.heads, p.num_seqs)
 
         _KERNELS["fwd"](grid, args, consts, p.bucket, tma=tma_ok(k, v))
     return out, lse

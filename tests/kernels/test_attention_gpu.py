@@ -123,7 +123,10 @@ def test_asymmetric(op):
 
 @pytest.mark.parametrize("op", ["jfa", "gdpa"])
 def test_resident_side_kernels(op):
-    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 33, 17], bias=True, seed=12)  # resident keys, every bias
+    # resident keys with every bias; queries up to 300 rows keep relative positions within the table's 512 (far
+    # beyond, every pair of a row lands in the last bucket, whose softmax gradient then cancels to a residual that
+    # bf16 cannot resolve)
+    check(op, [300, 1, 0, 280, 65], [16, 64, 5, 33, 17], bias=True, seed=12)
     check(op, [3000, 5, 0], [100, 128, 7], head_dim=64, causal=True, seed=13)  # a 128-row resident key tile
     check(op, [32], [700, 1, 0, 2000, 65], head_dim=256, bias=True, seed=14)  # resident seeds, widest head dim
     check(op, [20, 0, 7], [1500, 3, 0], causal=True, seed=15)  # resident queries of their own per sequence
