@@ -311,14 +311,11 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                 NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
                 SCALE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    if CAUSAL:  # grid (heads, sequences, query blocks): the blocks that see the most keys start first, in every sequence
-        h = tl.program_id(0)
-        b = tl.program_id(1)
-        pid_m = tl.num_programs(2) - 1 - tl.program_id(2)
-    else:
-        pid_m = tl.program_id(0)
-        h = tl.program_id(1)
-        b = tl.program_id(2)
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     m0 = pid_m * BLOCK_M
     if m0 >= q_len:
@@ -908,7 +905,7 @@ CONFIGS = {
     "fwd": [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3),
             _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 8, 3),
             _cfg(128, 64, 8, 3, True), _cfg(128, 128, 8, 3, True), _cfg(128, 128, 8, 2, True), _cfg(128, 64, 8, 4, True),
-            _cfg(64, 64, 4, 3, True), _cfg(64, 32, 4, 2, True)],
+            _cfg(64, 64, 4, 3, True), _cfg(64, 64, 4, 4, True), _cfg(64, 64, 4, 2, True), _cfg(64, 32, 4, 2, True)],
     "dkdv": [_cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
              _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 3), _cfg(16, 64, 8, 2),
              _cfg(64, 128, 8, 3, True), _cfg(32, 128, 8, 3, True), _cfg(32, 64, 4, 2, True), _cfg(64, 64, 4, 3, True)],
@@ -1259,8 +1256,7 @@ def forward(p: Problem):
     else:
 
         def grid(meta):
-            blocks = triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"])
-            return (p.heads, p.num_seqs, blocks) if p.causal else (blocks, p.heads, p.num_seqs)
+            return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
         _KERNELS["fwd"](grid, args, consts, p.bucket, tma=tma_ok(k, v))
     return out, lse
