@@ -1091,7 +1091,9 @@ class _Kernel:
                 self.fn.run(*args, grid=grid(config), warmup=False, **consts, **config)
 
             try:
-                timings.append((do_bench(trial, warmup=5, rep=25, return_mode="median"), config))
+                # as long as a sustained run: a short burst runs at clocks a training step does not keep (A's causal
+                # GDPA forward: 0.83 ms in a 25 ms burst, 0.91 ms over 100 ms), which can rank candidates differently
+                timings.append((do_bench(trial, warmup=25, rep=100, return_mode="median"), config))
             except OutOfResources:
                 continue
             except Exception as err:  # a candidate that fails to build is skipped and logged
