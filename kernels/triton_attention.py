@@ -509,6 +509,29 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
 
 
 @triton.jit
+def _bwd_kv_setup(Q, K, V, Out, DO, n0, q_start, q_len, kv_start, kv_len, o_start, h, stride_qt, stride_qh, stride_kt,
+                  stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
+                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  DELTA_INLINE: tl.constexpr, TMA: tl.constexpr):
+    """A key block's K and V tiles (from row n0), its index vectors and masks, and with TMA the sequence's Q, DO
+    (and, for the in-kernel softmax delta, Out) descriptors in place of the pointers."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    col_ok = offs_n < kv_len
+    d_ok = offs_d < HEAD_DIM
+    kv_rows = kv_start + offs_n
+    kmask = col_ok[:, None] & d_ok[None, :]
+    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
+    if TMA:
+        Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+        DO = _seq_desc(DO, o_start, q_len, stride_dot, stride_doh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+        if DELTA_INLINE:
+            Out = _seq_desc(Out, o_start, q_len, stride_ot, stride_oh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+    return k, v, Q, DO, Out, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask
+
+
+@triton.jit
 def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
                      stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                      stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
@@ -533,19 +556,10 @@ def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS,
     shift = kv_len - q_len
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     ns = _norm_scale(kv_len, norm_scale, NORM)
-    offs_n = n0 + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    col_ok = offs_n < kv_len
-    d_ok = offs_d < HEAD_DIM
-    kv_rows = kv_start + offs_n
-    kmask = col_ok[:, None] & d_ok[None, :]
-    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
-    if TMA:
-        Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
-        DO = _seq_desc(DO, o_start, q_len, stride_dot, stride_doh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
-        if DELTA_INLINE:
-            Out = _seq_desc(Out, o_start, q_len, stride_ot, stride_oh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+    k, v, Q, DO, Out, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask = _bwd_kv_setup(
+        Q, K, V, Out, DO, n0, q_start, q_len, kv_start, kv_len, o_start, h, stride_qt, stride_qh, stride_kt,
+        stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh, HEAD_DIM, BLOCK_M, BLOCK_N,
+        BLOCK_D, DELTA_INLINE, TMA)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     # query blocks [m_lo, m_full): causal diagonal (masked); [m_full, m_tail): every pair valid (no masks);
@@ -754,19 +768,10 @@ def _bwd_kv_resident_kernel(Q, K, V, Out, DO, LSE, DQ, DKA, DVA, AB, DAB, PT, DP
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     DELTA_INLINE: tl.constexpr = MODE == 0
     ns = _norm_scale(kv_len, norm_scale, NORM)
-    offs_n = tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    col_ok = offs_n < kv_len
-    d_ok = offs_d < HEAD_DIM
-    kv_rows = kv_start + offs_n
-    kmask = col_ok[:, None] & d_ok[None, :]
-    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
-    if TMA:
-        Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
-        DO = _seq_desc(DO, o_start, q_len, stride_dot, stride_doh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
-        if DELTA_INLINE:
-            Out = _seq_desc(Out, o_start, q_len, stride_ot, stride_oh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+    k, v, Q, DO, Out, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask = _bwd_kv_setup(
+        Q, K, V, Out, DO, 0, q_start, q_len, kv_start, kv_len, o_start, h, stride_qt, stride_qh, stride_kt,
+        stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh, HEAD_DIM, BLOCK_M, BLOCK_N,
+        BLOCK_D, DELTA_INLINE, TMA)
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for m0 in range(m_begin, m_end, BLOCK_M):
