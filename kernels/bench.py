@@ -37,7 +37,8 @@ class Config:
 CONFIGS = {
     "A": Config("A", 32, 8, 128, "uniform:1:4096", "self", (("jfa", False), ("jfa", True), ("gdpa", True)),
                 "JFA >= 450 fwd, >= 350 fwd+bwd; GDPA silu causal >= 450 fwd, >= 300 fwd+bwd"),
-    "B": Config("B", 256, 4, 64, "lognormal:128:1024", "self", (("jfa", True), ("gdpa", True)),
+    "B": Config("B", 256, 4, 64, "lognormal:128:1024", "self", (("jfa", False), ("jfa", True), ("gdpa", False),
+                                                                ("gdpa", True)),
                 ">= 2x FlexAttention, both ops"),
     "C-cross": Config("C-cross", 32, 8, 128, "uniform:1:4096", "uniform:16:64", (("jfa", False), ("gdpa", False)),
                       ">= 2x the best peer"),
