@@ -1162,6 +1162,11 @@ def _len_bucket(n: int) -> int:
     return max(64, _pow2_at_least(n))
 
 
+def _resident_block(length: int) -> int:
+    """The resident side's tile rows for sequences of up to `length` rows."""
+    return max(16, _pow2_at_least(length))
+
+
 def _log_inv(num_pos: int, max_distance: int) -> float:
     exact = num_pos // 2
     return (num_pos - exact) / math.log(max_distance / exact) if num_pos >= 2 else 0.0
@@ -1200,9 +1205,6 @@ class Problem:
         )
         self.block_d = max(16, _pow2_at_least(self.head_dim))
 
-    def resident_block(self, length: int) -> int:
-        return max(16, _pow2_at_least(length))
-
     def resident(self) -> str | None:
         """Which side a program keeps loaded while it walks the other (`RESIDENT_MAX_TILE`): "kv" where every key
         sequence fits one tile (cross-attention to a few tokens; forward and backward), else "q" where every query
@@ -1210,9 +1212,9 @@ class Problem:
         GEMREC_KERNEL_RESIDENT=0. Their backward is one launch with the softmax delta computed in-kernel."""
         if not _resident_enabled():
             return None
-        if self.resident_block(self.max_kv_len) * self.block_d <= RESIDENT_MAX_TILE:
+        if _resident_block(self.max_kv_len) * self.block_d <= RESIDENT_MAX_TILE:
             return "kv"
-        if self.resident_block(self.max_q_len) * self.block_d <= RESIDENT_MAX_TILE:
+        if _resident_block(self.max_q_len) * self.block_d <= RESIDENT_MAX_TILE:
             return "q"
         return None
 
@@ -1256,7 +1258,7 @@ def forward(p: Problem):
         def grid(meta):
             return (triton.cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
-        _KERNELS["fwd_rkv"](grid, args, {**consts, "BLOCK_N": p.resident_block(p.max_kv_len)}, p.bucket,
+        _KERNELS["fwd_rkv"](grid, args, {**consts, "BLOCK_N": _resident_block(p.max_kv_len)}, p.bucket,
                             tma=tma_ok(q))
     else:
 
@@ -1325,7 +1327,7 @@ def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             go.stride(0), go.stride(1), dq.stride(0), dq.stride(1), dka.stride(0), dka.stride(1), sabt, sabh, spt, stt,
             p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-    _KERNELS["bwd_rkv"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "BLOCK_N": p.resident_block(p.max_kv_len)},
+    _KERNELS["bwd_rkv"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "BLOCK_N": _resident_block(p.max_kv_len)},
                         p.bucket, reset=tuple(t for t in (dka, dva, dpt, dtt) if t is not None),
                         tma=tma_ok(q, go, out))
     return dq, dka.to(k.dtype), dva.to(v.dtype)
@@ -1347,7 +1349,7 @@ def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             go.stride(0), go.stride(1), dqa.stride(0), dqa.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
             dv.stride(1), sabt, sabh, spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-    _KERNELS["bwd_rq"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "BLOCK_M": p.resident_block(p.max_q_len)},
+    _KERNELS["bwd_rq"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "BLOCK_M": _resident_block(p.max_q_len)},
                        p.bucket, reset=tuple(t for t in (dqa, dpt, dtt) if t is not None), tma=tma_ok(k, v))
     return dqa, dk, dv
 

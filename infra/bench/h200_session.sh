@@ -28,6 +28,7 @@ ln -sfn "$root" /tmp/gemrec-path/gemrec
 export PYTHONPATH=/tmp/gemrec-path PYTHONUNBUFFERED=1
 cd "$root"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > "$out/gpus.txt"
+gpus=$(nvidia-smi -L | wc -l)
 T=gemrec.components.trainer
 S=$T.parallel.scaling_bench
 run() { local name=$1; shift; timeout "$limit" "$@" > "$out/$name.log" 2>&1; echo "$name: exit $?" | tee -a "$out/status.txt"; }
@@ -43,7 +44,7 @@ if want kernels; then
     GEMREC_KERNEL_RESIDENT=0 run kernels_tiled python3 -m gemrec.kernels.cli --configs C-cross,C-pma --no-peers \
       --out "$out/kernels_tiled"
   }
-  if (( $(nvidia-smi -L | wc -l) < 2 )); then
+  if (( gpus < 2 )); then
     run kernels python3 -m gemrec.kernels.cli --out "$out/kernels"
     kernel_extras
   else
@@ -56,7 +57,7 @@ if want trainer; then
   run trainer_compiled python3 -m $T.gpu_bench --out "$out/trainer_compiled" --set train.compile=true --trace
   run trainer_eager python3 -m $T.gpu_bench --out "$out/trainer_eager"
   run trainer_reference python3 -m $T.gpu_bench --out "$out/trainer_reference" --set model.attention_backend=reference
-  if want kernels && (( $(nvidia-smi -L | wc -l) >= 2 )); then kernel_extras; fi
+  if want kernels && (( gpus >= 2 )); then kernel_extras; fi
   unset CUDA_VISIBLE_DEVICES
 fi
 wait

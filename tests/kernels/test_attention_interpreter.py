@@ -128,26 +128,16 @@ def test_resident_kernels_are_the_ones_that_run(monkeypatch):
 
 
 def test_resident_side_choice_on_the_benchmark_shapes():
-    def problem(q_rows, kv_rows, q_lens, kv_lens, dim=128):
+    def problem(q_rows, kv_rows, q_seqs, max_q, max_kv, dim=128):  # 32 key sequences; q_seqs 1: shared queries
         q = torch.empty(q_rows, 8, dim, device="meta")
         k = torch.empty(kv_rows, 8, dim, device="meta")
-        return kernels_module.Problem(q, k, k, torch.zeros(q_lens + 1), torch.zeros(kv_lens + 1), 4096 if q_lens > 1
-                                      else 32, 4096 if kv_lens > 1 else 64, 0, False, 0.1, 0, None, None, None, None,
-                                      None, 128, 2.0)
+        return kernels_module.Problem(q, k, k, torch.zeros(q_seqs + 1), torch.zeros(33), max_q, max_kv, 0, False, 0.1,
+                                      0, None, None, None, None, None, 128, 2.0)
 
-    assert problem(65536, 1280, 32, 32).resident() is None  # max lengths 4096 both ways
-    cross = kernels_module.Problem(torch.empty(65536, 8, 128, device="meta"), torch.empty(1280, 8, 128, device="meta"),
-                                   torch.empty(1280, 8, 128, device="meta"), torch.zeros(33), torch.zeros(33), 4096,
-                                   64, 0, False, 0.1, 0, None, None, None, None, None, 128, 2.0)
-    assert cross.resident() == "kv"  # C-cross: 64 keys x 128 dims
-    pma = kernels_module.Problem(torch.empty(32, 8, 128, device="meta"), torch.empty(65536, 8, 128, device="meta"),
-                                 torch.empty(65536, 8, 128, device="meta"), torch.zeros(2), torch.zeros(33), 32, 4096,
-                                 0, False, 0.1, 0, None, None, None, None, None, 128, 2.0)
-    assert pma.resident() == "q"  # C-pma: 32 seeds
-    wide = kernels_module.Problem(torch.empty(32, 8, 256, device="meta"), torch.empty(65536, 8, 256, device="meta"),
-                                  torch.empty(65536, 8, 256, device="meta"), torch.zeros(2), torch.zeros(33), 64,
-                                  4096, 0, False, 0.1, 0, None, None, None, None, None, 128, 2.0)
-    assert wide.resident() is None  # 64 seeds x 256 dims stay tiled
+    assert problem(65536, 1280, 32, 4096, 4096).resident() is None  # max lengths 4096 both ways
+    assert problem(65536, 1280, 32, 4096, 64).resident() == "kv"  # C-cross: 64 keys x 128 dims
+    assert problem(32, 65536, 1, 32, 4096).resident() == "q"  # C-pma: 32 seeds
+    assert problem(32, 65536, 1, 64, 4096, dim=256).resident() is None  # 64 seeds x 256 dims stay tiled
 
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
