@@ -25,9 +25,7 @@ ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust
   GEMREC_KERNEL_TMA=0 drops the tensor-descriptor (TMA) tiles from the candidates;
   GEMREC_KERNEL_ONE_LAUNCH=1 runs the backward of small problems as one kernel launch (delta and dQ in-kernel;
   off by default on the GPU, where it was not faster); GEMREC_KERNEL_RESIDENT=0 turns off the resident-side
-  kernels (cross-attention to a few keys, PMA seeds: the short side stays loaded, one-kernel backward);
-  GEMREC_KERNEL_PACKED_GRID=0 gives the forward a program per (query block, head, sequence) of the longest
-  sequence instead of one per real query block.
+  kernels (cross-attention to a few keys, PMA seeds: the short side stays loaded, one-kernel backward).
   Eager calls on plain tensors skip the custom-op dispatch and launch the kernels straight from Python.
 """
 

@@ -169,24 +169,6 @@ def _seq_info(q_off, kv_off, b, Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr)
 
 
 @triton.jit
-def _packed_block(q_off, pid, num_seqs, num_heads, BLOCK_M: tl.constexpr, PACKED_SEQS: tl.constexpr):
-    """(sequence, query block, head) of program `pid` in a grid over only the real query blocks: sequences in order,
-    within one its last (for causal, heaviest) blocks first and heads fastest, so a sequence's K/V stay in L2 and the
-    longer work starts early. Programs past the last block get block -1."""
-    s = tl.arange(0, PACKED_SEQS)
-    ok = s < num_seqs
-    lens = (tl.load(q_off + s + 1, mask=ok, other=0) - tl.load(q_off + s, mask=ok, other=0)).to(tl.int32)
-    work = tl.cdiv(lens, BLOCK_M) * num_heads
-    ends = tl.cumsum(work, 0)
-    b = tl.sum((ends <= pid).to(tl.int32), 0)
-    this = s == b
-    local = pid - tl.sum(tl.where(this, ends - work, 0), 0)
-    blocks = tl.sum(tl.where(this, work, 0), 0) // num_heads
-    m = tl.where(b < num_seqs, blocks - 1 - local // num_heads, -1)
-    return tl.minimum(b, num_seqs - 1), m, local % num_heads
-
-
-@triton.jit
 def _norm_scale(kv_len, max_len_scale, NORM: tl.constexpr):
     """GDPA's per-sequence output scale: 1 / key count (NORM 1), 1 / max length (NORM 2), or 1."""
     if NORM == 1:
@@ -323,24 +305,20 @@ def _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_star
 def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
                 stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                 stride_abt, stride_abh, stride_pth, stride_tth,
-                scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads, num_seqs,
+                scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads,
                 HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
                 Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                 NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                SCALE_POS: tl.constexpr, PACKED_SEQS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
-    if PACKED_SEQS > 0:
-        b, pid_m, h = _packed_block(q_off, tl.program_id(0), num_seqs, num_heads, BLOCK_M, PACKED_SEQS)
-    else:
-        pid_m = tl.program_id(0)
-        if CAUSAL:
-            pid_m = tl.num_programs(0) - 1 - pid_m
-        h = tl.program_id(1)
-        b = tl.program_id(2)
+                SCALE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+    pid_m = tl.program_id(0)
+    if CAUSAL:
+        pid_m = tl.num_programs(0) - 1 - pid_m
+    h = tl.program_id(1)
+    b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     m0 = pid_m * BLOCK_M
-    if (m0 < 0) | (m0 >= q_len):
+    if m0 >= q_len:
         return
     shift = kv_len - q_len
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -966,8 +944,6 @@ LARGE_HEAD_DIM_CONFIGS = {
 # The resident-side kernels keep the short side's (rows x head dim) tile, and its fp32 gradient, loaded for the whole
 # program: used where the short side's rows (a power of two, at least 16) times the head-dim tile fit this.
 RESIDENT_MAX_TILE = 64 * 128
-# The forward's packed grid (`Problem.packed_seqs`) has each program read all sequences' offsets: up to this many.
-PACKED_GRID_MAX_SEQS = 512
 # Fused dQ (atomics) pays when each query block meets several key blocks; with short key sequences (cross-
 # attention to a few tokens) the recompute kernel is cheaper than an fp32 atomic per dQ element per key block.
 FUSE_DQ_MIN_KV = 128
@@ -1242,14 +1218,6 @@ class Problem:
             return "q"
         return None
 
-    def packed_seqs(self) -> int:
-        """The forward's grid covers only real query blocks (`_packed_block`) for up to PACKED_GRID_MAX_SEQS
-        sequences with their own queries (each program reads every offset): the power of two of sequences it loads,
-        or 0 for the (query block, head, sequence) grid, also with GEMREC_KERNEL_PACKED_GRID=0."""
-        if self.q_shared or self.num_seqs > PACKED_GRID_MAX_SEQS or not _switch("GEMREC_KERNEL_PACKED_GRID", True):
-            return 0
-        return max(16, _pow2_at_least(self.num_seqs))
-
     def fuse_dq(self) -> bool:
         return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
 
@@ -1293,14 +1261,11 @@ def forward(p: Problem):
         _KERNELS["fwd_rkv"](grid, args, {**consts, "BLOCK_N": _resident_block(p.max_kv_len)}, p.bucket,
                             tma=tma_ok(q))
     else:
-        packed = p.packed_seqs()
 
         def grid(meta):
-            if packed:  # at most total // BLOCK_M + num_seqs query blocks, all heads
-                return ((q.shape[0] // meta["BLOCK_M"] + p.num_seqs) * p.heads,)
             return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-        _KERNELS["fwd"](grid, (*args, p.num_seqs), {**consts, "PACKED_SEQS": packed}, p.bucket, tma=tma_ok(k, v))
+        _KERNELS["fwd"](grid, args, consts, p.bucket, tma=tma_ok(k, v))
     return out, lse
 
 

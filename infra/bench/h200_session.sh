@@ -2,8 +2,8 @@
 # Every GPU number of docs/benchmarks.md on a 2-GPU H200 host (device kind nvidia-h200-x2), in parts:
 #   tests    GPU tests of the kernels and the model dispatch
 #   kernels  `gemrec bench kernels` on GPU 1; on GPU 0 at the same time (or after the trainer when `trainer` runs)
-#            ours only on A and B with the forward's packed grid off (GEMREC_KERNEL_PACKED_GRID=0), then on C with
-#            the resident-side kernels off (GEMREC_KERNEL_RESIDENT=0): their before/after
+#            the per-kernel device times of ours on B and C (--profile), then C with the resident-side kernels off
+#            (GEMREC_KERNEL_RESIDENT=0, ours only: their before/after)
 #   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
 #   scaling  scaling_bench (compiled, ZeRO-2, bf16 reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile
 #            cache) with nothing else running, and its report
@@ -40,8 +40,7 @@ if want tests; then
 fi
 if want kernels; then
   kernel_extras() {
-    GEMREC_KERNEL_PACKED_GRID=0 run kernels_unpacked python3 -m gemrec.kernels.cli --configs A,B --no-peers \
-      --out "$out/kernels_unpacked"
+    run kernels_profile python3 -m gemrec.kernels.cli --configs B,C-cross,C-pma --profile
     GEMREC_KERNEL_RESIDENT=0 run kernels_tiled python3 -m gemrec.kernels.cli --configs C-cross,C-pma --no-peers \
       --out "$out/kernels_tiled"
   }

@@ -10,8 +10,6 @@ run each shape three ways (`kernel_path`).
 
 import pytest
 import torch
-import triton
-import triton.language as tl
 from gemrec.kernels import RelativeBias, attention_flops, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels_module
 from hypothesis import HealthCheck, given, settings
@@ -74,36 +72,15 @@ def compare(q_lens, kv_lens, op="jfa", causal=False, normalize="kv_len", bias=Fa
 EDGE = [5, 0, 17, 1, 33]  # empty, length 1, lengths not multiples of the 16-wide interpreter tiles
 
 
-@pytest.fixture(params=["resident_kv", "resident_q", "tiled", "tiled_unpacked"])
+@pytest.fixture(params=["resident_kv", "resident_q", "tiled"])
 def kernel_path(request, monkeypatch):
     """resident_kv: the defaults (K/V resident wherever the keys fit, 32 query rows per program); resident_q: only
-    query sequences of up to 16 rows fit, so those shapes keep the queries resident; tiled: resident kernels off;
-    tiled_unpacked: also the forward's (query block, head, sequence) grid instead of the packed one."""
+    query sequences of up to 16 rows fit, so those shapes keep the queries resident; tiled: resident kernels off."""
     if request.param == "resident_q":
         monkeypatch.setattr(kernels_module, "RESIDENT_MAX_TILE", 16 * DIM)
-    elif request.param.startswith("tiled"):
+    elif request.param == "tiled":
         monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
-    if request.param == "tiled_unpacked":
-        monkeypatch.setenv("GEMREC_KERNEL_PACKED_GRID", "0")
     return request.param
-
-
-@triton.jit
-def _packed_block_probe(q_off, out, num_seqs, num_heads, BLOCK_M: tl.constexpr, PACKED_SEQS: tl.constexpr):
-    pid = tl.program_id(0)
-    b, m, h = kernels_module._packed_block(q_off, pid, num_seqs, num_heads, BLOCK_M, PACKED_SEQS)
-    tl.store(out + pid * 3 + tl.arange(0, 4), tl.where(tl.arange(0, 4) == 0, b, tl.where(tl.arange(0, 4) == 1, m, h)),
-             mask=tl.arange(0, 4) < 3)
-
-
-def test_packed_grid_visits_every_real_block_once_heaviest_first():
-    lengths, heads, block = [5, 0, 33, 16, 1], 3, 16
-    programs = (sum(lengths) // block + len(lengths)) * heads
-    out = torch.full((programs, 3), -7, dtype=torch.int32)
-    _packed_block_probe[(programs,)](offsets_of(lengths), out, len(lengths), heads, block, 16)
-    expected = [(b, m, h) for b, n in enumerate(lengths) for m in reversed(range(-(-n // block))) for h in range(heads)]
-    assert [tuple(row) for row in out[:len(expected)].tolist()] == expected
-    assert (out[len(expected):, 1] == -1).all()  # past the last block: nothing to do
 
 
 @pytest.mark.parametrize("causal", [False, True])
