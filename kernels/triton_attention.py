@@ -995,8 +995,7 @@ CONFIGS = {
                _rq(64, 256, 4, 3, True), _rq(64, 512, 4, 3, True)],
 }
 LARGE_HEAD_DIM_CONFIGS = {
-    "fwd": [_fcfg(64, 64, 8, 2), _fcfg(64, 32, 4, 2), _fcfg(64, 64, 8, 2, True), _fcfg(64, 32, 4, 2, pairs=True),
-            _fcfg(64, 32, 4, 2, True, True)],
+    "fwd": [_fcfg(64, 64, 8, 2), _fcfg(64, 32, 4, 2), _fcfg(64, 64, 8, 2, True), _fcfg(64, 32, 4, 2, True, True)],
     "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True)],
     "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2, True)],
     "fwd_rkv": [_rcfg(64, 512, 4, 2), _rcfg(64, 512, 8, 2), _rcfg(64, 512, 4, 2, True)],
