@@ -38,7 +38,7 @@ class Launch:
         return self.kernel.kind
 
     def candidates(self) -> list[dict]:
-        return kernels._candidates(self.kind, self.consts, self.tma)
+        return kernels._candidates(self.kind, self.consts["HEAD_DIM"], self.tma)
 
 
 @contextmanager

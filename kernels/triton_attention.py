@@ -285,62 +285,20 @@ def _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_star
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     else:
-        if not HAS_BIAS:
-            s = qk
-        a = _gdpa_scores(qk, s, scale, MODE, HAS_BIAS, FAST)
+        if MODE == 1 and FAST:  # silu(s) = u + u * tanh(u), u = s / 2: one MUFU op and one FMA per score
+            if HAS_BIAS:
+                u = 0.5 * s
+            else:
+                u = qk * (0.5 * scale)
+            a = u + u * _tanh(u, FAST)
+        else:
+            if not HAS_BIAS:
+                s = qk * scale
+            a, _ = _activation(s, MODE, FAST)
         if MASKED:
             a = tl.where(valid, a, 0.0)
         acc = tl.dot(a.to(v.dtype), v, acc)
     return acc, m_i, l_i
-
-
-@triton.jit
-def _gdpa_scores(qk, s, scale, MODE: tl.constexpr, HAS_BIAS: tl.constexpr, FAST: tl.constexpr):
-    """GDPA's activation of the scores: of `s` (scaled, biased) with a bias, else of scale * `qk`."""
-    if MODE == 1 and FAST:  # silu(s) = u + u * tanh(u), u = s / 2: one MUFU op and one FMA per score
-        if HAS_BIAS:
-            u = 0.5 * s
-        else:
-            u = qk * (0.5 * scale)
-        a = u + u * _tanh(u, FAST)
-    else:
-        if not HAS_BIAS:
-            s = qk * scale
-        a, _ = _activation(s, MODE, FAST)
-    return a
-
-
-@triton.jit
-def _gdpa_pair(acc, q, K, V, n0, kv_start, kv_len, shift, h, o_start, offs_m, offs_n, offs_d, row_ok, d_ok,
-               stride_kt, stride_kh, stride_vt, stride_vh, scale,
-               AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
-               MODE: tl.constexpr, HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-               NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
-               TMA: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Two full key blocks (from n0) of the GDPA forward, both score matmuls issued first: the second block's
-    matmul runs on the tensor cores while the first block's activation runs on the other units, and the first
-    block's value matmul while the second's activation runs."""
-    cols_a = n0 + offs_n
-    cols_b = cols_a + BLOCK_N
-    k_a, v_a = _load_kv(K, V, n0, kv_start, cols_a, cols_a < kv_len, d_ok, stride_kt, stride_kh, stride_vt, stride_vh,
-                        h, offs_d, False, EVEN_D, TMA)
-    k_b, v_b = _load_kv(K, V, n0 + BLOCK_N, kv_start, cols_b, cols_b < kv_len, d_ok, stride_kt, stride_kh, stride_vt,
-                        stride_vh, h, offs_d, False, EVEN_D, TMA)
-    qk_a = tl.dot(q, tl.trans(k_a))
-    qk_b = tl.dot(q, tl.trans(k_b))
-    HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
-    s_a = qk_a
-    s_b = qk_b
-    if HAS_BIAS:
-        s_a = qk_a * scale + _bias(offs_m[:, None], cols_a[None, :], row_ok[:, None], cols_a[None, :] < kv_len, shift,
-                                   h, o_start, kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth,
-                                   QTS, KTS, pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
-    acc = tl.dot(_gdpa_scores(qk_a, s_a, scale, MODE, HAS_BIAS, FAST).to(v_a.dtype), v_a, acc)
-    if HAS_BIAS:
-        s_b = qk_b * scale + _bias(offs_m[:, None], cols_b[None, :], row_ok[:, None], cols_b[None, :] < kv_len, shift,
-                                   h, o_start, kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth,
-                                   QTS, KTS, pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
-    return tl.dot(_gdpa_scores(qk_b, s_b, scale, MODE, HAS_BIAS, FAST).to(v_b.dtype), v_b, acc)
 
 
 @triton.jit
@@ -352,8 +310,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
                 Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
                 NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                SCALE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr,
-                PAIRS: tl.constexpr):
+                SCALE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -386,15 +343,7 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
         n_end = tl.minimum(kv_len, m0 + BLOCK_M + shift)
         n_full = tl.minimum(kv_len, m0 + 1 + shift)
     n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
-    n_single = 0
-    if PAIRS and MODE != 0:
-        n_single = n_full // (2 * BLOCK_N) * (2 * BLOCK_N)
-        for n0 in range(0, n_single, 2 * BLOCK_N):
-            acc = _gdpa_pair(acc, q, K, V, n0, kv_start, kv_len, shift, h, o_start, offs_m, offs_n, offs_d, row_ok,
-                             d_ok, stride_kt, stride_kh, stride_vt, stride_vh, scale, AB, stride_abt, stride_abh, PT,
-                             stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, HAS_AB, HAS_POS,
-                             HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, TMA, BLOCK_N)
-    for n0 in range(n_single, n_full, BLOCK_N):
+    for n0 in range(0, n_full, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
                                   offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt,
                                   stride_vh, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth,
@@ -941,11 +890,6 @@ def _cfg(bm, bn, warps, stages, tma=False):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": tma}
 
 
-def _fcfg(bm, bn, warps, stages, tma=False, pairs=False):
-    """A forward tile; pairs: GDPA's unmasked loop takes two key blocks per step (`_gdpa_pair`)."""
-    return {**_cfg(bm, bn, warps, stages, tma), "PAIRS": pairs}
-
-
 def _rcfg(block, chunk, warps, stages, tma=False, streamed="BLOCK_M"):
     """A resident-side kernel's tile: the streamed side's block, CHUNK streamed rows per program (the resident side's
     block comes from the lengths)."""
@@ -956,22 +900,17 @@ def _rq(block, chunk, warps, stages, tma=False):
     return _rcfg(block, chunk, warps, stages, tma, streamed="BLOCK_N")
 
 
-# Candidate tiles per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA; forward: PAIRS), all compiled in parallel
-# and timed on the first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory.
-# The first entry of each list is the default when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0). TMA: the tiles the
-# inner loop streams (K/V forward and in dQ, Q/dO in dK/dV) come through per-sequence tensor descriptors (TMA) instead
-# of pointer tensors; those candidates are dropped when a tensor's layout does not allow a descriptor, or with
-# GEMREC_KERNEL_TMA=0. PAIRS (GDPA only): two key blocks per loop step, so one block's activation overlaps the other's
-# matmuls within a program (sm_90 SASS: the second score matmul is issued among the first block's MUFU ops).
+# Candidate tiles per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), all compiled in parallel and timed on
+# the first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory. The first
+# entry of each list is the default when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0). TMA: the tiles the inner
+# loop streams (K/V forward and in dQ, Q/dO in dK/dV) come through per-sequence tensor descriptors (TMA) instead of
+# pointer tensors; those candidates are dropped when a tensor's layout does not allow a descriptor, or with
+# GEMREC_KERNEL_TMA=0.
 CONFIGS = {
-    "fwd": [_fcfg(128, 64, 8, 3), _fcfg(128, 128, 8, 3), _fcfg(128, 64, 4, 3), _fcfg(128, 64, 8, 4),
-            _fcfg(64, 64, 4, 3), _fcfg(64, 128, 4, 3), _fcfg(64, 32, 4, 2), _fcfg(128, 32, 8, 3), _fcfg(64, 64, 8, 3),
-            _fcfg(128, 64, 8, 3, True), _fcfg(128, 128, 8, 3, True), _fcfg(128, 128, 8, 2, True),
-            _fcfg(128, 64, 8, 4, True), _fcfg(64, 64, 4, 3, True), _fcfg(64, 64, 4, 4, True), _fcfg(64, 64, 4, 2, True),
-            _fcfg(64, 32, 4, 2, True),
-            _fcfg(64, 32, 4, 3, pairs=True), _fcfg(64, 32, 4, 3, True, True), _fcfg(64, 32, 4, 2, True, True),
-            _fcfg(64, 64, 4, 3, True, True), _fcfg(64, 64, 4, 2, True, True), _fcfg(128, 32, 8, 3, True, True),
-            _fcfg(128, 64, 8, 2, True, True)],
+    "fwd": [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3),
+            _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 8, 3),
+            _cfg(128, 64, 8, 3, True), _cfg(128, 128, 8, 3, True), _cfg(128, 128, 8, 2, True), _cfg(128, 64, 8, 4, True),
+            _cfg(64, 64, 4, 3, True), _cfg(64, 64, 4, 4, True), _cfg(64, 64, 4, 2, True), _cfg(64, 32, 4, 2, True)],
     "dkdv": [_cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
              _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 3), _cfg(16, 64, 8, 2),
              _cfg(64, 128, 8, 3, True), _cfg(32, 128, 8, 3, True), _cfg(32, 64, 4, 2, True), _cfg(64, 64, 4, 3, True)],
@@ -995,7 +934,7 @@ CONFIGS = {
                _rq(64, 256, 4, 3, True), _rq(64, 512, 4, 3, True)],
 }
 LARGE_HEAD_DIM_CONFIGS = {
-    "fwd": [_fcfg(64, 64, 8, 2), _fcfg(64, 32, 4, 2), _fcfg(64, 64, 8, 2, True), _fcfg(64, 32, 4, 2, True, True)],
+    "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2, True)],
     "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True)],
     "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2, True)],
     "fwd_rkv": [_rcfg(64, 512, 4, 2), _rcfg(64, 512, 8, 2), _rcfg(64, 512, 4, 2, True)],
@@ -1014,12 +953,9 @@ FUSE_DQ_MIN_KV = 128
 ONE_LAUNCH_MAX_WORK = 2**37
 
 
-def _candidates(kind: str, consts: dict, tma: bool = True) -> list[dict]:
-    """The tiles worth timing for a launch's constexprs: no descriptor tiles without `tma`, no key-block pairs for
-    softmax (MODE 0, where PAIRS does nothing)."""
-    big = consts["HEAD_DIM"] > 128 and kind in LARGE_HEAD_DIM_CONFIGS
-    configs = LARGE_HEAD_DIM_CONFIGS[kind] if big else CONFIGS[kind]
-    return [c for c in configs if (tma or not c.get("TMA")) and not (c.get("PAIRS") and consts.get("MODE") == 0)]
+def _candidates(kind: str, head_dim: int, tma: bool = True) -> list[dict]:
+    configs = LARGE_HEAD_DIM_CONFIGS[kind] if head_dim > 128 and kind in LARGE_HEAD_DIM_CONFIGS else CONFIGS[kind]
+    return [c for c in configs if tma or not c.get("TMA")]
 
 
 def _switch(name: str, default: bool) -> bool:
@@ -1110,7 +1046,7 @@ class _Kernel:
         tma: whether the tensors allow the tensor-descriptor candidates (used where `_tma_enabled`)."""
         tma = tma and _tma_enabled()
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
-            first = _candidates(self.kind, consts, tma)[0]
+            first = _candidates(self.kind, consts["HEAD_DIM"], tma)[0]
             tiles = {name: self.interpret_tiles.get(name, 16) for name in first
                      if name.startswith("BLOCK") or name in self.interpret_tiles}
             if "TMA" in first:
@@ -1123,7 +1059,7 @@ class _Kernel:
         tune_key = (tuple(consts.values()), bucket if tune else None, tma, torch.cuda.current_device())
         config = self.best.get(tune_key)
         if config is None:
-            candidates = _candidates(self.kind, consts, tma)
+            candidates = _candidates(self.kind, consts["HEAD_DIM"], tma)
             tuned = tune and len(candidates) > 1
             config = self._tune(tune_key, grid, args, consts, candidates, reset) if tuned else candidates[0]
             self.best[tune_key] = config
@@ -1175,8 +1111,7 @@ class _Kernel:
 
 
 _KERNELS = {
-    # GDPA's forward takes key blocks in pairs in the interpreter (tests switch it off for the one-block loop)
-    "fwd": _Kernel(_fwd_kernel, "fwd", interpret_tiles={"PAIRS": True}),
+    "fwd": _Kernel(_fwd_kernel, "fwd"),
     "dkdv": _Kernel(_bwd_dkdv_kernel, "dkdv"),
     "dq": _Kernel(_bwd_dq_kernel, "dq"),
     # unequal tiles in the interpreter: its dQ programs swap them
@@ -1220,7 +1155,7 @@ def _config_name(config: dict) -> str:
     else:
         name = f"{config['BLOCK_M']}x{config['BLOCK_N']}"
     name += f"w{config['num_warps']}s{config['num_stages']}"
-    return name + ("+tma" if config.get("TMA") else "") + ("+pairs" if config.get("PAIRS") else "")
+    return name + ("+tma" if config.get("TMA") else "")
 
 
 def _len_bucket(n: int) -> int:

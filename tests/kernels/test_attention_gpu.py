@@ -155,15 +155,3 @@ def test_compile_fullgraph_and_flops():
         jagged_attention(q, k, v, off, off, 300, 300, causal=True).sum().backward()
     fwd, bwd = attention_flops(off, off, 4, 64, causal=True)
     assert counter.get_total_flops() >= fwd + bwd
-
-
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_gdpa_key_block_pairs(head_dim, monkeypatch):
-    """The forward candidates that take GDPA's full key blocks in pairs, first of each table (the default tile)."""
-    from gemrec.kernels import triton_attention as kernels
-
-    for table in ("CONFIGS", "LARGE_HEAD_DIM_CONFIGS"):
-        configs = getattr(kernels, table)
-        monkeypatch.setitem(configs, "fwd", [c for c in configs["fwd"] if c["PAIRS"]] or configs["fwd"])
-    check("gdpa", LENGTHS, LENGTHS, head_dim=head_dim, causal=True, seed=20)
-    check("gdpa", LENGTHS, LENGTHS, head_dim=head_dim, bias=True, activation="gelu", seed=21)

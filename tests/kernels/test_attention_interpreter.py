@@ -264,13 +264,3 @@ def test_a_sequence_never_reads_its_neighbours_rows(op):
     ref = (jagged_attention(q[:21], k[:21], v[:21], first, first, 21, 21, backend="reference") if op == "jfa" else
            gdpa(q[:21], k[:21], v[:21], first, first, 21, 21, activation=op, backend="reference"))
     torch.testing.assert_close(out[:21], ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("pairs", [True, False])
-def test_gdpa_forward_with_and_without_key_block_pairs(pairs, monkeypatch):
-    """Pairs of full key blocks (`_gdpa_pair`), then single and masked blocks; or single blocks only."""
-    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
-    monkeypatch.setitem(kernels_module._KERNELS["fwd"].interpret_tiles, "PAIRS", pairs)
-    compare([70, 33, 0, 50], [70, 33, 0, 50], op="silu", bias=True, seed=40)
-    compare([70, 5, 64], [70, 5, 64], op="gelu", causal=True, seed=41)
-    compare([9, 40], [100, 80], op="relu2", normalize="max_len", seed=42)
