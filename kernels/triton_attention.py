@@ -234,7 +234,7 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
               MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
               HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
               NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
-              SCALE_POS: tl.constexpr, TMA: tl.constexpr, Q_SCALED: tl.constexpr):
+              SCALE_POS: tl.constexpr, TMA: tl.constexpr):
     cols = n0 + offs_n
     col_ok = cols < kv_len
     k, v = _load_kv(K, V, n0, kv_start, cols, col_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
@@ -242,7 +242,7 @@ def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
     return _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_start, offs_m, row_ok, qk_scale,
                        scale, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
                        time_log_inv, MODE, CAUSAL, MASKED, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST,
-                       SCALE_POS, Q_SCALED)
+                       SCALE_POS)
 
 
 @triton.jit
@@ -250,10 +250,8 @@ def _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_star
                 AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
                 MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, SCALE_POS: tl.constexpr,
-                Q_SCALED: tl.constexpr = False):
-    """One (queries x keys) tile of the forward on loaded k, v: online softmax (MODE 0) or activation, into acc.
-    Q_SCALED (activations without biases): q already holds the activation's input scale (`_gdpa_q_scale`)."""
+                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, SCALE_POS: tl.constexpr):
+    """One (queries x keys) tile of the forward on loaded k, v: online softmax (MODE 0) or activation, into acc."""
     qk = tl.dot(q, tl.trans(k))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
@@ -291,30 +289,17 @@ def _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_star
         if MODE == 1 and FAST:  # silu(s) = u + u * tanh(u), u = s / 2: one MUFU op and one FMA per score
             if HAS_BIAS:
                 u = 0.5 * s
-            elif Q_SCALED:
-                u = qk
             else:
                 u = qk * (0.5 * scale)
             a = u + u * _tanh(u, FAST)
         else:
-            if Q_SCALED:
-                s = qk
-            elif not HAS_BIAS:
+            if not HAS_BIAS:
                 s = qk * scale
             a, _ = _activation(s, MODE, FAST)
         if MASKED:
             a = tl.where(valid, a, 0.0)
         acc = tl.dot(a.to(v.dtype), v, acc)
     return acc, m_i, l_i
-
-
-@triton.jit
-def _gdpa_q_scale(scale, MODE: tl.constexpr, FAST: tl.constexpr):
-    """What an activation's scores take from q: silu's hardware path works on half the scores (`_fwd_scores`)."""
-    if MODE == 1 and FAST:
-        return 0.5 * scale
-    else:
-        return scale
 
 
 @triton.jit
@@ -346,9 +331,6 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
     q_rows = q_start + offs_m
     q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    Q_SCALED: tl.constexpr = MODE != 0 and not (HAS_AB or HAS_POS or HAS_TIME)
-    if Q_SCALED:  # the scores' scale applied once per query block instead of once per score
-        q = (q.to(tl.float32) * _gdpa_q_scale(scale, MODE, FAST)).to(Q.dtype.element_ty)
     if TMA:
         K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
         V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -368,14 +350,14 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
                                   stride_vh, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth,
                                   TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
                                   MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST,
-                                  SCALE_POS, TMA, Q_SCALED)
+                                  SCALE_POS, TMA)
     for n0 in range(n_full, n_end, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
                                   offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt,
                                   stride_vh, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth,
                                   TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
                                   MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST,
-                                  SCALE_POS, TMA, Q_SCALED)
+                                  SCALE_POS, TMA)
     _fwd_store(acc, m_i, l_i, Out, LSE, o_start + offs_m, row_ok, d_ok, offs_d, stride_ot, stride_oh, h, num_heads,
                kv_len, inv_max_len, MODE, NORM)
 
@@ -1119,7 +1101,8 @@ class _Kernel:
         timings, failures = [], []
         for config in candidates:
             try:
-                timings.append((do_bench(functools.partial(trial, config), warmup=5, rep=25, return_mode="median"), config))
+                timings.append((do_bench(functools.partial(trial, config), warmup=5, rep=25, return_mode="median"),
+                                config))
             except OutOfResources:
                 continue
             except Exception as err:  # a candidate that fails to build is skipped and logged
