@@ -335,7 +335,8 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
             progress(f"  tuned {name} {entry['kernel']} mode={consts['MODE']} causal={consts['CAUSAL']} "
                      f"fuse_dq={consts.get('FUSE_DQ')} buckets={entry['len_buckets']}: "
                      + " ".join(f"{c}={ms}" for c, ms in entry["candidates_ms"].items())
-                     + "; finalists, warmed up: " + " ".join(f"{c}={ms}" for c, ms in entry["finalists_ms"].items())
+                     + (("; finalists, warmed up: " + " ".join(f"{c}={ms}" for c, ms in entry["finalists_ms"].items()))
+                        if entry["finalists_ms"] else "")
                      + (f" failed: {entry['failures']}" if entry["failures"] else ""))
     # CUDA-graph timings last: a failed capture can leave the CUDA RNG and the allocator's pools unusable for the
     # calls after it, which must not cost any eager timing

@@ -1093,6 +1093,7 @@ class _Kernel:
         with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
             for config in candidates:
                 self.fn.warmup(*args, grid=grid(config), **consts, **config)
+
         def trial(config):
             for t in reset:
                 t.zero_()
@@ -1146,12 +1147,12 @@ def tuned_configs() -> list[dict]:
     out = []
     entries = sorted(((entry, kind) for kind, kernel in _KERNELS.items() for entry in kernel.tuning_log),
                      key=lambda pair: pair[0]["started"])
+
+    def named(timings):
+        return {_config_name(c): round(ms, 4) for ms, c in sorted(timings, key=lambda tc: tc[0])}
+
     for entry, kind in entries:
         best_ms, best = min(entry["finals"] or entry["timings"], key=lambda tc: tc[0])
-
-        def named(timings):
-            return {_config_name(c): round(ms, 4) for ms, c in sorted(timings, key=lambda tc: tc[0])}
-
         out.append({"kernel": kind, "constexprs": entry["consts"], "len_buckets": entry["key"][1], "config": best,
                     "ms": round(best_ms, 4), "tuning_s": round(entry["seconds"], 2),
                     "candidates_ms": named(entry["timings"]), "finalists_ms": named(entry["finals"]),
