@@ -26,7 +26,8 @@ built on the device (TMA on Hopper: no per-element addresses in registers, zeros
 autotuner picks per kernel.
 
 Launches go through `_Kernel`: tiles autotuned once per (variant, head dim, bucketed lengths), candidates
-compiled in parallel, then the compiled kernel is launched directly (no per-call argument binding).
+compiled in parallel and timed in short bursts, the best few timed again after a warm-up (`TUNE_FINALISTS`), then
+the compiled kernel is launched directly (no per-call argument binding).
 
 With `TRITON_INTERPRET=1` set before triton is first imported, the same kernels run on CPU tensors
 (triton's own `tl.*` helpers are decorated at import, so it cannot be switched on later).
