@@ -22,6 +22,7 @@ from gemrec.kernels import ops
 from gemrec.kernels import triton_attention as kernels
 from triton._C.libtriton import native_specialize_impl
 from triton.compiler import make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 
 HOPPER = triton.backends.compiler.GPUTarget("cuda", 90, 32)
 
@@ -38,7 +39,8 @@ class Launch:
         return self.kernel.kind
 
     def candidates(self) -> list[dict]:
-        return kernels._candidates(self.kind, self.consts["HEAD_DIM"], self.tma)
+        return (kernels._candidates(self.kind, self.consts["HEAD_DIM"], self.tma)
+                + kernels.gluon_candidates(self.kind, self.consts, self.args[0].dtype, self.tma))
 
 
 @contextmanager
@@ -84,23 +86,24 @@ def compile_launch(launch: Launch, config: dict | None = None, target=HOPPER):
     (16-byte aligned pointers and ints divisible by 16 marked so, ints equal to 1 made constants), so loads get
     the same vectorization and the cubin the same registers as the real launch."""
     config = config or launch.candidates()[0]
-    kernel = launch.kernel
+    fn, tiles = launch.kernel.variant(config)
+    const_names = kernels._const_names(fn)
     backend = type(make_backend(target))
     signature, fixed, attrs = {}, {}, {}
-    runtime = [name for name in kernel.fn.arg_names if name not in kernel.const_names]
+    runtime = [name for name in fn.arg_names if name not in const_names]
     for name, value in zip(runtime, launch.args):
         kind, spec = native_specialize_impl(backend, value, False, True, True)
         signature[name] = kind
         if kind == "constexpr":
             fixed[name] = value
         elif isinstance(spec, str):
-            attrs[(kernel.fn.arg_names.index(name),)] = backend.parse_attr(spec)
-    constexprs = {**launch.consts, **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
-    signature.update({name: "constexpr" for name in kernel.const_names})
-    fixed.update({name: constexprs[name] for name in kernel.const_names})
+            attrs[(fn.arg_names.index(name),)] = backend.parse_attr(spec)
+    constexprs = {**launch.consts, **{k: v for k, v in tiles.items() if k not in ("num_warps", "num_stages")}}
+    signature.update({name: "constexpr" for name in const_names})
+    fixed.update({name: constexprs[name] for name in const_names})
     options = {"num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 2)}
-    return triton.compile(triton.compiler.ASTSource(kernel.fn, signature, fixed, attrs), target=target,
-                          options=options)
+    source = GluonASTSource if config.get("GLUON") else triton.compiler.ASTSource
+    return triton.compile(source(fn, signature, fixed, attrs), target=target, options=options)
 
 
 # SASS opcode groups counted over the whole kernel (both loop bodies dominate): fp32 arithmetic of the softmax or

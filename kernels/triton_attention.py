@@ -27,7 +27,8 @@ autotuner picks per kernel.
 
 Launches go through `_Kernel`: tiles autotuned once per (variant, head dim, bucketed lengths), candidates
 compiled in parallel and timed in short bursts, the best few timed again after a warm-up (`TUNE_FINALISTS`), then
-the compiled kernel is launched directly (no per-call argument binding).
+the compiled kernel is launched directly (no per-call argument binding). On Hopper the activation forward also times
+a warp-specialized Gluon kernel (`gluon_attention`, `GLUON_CONFIGS`) and keeps it where it is faster.
 
 With `TRITON_INTERPRET=1` set before triton is first imported, the same kernels run on CPU tensors
 (triton's own `tl.*` helpers are decorated at import, so it cannot be switched on later).
@@ -960,6 +961,15 @@ FUSE_DQ_MIN_KV = 128
 ONE_LAUNCH_MAX_WORK = 2**37
 
 
+def _gcfg(bn, stages):
+    """A Gluon kernel's tile (`gluon_attention`): 2 x 64 query rows, BLOCK_N keys, a ring of `num_stages` K/V stages."""
+    return {"GLUON": True, "BLOCK_M": 128, "BLOCK_N": bn, "num_warps": 4, "num_stages": stages}
+
+
+# Warp-specialized Gluon kernels that join a kind's candidates on Hopper where they cover the call (their `covers`).
+GLUON_CONFIGS = {"fwd": [_gcfg(128, 3), _gcfg(64, 3)]}
+
+
 def _candidates(kind: str, head_dim: int, tma: bool = True) -> list[dict]:
     configs = LARGE_HEAD_DIM_CONFIGS[kind] if head_dim > 128 and kind in LARGE_HEAD_DIM_CONFIGS else CONFIGS[kind]
     return [c for c in configs if tma or not c.get("TMA")]
@@ -979,6 +989,20 @@ def _tma_enabled() -> bool:
 def _resident_enabled() -> bool:
     """GEMREC_KERNEL_RESIDENT: the resident-side kernels (`Problem.resident`) where they apply (on unless =0)."""
     return _switch("GEMREC_KERNEL_RESIDENT", True)
+
+
+def _gluon_enabled() -> bool:
+    """GEMREC_KERNEL_GLUON: the Gluon candidates (`GLUON_CONFIGS`) where they apply (on unless =0)."""
+    return _switch("GEMREC_KERNEL_GLUON", True)
+
+
+def gluon_candidates(kind: str, consts: dict, dtype, tma: bool) -> list[dict]:
+    """The Gluon tiles of a call with descriptor-ready tensors, in what they cover (they need Hopper: sm_90)."""
+    if INTERPRET or not tma or kind not in GLUON_CONFIGS or not _gluon_enabled():
+        return []
+    from gemrec.kernels import gluon_attention
+
+    return GLUON_CONFIGS[kind] if gluon_attention.covers(consts, dtype) else []
 
 
 def _one_launch_enabled() -> bool:
@@ -1041,12 +1065,19 @@ class _Kernel:
     def __init__(self, fn, kind: str, interpret_tiles: dict | None = None):
         self.fn, self.kind = fn, kind
         self.interpret_tiles = interpret_tiles or {}  # tiles under the interpreter other than 16
-        params = inspect.signature(fn.fn).parameters.values()
-        self.const_names = [prm.name for prm in params if prm.annotation is tl.constexpr]
-        assert [prm.name for prm in params][-len(self.const_names):] == self.const_names, "constexprs come last"
         self.best: dict = {}
         self.compiled: dict = {}
         self.tuning_log: list[dict] = []  # per tuning: key, seconds, (ms, config) of every candidate
+
+    def variant(self, config: dict):
+        """The kernel a tile config runs and its tile constexprs: the Triton kernel, or a Gluon one (`GLUON_CONFIGS`,
+        whose K/V ring depth is num_stages)."""
+        if not config.get("GLUON"):
+            return self.fn, config
+        from gemrec.kernels import gluon_attention
+
+        tiles = {k: v for k, v in config.items() if k not in ("GLUON", "num_stages")}
+        return gluon_attention.KERNELS[self.kind], {**tiles, "STAGES": config["num_stages"]}
 
     def __call__(self, grid, args: tuple, consts: dict, bucket: int, reset=(), tma: bool = False):
         """grid: config -> launch grid; args: the runtime arguments in order; consts: constexprs but tiles;
@@ -1067,6 +1098,8 @@ class _Kernel:
         config = self.best.get(tune_key)
         if config is None:
             candidates = _candidates(self.kind, consts["HEAD_DIM"], tma)
+            if tune and torch.cuda.get_device_capability(tune_key[3]) == (9, 0):
+                candidates += gluon_candidates(self.kind, consts, args[0].dtype, tma)
             tuned = tune and len(candidates) > 1
             config = self._tune(tune_key, grid, args, consts, candidates, reset) if tuned else candidates[0]
             self.best[tune_key] = config
@@ -1074,8 +1107,9 @@ class _Kernel:
         entry = self.compiled.get(key)
         g = grid(config)
         if entry is None or launch_hooked():
-            kernel = self.fn.run(*args, grid=g, warmup=False, **consts, **config)
-            tail = tuple({**consts, **config}[n] for n in self.const_names)
+            fn, tiles = self.variant(config)
+            kernel = fn.run(*args, grid=g, warmup=False, **consts, **tiles)
+            tail = tuple({**consts, **tiles}[n] for n in _const_names(fn))
             self.compiled[key] = (kernel, tail)
             return
         kernel, tail = entry
@@ -1093,12 +1127,14 @@ class _Kernel:
         workers = min(len(candidates), os.cpu_count() or 1)
         with ThreadPoolExecutor(workers) as pool, AsyncCompileMode(pool, ignore_errors=True):
             for config in candidates:
-                self.fn.warmup(*args, grid=grid(config), **consts, **config)
+                fn, tiles = self.variant(config)
+                fn.warmup(*args, grid=grid(config), **consts, **tiles)
 
         def trial(config):
             for t in reset:
                 t.zero_()
-            self.fn.run(*args, grid=grid(config), warmup=False, **consts, **config)
+            fn, tiles = self.variant(config)
+            fn.run(*args, grid=grid(config), warmup=False, **consts, **tiles)
 
         timings, failures = [], []
         for config in candidates:
@@ -1138,6 +1174,15 @@ _KERNELS = {
 }
 
 
+@functools.cache
+def _const_names(fn) -> list[str]:
+    """A kernel's constexpr parameters, which come last (the direct launch passes them positionally)."""
+    params = inspect.signature(fn.fn).parameters.values()
+    names = [prm.name for prm in params if prm.annotation is tl.constexpr]
+    assert [prm.name for prm in params][-len(names):] == names, "constexprs come last"
+    return names
+
+
 def _pow2_at_least(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
@@ -1172,7 +1217,7 @@ def _config_name(config: dict) -> str:
     else:
         name = f"{config['BLOCK_M']}x{config['BLOCK_N']}"
     name += f"w{config['num_warps']}s{config['num_stages']}"
-    return name + ("+tma" if config.get("TMA") else "")
+    return name + ("+tma" if config.get("TMA") else "") + ("+gluon" if config.get("GLUON") else "")
 
 
 def _len_bucket(n: int) -> int:

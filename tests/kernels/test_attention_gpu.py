@@ -1,5 +1,7 @@
 """GPU checks of the compiled Triton kernels: bf16 against an fp64 reference (relative L2 error < 1e-2)."""
 
+import os
+
 import pytest
 import torch
 from gemrec.kernels import RelativeBias, gdpa, jagged_attention
@@ -155,3 +157,31 @@ def test_compile_fullgraph_and_flops():
         jagged_attention(q, k, v, off, off, 300, 300, causal=True).sum().backward()
     fwd, bwd = attention_flops(off, off, 4, 64, causal=True)
     assert counter.get_total_flops() >= fwd + bwd
+
+
+def _gluon_configs():
+    from gemrec.kernels import triton_attention as kernels
+
+    return kernels.GLUON_CONFIGS["fwd"]
+
+
+@pytest.mark.parametrize("config", _gluon_configs(), ids=lambda c: f"bn{c['BLOCK_N']}s{c['num_stages']}")
+@pytest.mark.parametrize("causal,activation,head_dim,normalize", [
+    (True, "silu", 128, "kv_len"), (False, "silu", 64, "none"), (True, "gelu_tanh", 64, "max_len"),
+    (False, "gelu", 128, "kv_len"), (True, "relu2", 128, "none"), (False, "relu", 64, "max_len")])
+def test_gluon_forward(config, causal, activation, head_dim, normalize, monkeypatch):
+    """Each Gluon forward tile forced as the only candidate (once, in the tma fixture variant)."""
+    from gemrec.kernels import triton_attention as kernels
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the Gluon kernels need Hopper (sm_90)")
+    if os.environ["GEMREC_KERNEL_TMA"] != "1" or os.environ["GEMREC_KERNEL_ONE_LAUNCH"] != "0":
+        pytest.skip("one fixture variant is enough: the Gluon tile replaces the forward's")
+    monkeypatch.setitem(kernels.CONFIGS, "fwd", [config])
+    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")  # short keys through the tiled forward too
+    kw = dict(head_dim=head_dim, causal=causal, activation=activation, normalize=normalize)
+    check("gdpa", LENGTHS, LENGTHS, seed=21, **kw)
+    check("gdpa", [32], [700, 1, 0, 2000, 65], seed=22, **kw)  # PMA: shared seeds
+    check("gdpa", [700, 1, 0, 2000, 65], [16, 64, 5, 333, 17], seed=23, **kw)  # longer queries than keys
+    check("gdpa", [3, 129, 1], [1000, 130, 0], seed=24, **kw)  # longer keys than queries
+    assert {c.get("GLUON") for c in kernels._KERNELS["fwd"].best.values()} == {True}

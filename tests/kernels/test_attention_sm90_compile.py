@@ -104,3 +104,36 @@ def test_launch_specialized_like_the_gpu_launcher():
     compiled = compile_launch(record_launches(jfa_causal_fused_dq)[0])
     assert "LDGSTS" in _cuobjdump(compiled, "--dump-sass")
     assert resource_usage(compiled)["stack_bytes"] == 0
+
+
+def gdpa_causal_silu():
+    q, k, v = tensors(1000, 2, 128, torch.bfloat16)
+    off = offsets_of([300, 0, 700])
+    gdpa(q, k, v, off, off, 700, 700, causal=True, backend="triton")
+
+
+def test_gluon_forward_compiles_for_sm90_with_async_wgmma():
+    from gemrec.kernels.aot import _cuobjdump, compile_launch, record_launches, resource_usage
+
+    launch = record_launches(gdpa_causal_silu)[0]
+    gluon = [c for c in launch.candidates() if c.get("GLUON")]
+    assert gluon == kernels.GLUON_CONFIGS["fwd"]
+    for config in gluon:
+        compiled = compile_launch(launch, config)
+        usage = resource_usage(compiled)
+        assert usage["stack_bytes"] == 0 and usage["shared_bytes"] <= SHARED_MEMORY_LIMIT, (config, usage)
+        sass = _cuobjdump(compiled, "--dump-sass")
+        # one wait per product (QK^T, PV), not one per 16-deep k-step, as ptxas does when registers run short
+        assert 4 * sass.count("WARPGROUP.DEPBAR") < sass.count("HGMMA."), config
+
+
+@pytest.mark.parametrize("change", [
+    {"MODE": 0}, {"HAS_AB": True}, {"HAS_POS": True}, {"HAS_TIME": True}, {"HEAD_DIM": 96}, {"HEAD_DIM": 256},
+    {"FAST": False}, {"dtype": torch.float32}, {"tma": False}, {"env": "0"}, {"kind": "dkdv"}])
+def test_gluon_candidates_only_where_covered(change, monkeypatch):
+    consts = {"MODE": 1, "HAS_AB": False, "HAS_POS": False, "HAS_TIME": False, "HEAD_DIM": 128, "FAST": True}
+    args = {"kind": "fwd", "dtype": torch.bfloat16, "tma": True}
+    assert kernels.gluon_candidates(args["kind"], consts, args["dtype"], args["tma"]) == kernels.GLUON_CONFIGS["fwd"]
+    monkeypatch.setenv("GEMREC_KERNEL_GLUON", change.pop("env", "1"))
+    args.update({k: change.pop(k) for k in list(change) if k in args})
+    assert kernels.gluon_candidates(args["kind"], {**consts, **change}, args["dtype"], args["tma"]) == []
