@@ -1,4 +1,4 @@
-"""GDPA forward for Hopper (sm_90) in Gluon, warp-specialized.
+"""Jagged attention forward (softmax and GDPA's activations) for Hopper (sm_90) in Gluon, warp-specialized.
 
 One program takes 2 x 64 query rows of one (sequence, head) in two warp-specialized partitions of one warpgroup each.
 Each runs QK^T (wgmma from shared memory), the activation in registers, then PV (wgmma with the activations as the
@@ -10,7 +10,7 @@ share. (A third, producer-only partition would make 384 threads, capping every t
 serializes the wgmma k-steps.)
 
 It takes the Triton forward's arguments (`triton_attention._fwd_kernel`) and is one more candidate of its autotuner,
-for what it covers (`covers`): activation modes (not softmax), no score biases, head dim 64 or 128, 16-bit inputs.
+for what it covers (`covers`): no score biases, head dim 64 or 128, 16-bit inputs.
 """
 
 from triton.experimental import gluon
@@ -28,7 +28,7 @@ CONSUMER_REGS = gl.constexpr(240)
 
 
 def covers(consts: dict, dtype) -> bool:
-    return (consts["MODE"] != 0 and not (consts["HAS_AB"] or consts["HAS_POS"] or consts["HAS_TIME"])
+    return (not (consts["HAS_AB"] or consts["HAS_POS"] or consts["HAS_TIME"])
             and consts["HEAD_DIM"] in (64, 128) and consts["FAST"] and dtype.itemsize == 2)
 
 
@@ -58,11 +58,13 @@ def _activation(qk, scale, MODE: gl.constexpr):
 
 
 @gluon.jit
-def _consume(j, acc, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_desc, num_blocks, rows, cols, shift,
-             scale, zero_qk, MODE: gl.constexpr, MASKED: gl.constexpr, LOADS: gl.constexpr, BLOCK_N: gl.constexpr,
-             STAGES: gl.constexpr, p_layout: gl.constexpr):
-    """Key block j into acc: its PV product stays in flight until the next block's QK^T has been waited for. LOADS:
-    this warpgroup also loads block j + STAGES - 1, into the stage block j - 1 leaves."""
+def _consume(j, acc, m_i, l_i, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_desc, num_blocks, rows,
+             cols, kv_len, shift, scale, qk_scale, zero_qk, MODE: gl.constexpr, CAUSAL: gl.constexpr,
+             MASKED: gl.constexpr, SCALE_POS: gl.constexpr, LOADS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+             p_layout: gl.constexpr, acc_rows: gl.constexpr):
+    """Key block j into acc (online softmax in m_i, l_i for MODE 0): its PV product stays in flight until the next
+    block's QK^T has been waited for. LOADS: this warpgroup also loads block j + STAGES - 1, into the stage block
+    j - 1 leaves."""
     s = j % STAGES
     phase = (j // STAGES) & 1
     mbarrier.wait(k_ready.index(s), phase)
@@ -70,9 +72,33 @@ def _consume(j, acc, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_
     qk, acc = warpgroup_mma_wait(0, deps=[qk, acc])
     # block j - 1's PV has retired too: its stage may be refilled
     mbarrier.arrive(kv_empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
-    a = _activation(qk, scale, MODE)
-    if MASKED:  # causal diagonal (keys past the sequence's end are zeros, and every activation maps 0 to 0)
-        a = gl.where(cols[None, :] + j * BLOCK_N <= rows[:, None] + shift, a, 0.0)
+    if MASKED:
+        key = cols[None, :] + j * BLOCK_N
+        if CAUSAL:
+            valid = (key <= rows[:, None] + shift) & (key < kv_len)
+        else:
+            valid = (key < kv_len) & (rows[:, None] >= 0)
+    if MODE == 0:
+        # log2-domain scores t * c; a positive scale rides the exp2's FMA (one op per score)
+        if SCALE_POS:
+            t = qk
+            c = qk_scale
+        else:
+            t = qk * qk_scale
+            c = 1.0
+        if MASKED:
+            t = gl.where(valid, t, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(t, 1) * c)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that sees no key yet
+        a = gl.exp2(t * c - m_safe[:, None])
+        alpha = gl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + gl.sum(a, 1)
+        acc = acc * gl.convert_layout(alpha, acc_rows)[:, None]
+        m_i = m_new
+    else:
+        a = _activation(qk, scale, MODE)
+        if MASKED:  # keys past the sequence's end are zeros, and every activation maps 0 to 0: only causal masks
+            a = gl.where(valid, a, 0.0)
     p = gl.convert_layout(a.to(v_smem.dtype), p_layout)
     mbarrier.wait(v_ready.index(s), phase)
     acc = warpgroup_mma(p, v_smem.index(s), acc, is_async=True)
@@ -80,15 +106,16 @@ def _consume(j, acc, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_
     if LOADS:
         _load_block(j + STAGES - 1, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks, BLOCK_N,
                     STAGES)
-    return acc
+    return acc, m_i, l_i
 
 
 @gluon.jit
-def _consumer(Q, K, V, Out, bufs, seq, io, kv_io, HEAD_DIM: gl.constexpr, MODE: gl.constexpr, CAUSAL: gl.constexpr, NORM: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, C: gl.constexpr):
+def _consumer(Q, K, V, Out, LSE, bufs, seq, io, kv_io, HEAD_DIM: gl.constexpr, MODE: gl.constexpr,
+              CAUSAL: gl.constexpr, NORM: gl.constexpr, SCALE_POS: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, C: gl.constexpr):
     q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty = bufs
-    q_start, q_len, kv_len, o_start, m0, shift, h, num_blocks = seq
-    stride_qt, stride_qh, stride_ot, stride_oh, scale, inv_max_len = io
+    q_start, q_len, kv_len, o_start, m0, shift, h, num_heads, num_blocks = seq
+    stride_qt, stride_qh, stride_ot, stride_oh, scale, qk_scale, inv_max_len = io
     kv_start, stride_kt, stride_kh, stride_vt, stride_vh = kv_io
     LOADS: gl.constexpr = C == 0
     if LOADS:
@@ -123,25 +150,41 @@ def _consumer(Q, K, V, Out, bufs, seq, io, kv_io, HEAD_DIM: gl.constexpr, MODE: 
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, qk_layout))
     zero_qk = gl.zeros([CONSUMER_ROWS, BLOCK_N], gl.float32, qk_layout)
     acc = gl.zeros([CONSUMER_ROWS, HEAD_DIM], gl.float32, o_layout)
-    n_full = num_blocks
+    m_i = gl.full([CONSUMER_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, qk_layout))
+    l_i = gl.zeros([CONSUMER_ROWS], gl.float32, gl.SliceLayout(1, qk_layout))
+    acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    # blocks every row here sees whole, then the masked ones: the causal diagonal (the first warpgroup may need one
+    # block less than the program loads) and, for softmax, the sequence's ragged end
     n_mine = num_blocks
-    if CAUSAL:  # blocks all these rows see whole, then the diagonal ones (the first warpgroup may need one less)
+    if CAUSAL:
         n_full = gl.maximum(gl.minimum(kv_len, r0 + 1 + shift), 0) // BLOCK_N
         n_mine = gl.cdiv(gl.maximum(gl.minimum(kv_len, r0 + CONSUMER_ROWS + shift), 0), BLOCK_N)
+    elif MODE == 0:
+        n_full = kv_len // BLOCK_N
+    else:
+        n_full = num_blocks
     for j in range(0, n_full):
-        acc = _consume(j, acc, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_desc, num_blocks, rows,
-                       cols, shift, scale, zero_qk, MODE, False, LOADS, BLOCK_N, STAGES, p_layout)
+        acc, m_i, l_i = _consume(j, acc, m_i, l_i, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_desc,
+                                 num_blocks, rows, cols, kv_len, shift, scale, qk_scale, zero_qk, MODE, CAUSAL, False,
+                                 SCALE_POS, LOADS, BLOCK_N, STAGES, p_layout, acc_rows)
     for j in range(n_full, n_mine):
-        acc = _consume(j, acc, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_desc, num_blocks, rows,
-                       cols, shift, scale, zero_qk, MODE, True, LOADS, BLOCK_N, STAGES, p_layout)
+        acc, m_i, l_i = _consume(j, acc, m_i, l_i, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_desc,
+                                 num_blocks, rows, cols, kv_len, shift, scale, qk_scale, zero_qk, MODE, CAUSAL, True,
+                                 SCALE_POS, LOADS, BLOCK_N, STAGES, p_layout, acc_rows)
     acc = warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(kv_empty.index((n_mine + STAGES - 1) % STAGES), count=1, pred=n_mine > 0)
 
-    if NORM == 1:
+    rows_o = r0 + gl.arange(0, CONSUMER_ROWS, layout=acc_rows)
+    if MODE == 0:
+        l_ok = l_i > 0.0
+        acc = acc / gl.convert_layout(gl.where(l_ok, l_i, 1.0), acc_rows)[:, None]
+        # log2-domain logsumexp; +inf for rows that see no key makes their probabilities 0 in backward
+        lse = gl.where(l_ok, m_i + gl.log2(gl.where(l_ok, l_i, 1.0)), float("inf"))
+        gl.store(LSE + (o_start + rows.to(gl.int64)) * num_heads + h, lse, mask=rows < q_len)
+    elif NORM == 1:
         acc = acc * gl.where(kv_len > 0, 1.0 / gl.maximum(kv_len, 1).to(gl.float32), 0.0)
     elif NORM == 2:
         acc = acc * inv_max_len
-    rows_o = r0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, o_layout))
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     gl.store(Out + (o_start + rows_o.to(gl.int64))[:, None] * stride_ot + h * stride_oh + d_o[None, :],
              acc.to(dtype), mask=(rows_o < q_len)[:, None] & (d_o < HEAD_DIM)[None, :])
@@ -215,12 +258,14 @@ def gdpa_fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
         bufs = (q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty)
-        seq = (q_start, q_len, kv_len, o_start, m0, shift, h, num_blocks)
-        io = (stride_qt, stride_qh, stride_ot, stride_oh, scale, inv_max_len)
+        seq = (q_start, q_len, kv_len, o_start, m0, shift, h, num_heads, num_blocks)
+        io = (stride_qt, stride_qh, stride_ot, stride_oh, scale, qk_scale, inv_max_len)
         kv_io = (kv_start, stride_kt, stride_kh, stride_vt, stride_vh)
         gl.warp_specialize([
-            (_consumer, (Q, K, V, Out, bufs, seq, io, kv_io, HEAD_DIM, MODE, CAUSAL, NORM, BLOCK_N, STAGES, 0)),
-            (_consumer, (Q, K, V, Out, bufs, seq, io, kv_io, HEAD_DIM, MODE, CAUSAL, NORM, BLOCK_N, STAGES, 1)),
+            (_consumer, (Q, K, V, Out, LSE, bufs, seq, io, kv_io, HEAD_DIM, MODE, CAUSAL, NORM, SCALE_POS, BLOCK_N,
+                         STAGES, 0)),
+            (_consumer, (Q, K, V, Out, LSE, bufs, seq, io, kv_io, HEAD_DIM, MODE, CAUSAL, NORM, SCALE_POS, BLOCK_N,
+                         STAGES, 1)),
         ], [4], [CONSUMER_REGS])
 
 

@@ -166,11 +166,14 @@ def _gluon_configs():
 
 
 @pytest.mark.parametrize("config", _gluon_configs(), ids=lambda c: f"bn{c['BLOCK_N']}s{c['num_stages']}")
-@pytest.mark.parametrize("causal,activation,head_dim,normalize", [
-    (True, "silu", 128, "kv_len"), (False, "silu", 64, "none"), (True, "gelu_tanh", 64, "max_len"),
-    (False, "gelu", 128, "kv_len"), (True, "relu2", 128, "none"), (False, "relu", 64, "max_len")])
-def test_gluon_forward(config, causal, activation, head_dim, normalize, monkeypatch):
-    """Each Gluon forward tile forced as the only candidate (once, in the tma fixture variant)."""
+@pytest.mark.parametrize("op,causal,activation,head_dim,normalize", [
+    ("jfa", True, None, 128, None), ("jfa", False, None, 128, None), ("jfa", True, None, 64, None),
+    ("jfa", False, None, 64, None), ("gdpa", True, "silu", 128, "kv_len"), ("gdpa", False, "silu", 64, "none"),
+    ("gdpa", True, "gelu_tanh", 64, "max_len"), ("gdpa", False, "gelu", 128, "kv_len"),
+    ("gdpa", True, "relu2", 128, "none"), ("gdpa", False, "relu", 64, "max_len")])
+def test_gluon_forward(config, op, causal, activation, head_dim, normalize, monkeypatch):
+    """Each Gluon forward tile forced as the only candidate (once, in the tma fixture variant); the backward
+    checks the softmax forward's logsumexp."""
     from gemrec.kernels import triton_attention as kernels
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -179,9 +182,11 @@ def test_gluon_forward(config, causal, activation, head_dim, normalize, monkeypa
         pytest.skip("one fixture variant is enough: the Gluon tile replaces the forward's")
     monkeypatch.setitem(kernels.CONFIGS, "fwd", [config])
     monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")  # short keys through the tiled forward too
-    kw = dict(head_dim=head_dim, causal=causal, activation=activation, normalize=normalize)
-    check("gdpa", LENGTHS, LENGTHS, seed=21, **kw)
-    check("gdpa", [32], [700, 1, 0, 2000, 65], seed=22, **kw)  # PMA: shared seeds
-    check("gdpa", [700, 1, 0, 2000, 65], [16, 64, 5, 333, 17], seed=23, **kw)  # longer queries than keys
-    check("gdpa", [3, 129, 1], [1000, 130, 0], seed=24, **kw)  # longer keys than queries
+    kw = dict(head_dim=head_dim, causal=causal)
+    if op == "gdpa":
+        kw.update(activation=activation, normalize=normalize)
+    check(op, LENGTHS, LENGTHS, seed=21, **kw)
+    check(op, [32], [700, 1, 0, 2000, 65], seed=22, **kw)  # PMA: shared seeds
+    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 333, 17], seed=23, **kw)  # longer queries than keys
+    check(op, [3, 129, 1], [1000, 130, 0], seed=24, **kw)  # longer keys than queries
     assert {c.get("GLUON") for c in kernels._KERNELS["fwd"].best.values()} == {True}

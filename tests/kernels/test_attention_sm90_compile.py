@@ -112,10 +112,11 @@ def gdpa_causal_silu():
     gdpa(q, k, v, off, off, 700, 700, causal=True, backend="triton")
 
 
-def test_gluon_forward_compiles_for_sm90_with_async_wgmma():
+@pytest.mark.parametrize("call", [gdpa_causal_silu, jfa_causal_fused_dq], ids=lambda f: f.__name__)
+def test_gluon_forward_compiles_for_sm90_with_async_wgmma(call):
     from gemrec.kernels.aot import _cuobjdump, compile_launch, record_launches, resource_usage
 
-    launch = record_launches(gdpa_causal_silu)[0]
+    launch = record_launches(call)[0]
     gluon = [c for c in launch.candidates() if c.get("GLUON")]
     assert gluon == kernels.GLUON_CONFIGS["fwd"]
     for config in gluon:
@@ -128,10 +129,10 @@ def test_gluon_forward_compiles_for_sm90_with_async_wgmma():
 
 
 @pytest.mark.parametrize("change", [
-    {"MODE": 0}, {"HAS_AB": True}, {"HAS_POS": True}, {"HAS_TIME": True}, {"HEAD_DIM": 96}, {"HEAD_DIM": 256},
+    {"HAS_AB": True}, {"HAS_POS": True}, {"HAS_TIME": True}, {"HEAD_DIM": 96}, {"HEAD_DIM": 256},
     {"FAST": False}, {"dtype": torch.float32}, {"tma": False}, {"env": "0"}, {"kind": "dkdv"}])
 def test_gluon_candidates_only_where_covered(change, monkeypatch):
-    consts = {"MODE": 1, "HAS_AB": False, "HAS_POS": False, "HAS_TIME": False, "HEAD_DIM": 128, "FAST": True}
+    consts = {"MODE": 0, "HAS_AB": False, "HAS_POS": False, "HAS_TIME": False, "HEAD_DIM": 128, "FAST": True}
     args = {"kind": "fwd", "dtype": torch.bfloat16, "tma": True}
     assert kernels.gluon_candidates(args["kind"], consts, args["dtype"], args["tma"]) == kernels.GLUON_CONFIGS["fwd"]
     monkeypatch.setenv("GEMREC_KERNEL_GLUON", change.pop("env", "1"))
