@@ -215,15 +215,15 @@ def _load_block(j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, n
 
 
 @gluon.jit
-def gdpa_fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                    stride_abt, stride_abh, stride_pth, stride_tth,
-                    scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads,
-                    HEAD_DIM: gl.constexpr, MODE: gl.constexpr, CAUSAL: gl.constexpr, NORM: gl.constexpr,
-                    Q_STRIDE: gl.constexpr, KV_STRIDE: gl.constexpr,
-                    HAS_AB: gl.constexpr, HAS_POS: gl.constexpr, HAS_TIME: gl.constexpr,
-                    NUM_POS: gl.constexpr, NUM_TIME: gl.constexpr, FAST: gl.constexpr, BLOCK_D: gl.constexpr,
-                    SCALE_POS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
+               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+               stride_abt, stride_abh, stride_pth, stride_tth,
+               scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads,
+               HEAD_DIM: gl.constexpr, MODE: gl.constexpr, CAUSAL: gl.constexpr, NORM: gl.constexpr,
+               Q_STRIDE: gl.constexpr, KV_STRIDE: gl.constexpr,
+               HAS_AB: gl.constexpr, HAS_POS: gl.constexpr, HAS_TIME: gl.constexpr,
+               NUM_POS: gl.constexpr, NUM_TIME: gl.constexpr, FAST: gl.constexpr, BLOCK_D: gl.constexpr,
+               SCALE_POS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     gl.static_assert(BLOCK_M == 2 * CONSUMER_ROWS)
     pid_m = gl.program_id(0)
     if CAUSAL:  # longest programs first
@@ -269,4 +269,4 @@ def gdpa_fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
         ], [4], [CONSUMER_REGS])
 
 
-KERNELS = {"fwd": gdpa_fwd_kernel}
+KERNELS = {"fwd": fwd_kernel}
