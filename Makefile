@@ -34,10 +34,11 @@ system-deps:
 run: setup
 	$(VENV)/bin/gemrec pipeline run --recipe movielens $(if $(DATA),--data $(DATA))
 
-test: setup system-deps
+test: setup system-deps lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: setup
+	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
 
 clean:

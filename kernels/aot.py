@@ -39,8 +39,9 @@ class Launch:
         return self.kernel.kind
 
     def candidates(self) -> list[dict]:
-        return (kernels._candidates(self.kind, self.consts["HEAD_DIM"], self.tma)
-                + kernels.gluon_candidates(self.kind, self.consts, self.args[0].dtype, self.tma))
+        return kernels._candidates(self.kind, self.consts["HEAD_DIM"], self.tma) + kernels.gluon_candidates(
+            self.kind, self.consts, self.args[0].dtype, self.tma
+        )
 
 
 @contextmanager
@@ -108,8 +109,12 @@ def compile_launch(launch: Launch, config: dict | None = None, target=HOPPER):
 
 # SASS opcode groups counted over the whole kernel (both loop bodies dominate): fp32 arithmetic of the softmax or
 # activation, special-function (exp2/tanh) ops, integer address arithmetic, and spill traffic.
-SASS_GROUPS = {"fp32": ("FMUL", "FADD", "FFMA", "FMNMX", "FSEL"), "mufu": ("MUFU",), "int": ("IMAD", "IADD3", "LEA"),
-               "spill": ("STL", "LDL")}
+SASS_GROUPS = {
+    "fp32": ("FMUL", "FADD", "FFMA", "FMNMX", "FSEL"),
+    "mufu": ("MUFU",),
+    "int": ("IMAD", "IADD3", "LEA"),
+    "spill": ("STL", "LDL"),
+}
 _SASS_OPCODE = re.compile(r"^\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)")
 
 
@@ -123,8 +128,9 @@ def _cuobjdump(compiled, flag: str) -> str:
 
 def sass_counts(compiled) -> dict[str, int]:
     """Instructions of the kernel's machine code (SASS) in total and per `SASS_GROUPS` group."""
-    opcodes = [m.group(1) for line in _cuobjdump(compiled, "--dump-sass").splitlines()
-               if (m := _SASS_OPCODE.match(line))]
+    opcodes = [
+        m.group(1) for line in _cuobjdump(compiled, "--dump-sass").splitlines() if (m := _SASS_OPCODE.match(line))
+    ]
     counts = {"total": len(opcodes)}
     for group, names in SASS_GROUPS.items():
         counts[group] = sum(op in names for op in opcodes)
@@ -134,9 +140,18 @@ def sass_counts(compiled) -> dict[str, int]:
 def resource_usage(compiled) -> dict[str, int]:
     """registers per thread, spill stack bytes per thread, shared memory bytes per block (cuobjdump's view)."""
     dump = _cuobjdump(compiled, "--dump-resource-usage")
-    fields = dict(item.split(":", 1) for line in dump.splitlines() if "REG:" in line for item in line.split()
-                  if ":" in item and item.split(":", 1)[1].isdigit())
-    return {"registers": int(fields["REG"]), "stack_bytes": int(fields["STACK"]), "shared_bytes": compiled.metadata.shared}
+    fields = dict(
+        item.split(":", 1)
+        for line in dump.splitlines()
+        if "REG:" in line
+        for item in line.split()
+        if ":" in item and item.split(":", 1)[1].isdigit()
+    )
+    return {
+        "registers": int(fields["REG"]),
+        "stack_bytes": int(fields["STACK"]),
+        "shared_bytes": compiled.metadata.shared,
+    }
 
 
 def static_report(config_names: list[str], progress=print) -> list[dict]:
@@ -163,8 +178,14 @@ def static_report(config_names: list[str], progress=print) -> list[dict]:
                 for tiles in launch.candidates():
                     compiled = compile_launch(launch, tiles)
                     usage = {**resource_usage(compiled), "sass": sass_counts(compiled)}
-                    row = {"config": name, "variant": f"{op}{'-causal' if causal else ''}", "kernel": launch.kind,
-                           "fuse_dq": launch.consts.get("FUSE_DQ"), "tiles": tiles, **usage}
+                    row = {
+                        "config": name,
+                        "variant": f"{op}{'-causal' if causal else ''}",
+                        "kernel": launch.kind,
+                        "fuse_dq": launch.consts.get("FUSE_DQ"),
+                        "tiles": tiles,
+                        **usage,
+                    }
                     progress(format_static_row(row))
                     rows.append(row)
     return rows
@@ -173,6 +194,8 @@ def static_report(config_names: list[str], progress=print) -> list[dict]:
 def format_static_row(row: dict) -> str:
     tiles = " ".join(f"{k}={v}" for k, v in row["tiles"].items())
     fused = "" if row["fuse_dq"] is None else f" fuse_dq={row['fuse_dq']}"
-    return (f"{row['config']:8s} {row['variant']:12s} {row['kernel']:5s}{fused:14s} {tiles:52s} "
-            f"regs {row['registers']:3d}  spill stack {row['stack_bytes']:5d} B  shared {row['shared_bytes']:6d} B  "
-            "sass " + " ".join(f"{k} {v}" for k, v in row["sass"].items()))
+    return (
+        f"{row['config']:8s} {row['variant']:12s} {row['kernel']:5s}{fused:14s} {tiles:52s} "
+        f"regs {row['registers']:3d}  spill stack {row['stack_bytes']:5d} B  shared {row['shared_bytes']:6d} B  "
+        "sass " + " ".join(f"{k} {v}" for k, v in row["sass"].items())
+    )

@@ -35,15 +35,39 @@ class Config:
 
 
 CONFIGS = {
-    "A": Config("A", 32, 8, 128, "uniform:1:4096", "self", (("jfa", False), ("jfa", True), ("gdpa", True)),
-                "JFA >= 450 fwd, >= 350 fwd+bwd; GDPA silu causal >= 450 fwd, >= 300 fwd+bwd"),
-    "B": Config("B", 256, 4, 64, "lognormal:128:1024", "self", (("jfa", False), ("jfa", True), ("gdpa", False),
-                                                                ("gdpa", True)),
-                ">= 2x FlexAttention, both ops"),
-    "C-cross": Config("C-cross", 32, 8, 128, "uniform:1:4096", "uniform:16:64", (("jfa", False), ("gdpa", False)),
-                      ">= 2x the best peer"),
-    "C-pma": Config("C-pma", 32, 8, 128, "shared:32", "uniform:1:4096", (("jfa", False), ("gdpa", False)),
-                    ">= 2x the best peer"),
+    "A": Config(
+        "A",
+        32,
+        8,
+        128,
+        "uniform:1:4096",
+        "self",
+        (("jfa", False), ("jfa", True), ("gdpa", True)),
+        "JFA >= 450 fwd, >= 350 fwd+bwd; GDPA silu causal >= 450 fwd, >= 300 fwd+bwd",
+    ),
+    "B": Config(
+        "B",
+        256,
+        4,
+        64,
+        "lognormal:128:1024",
+        "self",
+        (("jfa", False), ("jfa", True), ("gdpa", False), ("gdpa", True)),
+        ">= 2x FlexAttention, both ops",
+    ),
+    "C-cross": Config(
+        "C-cross",
+        32,
+        8,
+        128,
+        "uniform:1:4096",
+        "uniform:16:64",
+        (("jfa", False), ("gdpa", False)),
+        ">= 2x the best peer",
+    ),
+    "C-pma": Config(
+        "C-pma", 32, 8, 128, "shared:32", "uniform:1:4096", (("jfa", False), ("gdpa", False)), ">= 2x the best peer"
+    ),
 }
 
 
@@ -89,17 +113,39 @@ def make_case(cfg: Config, seed: int, device, dtype=torch.bfloat16, num_seqs: in
     k = torch.randn(sum(kv_lens), cfg.heads, cfg.head_dim, generator=gen).to(device, dtype)
     v = torch.randn(sum(kv_lens), cfg.heads, cfg.head_dim, generator=gen).to(device, dtype)
     per_seq_q = q_lens * b if shared_q else q_lens
-    return Case(q, k, v, offsets_of(q_lens, device), offsets_of(kv_lens, device), per_seq_q, kv_lens,
-                max(q_lens), max(kv_lens), shared_q)
+    return Case(
+        q,
+        k,
+        v,
+        offsets_of(q_lens, device),
+        offsets_of(kv_lens, device),
+        per_seq_q,
+        kv_lens,
+        max(q_lens),
+        max(kv_lens),
+        shared_q,
+    )
 
 
 def run_ours(op: str, case: Case, causal: bool, backend="auto", q=None, k=None, v=None):
     q, k, v = (case.q if q is None else q), (case.k if k is None else k), (case.v if v is None else v)
     if op == "jfa":
-        return jagged_attention(q, k, v, case.q_offsets, case.kv_offsets, case.max_q, case.max_kv, causal=causal,
-                                backend=backend)
-    return gdpa(q, k, v, case.q_offsets, case.kv_offsets, case.max_q, case.max_kv, activation="silu",
-                causal=causal, normalize="kv_len", backend=backend)
+        return jagged_attention(
+            q, k, v, case.q_offsets, case.kv_offsets, case.max_q, case.max_kv, causal=causal, backend=backend
+        )
+    return gdpa(
+        q,
+        k,
+        v,
+        case.q_offsets,
+        case.kv_offsets,
+        case.max_q,
+        case.max_kv,
+        activation="silu",
+        causal=causal,
+        normalize="kv_len",
+        backend=backend,
+    )
 
 
 def check_correctness(cfg: Config, op: str, causal: bool, device, seed: int) -> dict:
@@ -150,10 +196,12 @@ def peers(op: str, case: Case, causal: bool, device):
     if op == "jfa":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        doc_q = torch.repeat_interleave(torch.arange(len(case.q_lens), device=device),
-                                        torch.tensor(case.q_lens, device=device))
-        doc_kv = torch.repeat_interleave(torch.arange(len(case.kv_lens), device=device),
-                                         torch.tensor(case.kv_lens, device=device))
+        doc_q = torch.repeat_interleave(
+            torch.arange(len(case.q_lens), device=device), torch.tensor(case.q_lens, device=device)
+        )
+        doc_kv = torch.repeat_interleave(
+            torch.arange(len(case.kv_lens), device=device), torch.tensor(case.kv_lens, device=device)
+        )
         q_off, kv_off = offsets_of(case.q_lens, device), offsets_of(case.kv_lens, device)
         pos_q = torch.arange(doc_q.numel(), device=device) - q_off[doc_q]
         pos_kv = torch.arange(doc_kv.numel(), device=device) - kv_off[doc_kv]
@@ -170,7 +218,9 @@ def peers(op: str, case: Case, causal: bool, device):
         fq, fk, fv = (t.detach().clone().transpose(0, 1)[None].requires_grad_() for t in (q_full, case.k, case.v))
         out["flex (doc mask)"] = (lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=scale), [fq, fk, fv])
         out["sdpa padded (mask)"] = (
-            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale), [qp, kp, vp])
+            lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale),
+            [qp, kp, vp],
+        )
         nq, nk, nv = (t.detach().clone().requires_grad_() for t in (q_full, case.k, case.v))
 
         def nested(nq, nk, nv):
@@ -213,8 +263,10 @@ def _time(fn, leaves, backward: bool, graph: bool = False) -> float:
         def call():
             torch.autograd.grad(fn(*leaves), leaves, grad)
     else:
+
         def call():
             return fn(*leaves)
+
     with torch.set_grad_enabled(backward):
         call()
         if not graph:
@@ -261,8 +313,13 @@ def _git_commit() -> str:
     if os.environ.get("GEMREC_COMMIT"):
         return os.environ["GEMREC_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).parent,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -281,12 +338,17 @@ def _record(row: dict, label: str, flops: int, fn, leaves, backward: bool, graph
 def _timings(fwd_flops: int, bwd_flops: int):
     """(label, backward, graph, FLOPs) of each timing column."""
     total = fwd_flops + bwd_flops
-    return (("fwd", False, False, fwd_flops), ("fwd+bwd", True, False, total),
-            ("graph fwd", False, True, fwd_flops), ("graph fwd+bwd", True, True, total))
+    return (
+        ("fwd", False, False, fwd_flops),
+        ("fwd+bwd", True, False, total),
+        ("graph fwd", False, True, fwd_flops),
+        ("graph fwd+bwd", True, True, total),
+    )
 
 
-def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_peers: bool = True,
-                  progress=print) -> list[dict]:
+def run_benchmark(
+    config_names: list[str], out_dir: Path, seed: int = 0, with_peers: bool = True, progress=print
+) -> list[dict]:
     """Correctness of every variant first, then fwd and fwd+bwd timings of ours and the peers."""
     device = torch.device("cuda")
     # every config and grad mode compiles the peers' flex_attention and padded GDPA again; past dynamo's default
@@ -311,16 +373,25 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
             variant = f"{op}{'-causal' if causal else ''}"
             fwd_flops, bwd_flops = attention_flops(case.q_offsets, case.kv_offsets, cfg.heads, cfg.head_dim, causal)
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-            impls = {"ours (triton)": (lambda q, k, v, op=op, causal=causal, case=case: run_ours(
-                op, case, causal, "auto", q, k, v), leaves)}
+            impls = {
+                "ours (triton)": (
+                    lambda q, k, v, op=op, causal=causal, case=case: run_ours(op, case, causal, "auto", q, k, v),
+                    leaves,
+                )
+            }
             if with_peers:
                 try:
                     impls.update(peers(op, case, causal, device))
                 except Exception as err:  # a peer that cannot even be set up is reported, not fatal
                     progress(f"peers for {name}/{variant} unavailable: {type(err).__name__}: {err}")
             for impl, (fn, impl_leaves) in impls.items():
-                row = {"config": name, "variant": variant, "impl": impl, "fwd_gflop": fwd_flops / 1e9,
-                       "bwd_gflop": bwd_flops / 1e9}
+                row = {
+                    "config": name,
+                    "variant": variant,
+                    "impl": impl,
+                    "fwd_gflop": fwd_flops / 1e9,
+                    "bwd_gflop": bwd_flops / 1e9,
+                }
                 for label, backward, graph, flops in _timings(fwd_flops, bwd_flops):
                     if not graph:
                         _record(row, label, flops, fn, impl_leaves, backward, graph)
@@ -332,12 +403,17 @@ def run_benchmark(config_names: list[str], out_dir: Path, seed: int = 0, with_pe
                 progress(format_row(row))
         for entry in tuned_configs()[tuned_before:]:  # every candidate's time, per kernel tuned for this config
             consts = entry["constexprs"]
-            progress(f"  tuned {name} {entry['kernel']} mode={consts['MODE']} causal={consts['CAUSAL']} "
-                     f"fuse_dq={consts.get('FUSE_DQ')} buckets={entry['len_buckets']}: "
-                     + " ".join(f"{c}={ms}" for c, ms in entry["candidates_ms"].items())
-                     + (("; finalists, warmed up: " + " ".join(f"{c}={ms}" for c, ms in entry["finalists_ms"].items()))
-                        if entry["finalists_ms"] else "")
-                     + (f" failed: {entry['failures']}" if entry["failures"] else ""))
+            progress(
+                f"  tuned {name} {entry['kernel']} mode={consts['MODE']} causal={consts['CAUSAL']} "
+                f"fuse_dq={consts.get('FUSE_DQ')} buckets={entry['len_buckets']}: "
+                + " ".join(f"{c}={ms}" for c, ms in entry["candidates_ms"].items())
+                + (
+                    ("; finalists, warmed up: " + " ".join(f"{c}={ms}" for c, ms in entry["finalists_ms"].items()))
+                    if entry["finalists_ms"]
+                    else ""
+                )
+                + (f" failed: {entry['failures']}" if entry["failures"] else "")
+            )
     # CUDA-graph timings last: a failed capture can leave the CUDA RNG and the allocator's pools unusable for the
     # calls after it, which must not cost any eager timing
     for row, label, flops, fn, impl_leaves, backward in graph_jobs:
@@ -372,7 +448,8 @@ def format_row(row: dict) -> str:
         return row.get(f"{label}_error", "-")
 
     return f"{row['config']:8s} {row['variant']:12s} {row['impl']:26s} " + " ".join(
-        f"{label} {cell(label):22s}" for label in LABELS)
+        f"{label} {cell(label):22s}" for label in LABELS
+    )
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -381,8 +458,10 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         f"triton {meta.get('triton')}.",
         "",
         "Correctness (bf16 kernel vs fp32 reference, relative L2 error): "
-        + "; ".join(f"{k} {'ok' if v['ok'] else 'FAIL'} (max {max(v['errors'].values()):.1e})"
-                    for k, v in meta["checks"].items()),
+        + "; ".join(
+            f"{k} {'ok' if v['ok'] else 'FAIL'} (max {max(v['errors'].values()):.1e})"
+            for k, v in meta["checks"].items()
+        ),
         "",
         "Eager: each call launched from Python. Graph: replayed from a CUDA graph (device time, no host costs).",
         "",
@@ -397,6 +476,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         return f"{r[f'{label}_tflops']:.0f}" if f"{label}_tflops" in r else "-"
 
     for r in rows:
-        lines.append(f"| {r['config']} | {r['variant']} | {r['impl']} | "
-                     + " | ".join(f"{ms(r, label)} | {tf(r, label)}" for label in LABELS) + " |")
+        lines.append(
+            f"| {r['config']} | {r['variant']} | {r['impl']} | "
+            + " | ".join(f"{ms(r, label)} | {tf(r, label)}" for label in LABELS)
+            + " |"
+        )
     return "\n".join(lines) + "\n"

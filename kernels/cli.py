@@ -24,15 +24,22 @@ def _bench_kernels(args: argparse.Namespace) -> int:
         print(f"wrote {Path(args.out) / 'kernels_static.json'}")
         return 0
     if not torch.cuda.is_available():
-        raise CLIError("bench kernels needs a CUDA GPU (the Triton kernels run compiled only there; "
-                       "--static compiles them for sm_90 without one)")
+        raise CLIError(
+            "bench kernels needs a CUDA GPU (the Triton kernels run compiled only there; "
+            "--static compiles them for sm_90 without one)"
+        )
     if args.profile:
         from gemrec.kernels.bench import profile_ours
 
         profile_ours(names, seed=args.seed, progress=lambda line: print(line, flush=True))
         return 0
-    rows = run_benchmark(names, Path(args.out), seed=args.seed, with_peers=not args.no_peers,
-                         progress=lambda line: print(line, flush=True))
+    rows = run_benchmark(
+        names,
+        Path(args.out),
+        seed=args.seed,
+        with_peers=not args.no_peers,
+        progress=lambda line: print(line, flush=True),
+    )
     print("\n".join(format_row(r) for r in rows))
     print(f"wrote {Path(args.out) / 'kernels_bench.json'} and kernels_bench.md")
     return 0
@@ -45,9 +52,12 @@ def register(groups: dict) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", action="store_true", help="time only our kernels")
     p.add_argument("--profile", action="store_true", help="only print per-kernel device times of ours (fwd+bwd)")
-    p.add_argument("--static", action="store_true",
-                   help="no GPU needed: compile every kernel and candidate tile for sm_90, report registers, "
-                        "spill stack, shared memory and SASS instruction counts")
+    p.add_argument(
+        "--static",
+        action="store_true",
+        help="no GPU needed: compile every kernel and candidate tile for sm_90, report registers, "
+        "spill stack, shared memory and SASS instruction counts",
+    )
     p.set_defaults(func=_bench_kernels)
 
 

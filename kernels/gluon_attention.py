@@ -28,8 +28,12 @@ CONSUMER_REGS = gl.constexpr(240)
 
 
 def covers(consts: dict, dtype) -> bool:
-    return (not (consts["HAS_AB"] or consts["HAS_POS"] or consts["HAS_TIME"])
-            and consts["HEAD_DIM"] in (64, 128) and consts["FAST"] and dtype.itemsize == 2)
+    return (
+        not (consts["HAS_AB"] or consts["HAS_POS"] or consts["HAS_TIME"])
+        and consts["HEAD_DIM"] in (64, 128)
+        and consts["FAST"]
+        and dtype.itemsize == 2
+    )
 
 
 @gluon.jit
@@ -58,10 +62,37 @@ def _activation(qk, scale, MODE: gl.constexpr):
 
 
 @gluon.jit
-def _consume(j, acc, m_i, l_i, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_desc, num_blocks, rows,
-             cols, kv_len, shift, scale, qk_scale, zero_qk, MODE: gl.constexpr, CAUSAL: gl.constexpr,
-             MASKED: gl.constexpr, SCALE_POS: gl.constexpr, LOADS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             p_layout: gl.constexpr, acc_rows: gl.constexpr):
+def _consume(
+    j,
+    acc,
+    m_i,
+    l_i,
+    q_s,
+    k_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    kv_empty,
+    k_desc,
+    v_desc,
+    num_blocks,
+    rows,
+    cols,
+    kv_len,
+    shift,
+    scale,
+    qk_scale,
+    zero_qk,
+    MODE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    MASKED: gl.constexpr,
+    SCALE_POS: gl.constexpr,
+    LOADS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    p_layout: gl.constexpr,
+    acc_rows: gl.constexpr,
+):
     """Key block j into acc (online softmax in m_i, l_i for MODE 0): its PV product stays in flight until the next
     block's QK^T has been waited for. LOADS: this warpgroup also loads block j + STAGES - 1, into the stage block
     j - 1 leaves."""
@@ -104,43 +135,66 @@ def _consume(j, acc, m_i, l_i, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, 
     acc = warpgroup_mma(p, v_smem.index(s), acc, is_async=True)
     acc = warpgroup_mma_wait(1, deps=[acc])
     if LOADS:
-        _load_block(j + STAGES - 1, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks, BLOCK_N,
-                    STAGES)
+        _load_block(
+            j + STAGES - 1, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks, BLOCK_N, STAGES
+        )
     return acc, m_i, l_i
 
 
 @gluon.jit
-def _consumer(Q, K, V, Out, LSE, bufs, seq, io, kv_io, HEAD_DIM: gl.constexpr, MODE: gl.constexpr,
-              CAUSAL: gl.constexpr, NORM: gl.constexpr, SCALE_POS: gl.constexpr, BLOCK_N: gl.constexpr,
-              STAGES: gl.constexpr, C: gl.constexpr):
+def _consumer(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    bufs,
+    seq,
+    io,
+    kv_io,
+    HEAD_DIM: gl.constexpr,
+    MODE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    NORM: gl.constexpr,
+    SCALE_POS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    C: gl.constexpr,
+):
     q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty = bufs
     q_start, q_len, kv_len, o_start, m0, shift, h, num_heads, num_blocks = seq
     stride_qt, stride_qh, stride_ot, stride_oh, scale, qk_scale, inv_max_len = io
     kv_start, stride_kt, stride_kh, stride_vt, stride_vh = kv_io
     LOADS: gl.constexpr = C == 0
     if LOADS:
-        k_desc, v_desc = _kv_descs(K, V, kv_start, kv_len, h, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM,
-                                   BLOCK_N)
+        k_desc, v_desc = _kv_descs(
+            K, V, kv_start, kv_len, h, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N
+        )
         for i in gl.static_range(STAGES - 1):
             _load_block(i, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks, BLOCK_N, STAGES)
     else:
         k_desc = None
         v_desc = None
     dtype: gl.constexpr = Q.dtype.element_ty
-    qk_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    qk_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
+    )
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HEAD_DIM, 16]
+    )
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    load_layout: gl.constexpr = gl.BlockedLayout(size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM,
-                                                                                         HEAD_DIM // 8],
-                                                 warps_per_cta=[4, 1], order=[1, 0])
+    load_layout: gl.constexpr = gl.BlockedLayout(
+        size_per_thread=[1, 8], threads_per_warp=[256 // HEAD_DIM, HEAD_DIM // 8], warps_per_cta=[4, 1], order=[1, 0]
+    )
     r0 = m0 + C * CONSUMER_ROWS
 
     rows_ld = r0 + gl.arange(0, CONSUMER_ROWS, layout=gl.SliceLayout(1, load_layout))
     d_ld = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, load_layout))
-    q = gl.load(Q + (q_start + rows_ld.to(gl.int64))[:, None] * stride_qt + h * stride_qh + d_ld[None, :],
-                mask=(rows_ld < q_len)[:, None] & (d_ld < HEAD_DIM)[None, :], other=0.0)
+    q = gl.load(
+        Q + (q_start + rows_ld.to(gl.int64))[:, None] * stride_qt + h * stride_qh + d_ld[None, :],
+        mask=(rows_ld < q_len)[:, None] & (d_ld < HEAD_DIM)[None, :],
+        other=0.0,
+    )
     q_s = q_smem.index(C)
     q_s.store(q)
     fence_async_shared()
@@ -164,13 +218,69 @@ def _consumer(Q, K, V, Out, LSE, bufs, seq, io, kv_io, HEAD_DIM: gl.constexpr, M
     else:
         n_full = num_blocks
     for j in range(0, n_full):
-        acc, m_i, l_i = _consume(j, acc, m_i, l_i, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_desc,
-                                 num_blocks, rows, cols, kv_len, shift, scale, qk_scale, zero_qk, MODE, CAUSAL, False,
-                                 SCALE_POS, LOADS, BLOCK_N, STAGES, p_layout, acc_rows)
+        acc, m_i, l_i = _consume(
+            j,
+            acc,
+            m_i,
+            l_i,
+            q_s,
+            k_smem,
+            v_smem,
+            k_ready,
+            v_ready,
+            kv_empty,
+            k_desc,
+            v_desc,
+            num_blocks,
+            rows,
+            cols,
+            kv_len,
+            shift,
+            scale,
+            qk_scale,
+            zero_qk,
+            MODE,
+            CAUSAL,
+            False,
+            SCALE_POS,
+            LOADS,
+            BLOCK_N,
+            STAGES,
+            p_layout,
+            acc_rows,
+        )
     for j in range(n_full, n_mine):
-        acc, m_i, l_i = _consume(j, acc, m_i, l_i, q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, k_desc, v_desc,
-                                 num_blocks, rows, cols, kv_len, shift, scale, qk_scale, zero_qk, MODE, CAUSAL, True,
-                                 SCALE_POS, LOADS, BLOCK_N, STAGES, p_layout, acc_rows)
+        acc, m_i, l_i = _consume(
+            j,
+            acc,
+            m_i,
+            l_i,
+            q_s,
+            k_smem,
+            v_smem,
+            k_ready,
+            v_ready,
+            kv_empty,
+            k_desc,
+            v_desc,
+            num_blocks,
+            rows,
+            cols,
+            kv_len,
+            shift,
+            scale,
+            qk_scale,
+            zero_qk,
+            MODE,
+            CAUSAL,
+            True,
+            SCALE_POS,
+            LOADS,
+            BLOCK_N,
+            STAGES,
+            p_layout,
+            acc_rows,
+        )
     acc = warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(kv_empty.index((n_mine + STAGES - 1) % STAGES), count=1, pred=n_mine > 0)
 
@@ -186,24 +296,49 @@ def _consumer(Q, K, V, Out, LSE, bufs, seq, io, kv_io, HEAD_DIM: gl.constexpr, M
     elif NORM == 2:
         acc = acc * inv_max_len
     d_o = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    gl.store(Out + (o_start + rows_o.to(gl.int64))[:, None] * stride_ot + h * stride_oh + d_o[None, :],
-             acc.to(dtype), mask=(rows_o < q_len)[:, None] & (d_o < HEAD_DIM)[None, :])
+    gl.store(
+        Out + (o_start + rows_o.to(gl.int64))[:, None] * stride_ot + h * stride_oh + d_o[None, :],
+        acc.to(dtype),
+        mask=(rows_o < q_len)[:, None] & (d_o < HEAD_DIM)[None, :],
+    )
 
 
 @gluon.jit
-def _kv_descs(K, V, kv_start, kv_len, h, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: gl.constexpr,
-              BLOCK_N: gl.constexpr):
+def _kv_descs(
+    K, V, kv_start, kv_len, h, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr
+):
     layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], K.dtype.element_ty)
-    k_desc = tma.make_tensor_descriptor(K + kv_start * stride_kt + h * stride_kh, shape=[kv_len, HEAD_DIM],
-                                        strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=layout)
-    v_desc = tma.make_tensor_descriptor(V + kv_start * stride_vt + h * stride_vh, shape=[kv_len, HEAD_DIM],
-                                        strides=[stride_vt, 1], block_shape=[BLOCK_N, HEAD_DIM], layout=layout)
+    k_desc = tma.make_tensor_descriptor(
+        K + kv_start * stride_kt + h * stride_kh,
+        shape=[kv_len, HEAD_DIM],
+        strides=[stride_kt, 1],
+        block_shape=[BLOCK_N, HEAD_DIM],
+        layout=layout,
+    )
+    v_desc = tma.make_tensor_descriptor(
+        V + kv_start * stride_vt + h * stride_vh,
+        shape=[kv_len, HEAD_DIM],
+        strides=[stride_vt, 1],
+        block_shape=[BLOCK_N, HEAD_DIM],
+        layout=layout,
+    )
     return k_desc, v_desc
 
 
 @gluon.jit
-def _load_block(j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks, BLOCK_N: gl.constexpr,
-                STAGES: gl.constexpr):
+def _load_block(
+    j,
+    k_desc,
+    v_desc,
+    k_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    kv_empty,
+    num_blocks,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """Key block j's K and V into their stage once both warpgroups have released its previous block."""
     s = j % STAGES
     pred = j < num_blocks
@@ -215,15 +350,55 @@ def _load_block(j, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, n
 
 
 @gluon.jit
-def fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
-               stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-               stride_abt, stride_abh, stride_pth, stride_tth,
-               scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads,
-               HEAD_DIM: gl.constexpr, MODE: gl.constexpr, CAUSAL: gl.constexpr, NORM: gl.constexpr,
-               Q_STRIDE: gl.constexpr, KV_STRIDE: gl.constexpr,
-               HAS_AB: gl.constexpr, HAS_POS: gl.constexpr, HAS_TIME: gl.constexpr,
-               NUM_POS: gl.constexpr, NUM_TIME: gl.constexpr, FAST: gl.constexpr, BLOCK_D: gl.constexpr,
-               SCALE_POS: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    AB,
+    PT,
+    TT,
+    QTS,
+    KTS,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    qk_scale,
+    inv_max_len,
+    pos_log_inv,
+    time_log_inv,
+    num_heads,
+    HEAD_DIM: gl.constexpr,
+    MODE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    NORM: gl.constexpr,
+    Q_STRIDE: gl.constexpr,
+    KV_STRIDE: gl.constexpr,
+    HAS_AB: gl.constexpr,
+    HAS_POS: gl.constexpr,
+    HAS_TIME: gl.constexpr,
+    NUM_POS: gl.constexpr,
+    NUM_TIME: gl.constexpr,
+    FAST: gl.constexpr,
+    BLOCK_D: gl.constexpr,
+    SCALE_POS: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     gl.static_assert(BLOCK_M == 2 * CONSUMER_ROWS)
     pid_m = gl.program_id(0)
     if CAUSAL:  # longest programs first
@@ -245,8 +420,9 @@ def fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
             n_end = gl.maximum(gl.minimum(kv_len, m0 + BLOCK_M + shift), 0)
         num_blocks = gl.cdiv(n_end, BLOCK_N)
         dtype: gl.constexpr = Q.dtype.element_ty
-        q_smem = gl.allocate_shared_memory(dtype, [2, CONSUMER_ROWS, HEAD_DIM],
-                                           gl.NVMMASharedLayout.get_default_for([CONSUMER_ROWS, HEAD_DIM], dtype))
+        q_smem = gl.allocate_shared_memory(
+            dtype, [2, CONSUMER_ROWS, HEAD_DIM], gl.NVMMASharedLayout.get_default_for([CONSUMER_ROWS, HEAD_DIM], dtype)
+        )
         kv_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, HEAD_DIM], dtype)
         k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
         v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], kv_layout)
@@ -261,12 +437,56 @@ def fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
         seq = (q_start, q_len, kv_len, o_start, m0, shift, h, num_heads, num_blocks)
         io = (stride_qt, stride_qh, stride_ot, stride_oh, scale, qk_scale, inv_max_len)
         kv_io = (kv_start, stride_kt, stride_kh, stride_vt, stride_vh)
-        gl.warp_specialize([
-            (_consumer, (Q, K, V, Out, LSE, bufs, seq, io, kv_io, HEAD_DIM, MODE, CAUSAL, NORM, SCALE_POS, BLOCK_N,
-                         STAGES, 0)),
-            (_consumer, (Q, K, V, Out, LSE, bufs, seq, io, kv_io, HEAD_DIM, MODE, CAUSAL, NORM, SCALE_POS, BLOCK_N,
-                         STAGES, 1)),
-        ], [4], [CONSUMER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _consumer,
+                    (
+                        Q,
+                        K,
+                        V,
+                        Out,
+                        LSE,
+                        bufs,
+                        seq,
+                        io,
+                        kv_io,
+                        HEAD_DIM,
+                        MODE,
+                        CAUSAL,
+                        NORM,
+                        SCALE_POS,
+                        BLOCK_N,
+                        STAGES,
+                        0,
+                    ),
+                ),
+                (
+                    _consumer,
+                    (
+                        Q,
+                        K,
+                        V,
+                        Out,
+                        LSE,
+                        bufs,
+                        seq,
+                        io,
+                        kv_io,
+                        HEAD_DIM,
+                        MODE,
+                        CAUSAL,
+                        NORM,
+                        SCALE_POS,
+                        BLOCK_N,
+                        STAGES,
+                        1,
+                    ),
+                ),
+            ],
+            [4],
+            [CONSUMER_REGS],
+        )
 
 
 KERNELS = {"fwd": fwd_kernel}

@@ -40,15 +40,51 @@ def _kernels(device: torch.device):
         return triton_attention
     raise RuntimeError(
         "the Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported "
-        "(the CPU interpreter); use backend='reference' on CPU")
+        "(the CPU interpreter); use backend='reference' on CPU"
+    )
 
 
-def _problem(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias, pos_table,
-             time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+def _problem(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    mode,
+    causal,
+    scale,
+    norm,
+    attn_bias,
+    pos_table,
+    time_table,
+    q_timestamps,
+    kv_timestamps,
+    pos_max_distance,
+    time_log_base,
+):
     module = _kernels(q.device)
-    return module, module.Problem(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
-                                  attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance,
-                                  time_log_base)
+    return module, module.Problem(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        max_q_len,
+        max_kv_len,
+        mode,
+        causal,
+        scale,
+        norm,
+        attn_bias,
+        pos_table,
+        time_table,
+        q_timestamps,
+        kv_timestamps,
+        pos_max_distance,
+        time_log_base,
+    )
 
 
 def _num_out_rows(q, q_offsets, kv_offsets) -> int:
@@ -59,44 +95,147 @@ def _num_out_rows(q, q_offsets, kv_offsets) -> int:
 
 @torch.library.custom_op("gemrec::attention_fwd", mutates_args=())
 def attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor,
-    max_q_len: int, max_kv_len: int, mode: int, causal: bool, scale: float, norm: int,
-    attn_bias: torch.Tensor | None, pos_table: torch.Tensor | None, time_table: torch.Tensor | None,
-    q_timestamps: torch.Tensor | None, kv_timestamps: torch.Tensor | None, pos_max_distance: int,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    mode: int,
+    causal: bool,
+    scale: float,
+    norm: int,
+    attn_bias: torch.Tensor | None,
+    pos_table: torch.Tensor | None,
+    time_table: torch.Tensor | None,
+    q_timestamps: torch.Tensor | None,
+    kv_timestamps: torch.Tensor | None,
+    pos_max_distance: int,
     time_log_base: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse); lse is the log2-domain logsumexp per (row, head) for softmax, unused otherwise."""
-    module, problem = _problem(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
-                               attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance,
-                               time_log_base)
+    module, problem = _problem(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        max_q_len,
+        max_kv_len,
+        mode,
+        causal,
+        scale,
+        norm,
+        attn_bias,
+        pos_table,
+        time_table,
+        q_timestamps,
+        kv_timestamps,
+        pos_max_distance,
+        time_log_base,
+    )
     return module.forward(problem)
 
 
 @attention_fwd.register_fake
-def _(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias, pos_table,
-      time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+def _(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    mode,
+    causal,
+    scale,
+    norm,
+    attn_bias,
+    pos_table,
+    time_table,
+    q_timestamps,
+    kv_timestamps,
+    pos_max_distance,
+    time_log_base,
+):
     rows = _num_out_rows(q, q_offsets, kv_offsets)
     return q.new_empty((rows, q.shape[1], q.shape[2])), q.new_empty((rows, q.shape[1]), dtype=torch.float32)
 
 
 @torch.library.custom_op("gemrec::attention_bwd", mutates_args=())
 def attention_bwd(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-    lse: torch.Tensor, q_offsets: torch.Tensor, kv_offsets: torch.Tensor, max_q_len: int, max_kv_len: int, mode: int, causal: bool, scale: float, norm: int,
-    attn_bias: torch.Tensor | None, pos_table: torch.Tensor | None, time_table: torch.Tensor | None,
-    q_timestamps: torch.Tensor | None, kv_timestamps: torch.Tensor | None, pos_max_distance: int,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_offsets: torch.Tensor,
+    kv_offsets: torch.Tensor,
+    max_q_len: int,
+    max_kv_len: int,
+    mode: int,
+    causal: bool,
+    scale: float,
+    norm: int,
+    attn_bias: torch.Tensor | None,
+    pos_table: torch.Tensor | None,
+    time_table: torch.Tensor | None,
+    q_timestamps: torch.Tensor | None,
+    kv_timestamps: torch.Tensor | None,
+    pos_max_distance: int,
     time_log_base: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); absent biases get empty tensors."""
-    module, problem = _problem(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
-                               attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance,
-                               time_log_base)
+    module, problem = _problem(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        max_q_len,
+        max_kv_len,
+        mode,
+        causal,
+        scale,
+        norm,
+        attn_bias,
+        pos_table,
+        time_table,
+        q_timestamps,
+        kv_timestamps,
+        pos_max_distance,
+        time_log_base,
+    )
     grads = module.backward(problem, grad_out, out, lse)
     return tuple(g if g is not None else q.new_empty(0) for g in grads)
 
 
 @attention_bwd.register_fake
-def _(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+def _(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    mode,
+    causal,
+    scale,
+    norm,
+    attn_bias,
+    pos_table,
+    time_table,
+    q_timestamps,
+    kv_timestamps,
+    pos_max_distance,
+    time_log_base,
+):
     def like(t):
         return torch.empty_like(t) if t is not None else q.new_empty(0)
 
@@ -104,25 +243,76 @@ def _(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len,
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm, attn_bias, pos_table,
-     time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base) = inputs
+    (
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        max_q_len,
+        max_kv_len,
+        mode,
+        causal,
+        scale,
+        norm,
+        attn_bias,
+        pos_table,
+        time_table,
+        q_timestamps,
+        kv_timestamps,
+        pos_max_distance,
+        time_log_base,
+    ) = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps,
-                          kv_timestamps)
+    ctx.save_for_backward(
+        q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps
+    )
     ctx.set_materialize_grads(False)  # lse gets no gradient: skip allocating zeros for it
     ctx.params = (max_q_len, max_kv_len, mode, causal, scale, norm)
     ctx.bias_params = (pos_max_distance, time_log_base)
 
 
 def _backward(ctx, grad_out, grad_lse):
-    (q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps,
-     kv_timestamps) = ctx.saved_tensors
-    dq, dk, dv, dab, dpt, dtt = attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, *ctx.params,
-                                              attn_bias, pos_table, time_table, q_timestamps, kv_timestamps,
-                                              *ctx.bias_params)
-    return (dq, dk, dv, None, None, None, None, None, None, None, None,
-            dab if attn_bias is not None else None, dpt if pos_table is not None else None,
-            dtt if time_table is not None else None, None, None, None, None)
+    (q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps) = (
+        ctx.saved_tensors
+    )
+    dq, dk, dv, dab, dpt, dtt = attention_bwd(
+        grad_out,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        q_offsets,
+        kv_offsets,
+        *ctx.params,
+        attn_bias,
+        pos_table,
+        time_table,
+        q_timestamps,
+        kv_timestamps,
+        *ctx.bias_params,
+    )
+    return (
+        dq,
+        dk,
+        dv,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        dab if attn_bias is not None else None,
+        dpt if pos_table is not None else None,
+        dtt if time_table is not None else None,
+        None,
+        None,
+        None,
+        None,
+    )
 
 
 attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -131,8 +321,7 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 def _direct(q: torch.Tensor) -> bool:
     """Eager calls on plain tensors run the kernels straight from Python: the custom ops' dispatch is for
     tracing (torch.compile, fake tensors) and dispatch modes (FlopCounterMode), which still get them."""
-    return (type(q) is torch.Tensor and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0)
+    return type(q) is torch.Tensor and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
 
 
 class _Attention(torch.autograd.Function):
@@ -143,36 +332,101 @@ class _Attention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_bias, pos_table, time_table, q_offsets, kv_offsets, q_timestamps,
-                kv_timestamps, params, bias_params):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        attn_bias,
+        pos_table,
+        time_table,
+        q_offsets,
+        kv_offsets,
+        q_timestamps,
+        kv_timestamps,
+        params,
+        bias_params,
+    ):
         # None: the same tensor as q_offsets (torch.compile refuses one tensor passed twice to a Function)
         kv_offsets = q_offsets if kv_offsets is None else kv_offsets
-        args = (q, k, v, q_offsets, kv_offsets, *params, attn_bias, pos_table, time_table, q_timestamps,
-                kv_timestamps, *bias_params)
+        args = (
+            q,
+            k,
+            v,
+            q_offsets,
+            kv_offsets,
+            *params,
+            attn_bias,
+            pos_table,
+            time_table,
+            q_timestamps,
+            kv_timestamps,
+            *bias_params,
+        )
         if _direct(q):
             module, problem = _problem(*args)
             out, lse = module.forward(problem)
         else:
             out, lse = attention_fwd(*args)
-        ctx.save_for_backward(q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table,
-                              q_timestamps, kv_timestamps)
+        ctx.save_for_backward(
+            q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps
+        )
         ctx.params, ctx.bias_params = params, bias_params
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps,
-         kv_timestamps) = ctx.saved_tensors
+        (q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps) = (
+            ctx.saved_tensors
+        )
         if _direct(q) and type(grad_out) is torch.Tensor:
-            module, problem = _problem(q, k, v, q_offsets, kv_offsets, *ctx.params, attn_bias, pos_table, time_table,
-                                       q_timestamps, kv_timestamps, *ctx.bias_params)
+            module, problem = _problem(
+                q,
+                k,
+                v,
+                q_offsets,
+                kv_offsets,
+                *ctx.params,
+                attn_bias,
+                pos_table,
+                time_table,
+                q_timestamps,
+                kv_timestamps,
+                *ctx.bias_params,
+            )
             dq, dk, dv, dab, dpt, dtt = module.backward(problem, grad_out, out, lse)
         else:
-            dq, dk, dv, dab, dpt, dtt = attention_bwd(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, *ctx.params,
-                                                      attn_bias, pos_table, time_table, q_timestamps, kv_timestamps,
-                                                      *ctx.bias_params)
-        return (dq, dk, dv, dab if attn_bias is not None else None, dpt if pos_table is not None else None,
-                dtt if time_table is not None else None, None, None, None, None, None, None)
+            dq, dk, dv, dab, dpt, dtt = attention_bwd(
+                grad_out,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                q_offsets,
+                kv_offsets,
+                *ctx.params,
+                attn_bias,
+                pos_table,
+                time_table,
+                q_timestamps,
+                kv_timestamps,
+                *ctx.bias_params,
+            )
+        return (
+            dq,
+            dk,
+            dv,
+            dab if attn_bias is not None else None,
+            dpt if pos_table is not None else None,
+            dtt if time_table is not None else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def attention_pairs(q_offsets, kv_offsets, causal: bool) -> int:
@@ -214,14 +468,30 @@ def _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal) ->
 
 
 @register_flop_formula(torch.ops.gemrec.attention_fwd, get_raw=True)
-def _attention_fwd_flops(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal,
-                         *args, out_val=None, **kwargs) -> int:
+def _attention_fwd_flops(
+    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, *args, out_val=None, **kwargs
+) -> int:
     return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)[0]
 
 
 @register_flop_formula(torch.ops.gemrec.attention_bwd, get_raw=True)
-def _attention_bwd_flops(grad_out, q, k, v, out, lse, q_offsets, kv_offsets, max_q_len, max_kv_len,
-                         mode, causal, *args, out_val=None, **kwargs) -> int:
+def _attention_bwd_flops(
+    grad_out,
+    q,
+    k,
+    v,
+    out,
+    lse,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    mode,
+    causal,
+    *args,
+    out_val=None,
+    **kwargs,
+) -> int:
     return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)[1]
 
 
@@ -232,18 +502,24 @@ def _check(cond: bool, message: str) -> None:
 
 def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel: RelativeBias, backend):
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(isinstance(t, torch.Tensor) and t.dim() == 3,
-               f"{name} must be a (total_tokens, heads, head_dim) tensor, got {getattr(t, 'shape', type(t))}")
+        _check(
+            isinstance(t, torch.Tensor) and t.dim() == 3,
+            f"{name} must be a (total_tokens, heads, head_dim) tensor, got {getattr(t, 'shape', type(t))}",
+        )
         _check(t.is_floating_point(), f"{name} must be floating point, got {t.dtype}")
     _check(q.dtype == k.dtype == v.dtype, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
     _check(k.shape == v.shape, f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     _check(q.shape[1:] == k.shape[1:], f"q and k heads/head_dim differ: {tuple(q.shape)} vs {tuple(k.shape)}")
     for name, t in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
-        _check(isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() >= 1 and not t.is_floating_point(),
-               f"{name} must be a 1-D integer tensor of B+1 offsets")
+        _check(
+            isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() >= 1 and not t.is_floating_point(),
+            f"{name} must be a 1-D integer tensor of B+1 offsets",
+        )
     nq, nkv = q_offsets.numel(), kv_offsets.numel()
-    _check(nq == nkv or nq == 2 or nkv == 2,
-           f"q_offsets ({nq}) and kv_offsets ({nkv}) must hold the same B+1 entries (or 2 for a shared q or kv)")
+    _check(
+        nq == nkv or nq == 2 or nkv == 2,
+        f"q_offsets ({nq}) and kv_offsets ({nkv}) must hold the same B+1 entries (or 2 for a shared q or kv)",
+    )
     _check(int(max_q_len) >= 0 and int(max_kv_len) >= 0, "max_q_len and max_kv_len must be >= 0")
     if backend == "triton":
         _check(16 <= q.shape[2] <= MAX_HEAD_DIM, f"head_dim must be in [16, {MAX_HEAD_DIM}], got {q.shape[2]}")
@@ -253,32 +529,60 @@ def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, 
         _check(tuple(attn_bias.shape) == want, f"attn_bias must have shape {want}, got {tuple(attn_bias.shape)}")
     heads = q.shape[1]
     if rel.position is not None:
-        _check(rel.position.dim() == 2 and rel.position.shape[0] == heads and rel.position.shape[1] >= 2,
-               f"rel_bias position table must be [heads={heads}, num_buckets>=2], got {tuple(rel.position.shape)}")
-        _check(rel.max_distance > rel.position.shape[1] // 2,
-               f"rel_bias max_distance ({rel.max_distance}) must exceed num_buckets // 2")
+        _check(
+            rel.position.dim() == 2 and rel.position.shape[0] == heads and rel.position.shape[1] >= 2,
+            f"rel_bias position table must be [heads={heads}, num_buckets>=2], got {tuple(rel.position.shape)}",
+        )
+        _check(
+            rel.max_distance > rel.position.shape[1] // 2,
+            f"rel_bias max_distance ({rel.max_distance}) must exceed num_buckets // 2",
+        )
     if rel.time is not None:
-        _check(rel.time.dim() == 2 and rel.time.shape[0] == heads,
-               f"rel_bias time table must be [heads={heads}, num_buckets], got {tuple(rel.time.shape)}")
-        _check(rel.q_timestamps is not None and rel.kv_timestamps is not None,
-               "rel_bias time table needs q_timestamps and kv_timestamps")
+        _check(
+            rel.time.dim() == 2 and rel.time.shape[0] == heads,
+            f"rel_bias time table must be [heads={heads}, num_buckets], got {tuple(rel.time.shape)}",
+        )
+        _check(
+            rel.q_timestamps is not None and rel.kv_timestamps is not None,
+            "rel_bias time table needs q_timestamps and kv_timestamps",
+        )
         _check(rel.q_timestamps.shape == (rows,), f"q_timestamps must have shape ({rows},) (one per output row)")
         kv_rows = k.shape[0]
         _check(rel.kv_timestamps.shape == (kv_rows,), f"kv_timestamps must have shape ({kv_rows},)")
         _check(rel.time_log_base > 1.0, "rel_bias time_log_base must be > 1")
     if q_offsets.device.type == "cpu" and not torch.compiler.is_compiling():
-        for name, off, total, max_len in (("q", q_offsets, q.shape[0], max_q_len),
-                                          ("kv", kv_offsets, k.shape[0], max_kv_len)):
+        for name, off, total, max_len in (
+            ("q", q_offsets, q.shape[0], max_q_len),
+            ("kv", kv_offsets, k.shape[0], max_kv_len),
+        ):
             lens = off[1:] - off[:-1]
-            _check(int(off[0]) == 0 and int(off[-1]) == total,
-                   f"{name}_offsets must start at 0 and end at {total} (the number of rows), got {off.tolist()}")
+            _check(
+                int(off[0]) == 0 and int(off[-1]) == total,
+                f"{name}_offsets must start at 0 and end at {total} (the number of rows), got {off.tolist()}",
+            )
             _check(bool((lens >= 0).all()), f"{name}_offsets must be non-decreasing")
-            _check(lens.numel() == 0 or int(lens.max()) <= max_len,
-                   f"max_{name}_len={max_len} is below the longest {name} sequence ({int(lens.max())})")
+            _check(
+                lens.numel() == 0 or int(lens.max()) <= max_len,
+                f"max_{name}_len={max_len} is below the longest {name} sequence ({int(lens.max())})",
+            )
 
 
-def _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, causal, scale, normalize,
-               attn_bias, rel_bias, backend):
+def _attention(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    activation,
+    causal,
+    scale,
+    normalize,
+    attn_bias,
+    rel_bias,
+    backend,
+):
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
     if normalize not in NORMALIZE:
@@ -294,10 +598,25 @@ def _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation
     scale = float(q.shape[2] ** -0.5 if scale is None else scale)
     if backend == "reference":
         return attention_reference(
-            q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation=activation, causal=causal,
-            scale=scale, normalize=normalize, attn_bias=attn_bias, pos_table=rel.position, time_table=rel.time,
-            q_timestamps=rel.q_timestamps, kv_timestamps=rel.kv_timestamps, pos_max_distance=rel.max_distance,
-            time_log_base=rel.time_log_base)
+            q,
+            k,
+            v,
+            q_offsets,
+            kv_offsets,
+            max_q_len,
+            max_kv_len,
+            activation=activation,
+            causal=causal,
+            scale=scale,
+            normalize=normalize,
+            attn_bias=attn_bias,
+            pos_table=rel.position,
+            time_table=rel.time,
+            q_timestamps=rel.q_timestamps,
+            kv_timestamps=rel.kv_timestamps,
+            pos_max_distance=rel.max_distance,
+            time_log_base=rel.time_log_base,
+        )
     contiguous = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, attn_bias)]
     params = (int(max_q_len), int(max_kv_len), ACTIVATIONS[activation], bool(causal), scale, NORMALIZE[normalize])
     bias_params = (int(rel.max_distance), float(rel.time_log_base))
@@ -309,13 +628,36 @@ def _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation
     # two roles (k is v, say).
     if not torch.compiler.is_compiling() and len({id(t) for t in present}) == len(present):
         return _Attention.apply(*inputs, params, bias_params)
-    out, _ = attention_fwd(*contiguous[:3], q_offsets, kv_offsets, *params, contiguous[3],
-                           rel.position, rel.time, rel.q_timestamps, rel.kv_timestamps, *bias_params)
+    out, _ = attention_fwd(
+        *contiguous[:3],
+        q_offsets,
+        kv_offsets,
+        *params,
+        contiguous[3],
+        rel.position,
+        rel.time,
+        rel.q_timestamps,
+        rel.kv_timestamps,
+        *bias_params,
+    )
     return out
 
 
-def jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, *, causal=False, scale=None,
-                     attn_bias=None, rel_bias=None, backend="auto"):
+def jagged_attention(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    *,
+    causal=False,
+    scale=None,
+    attn_bias=None,
+    rel_bias=None,
+    backend="auto",
+):
     """Softmax attention of each query sequence over its own key/value sequence (jagged, no padding).
 
     q: (total_q, H, D); k, v: (total_kv, H, D); offsets: (B+1,) int64. A 2-entry `q_offsets` with B > 1
@@ -325,12 +667,41 @@ def jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, *, c
     per-query-row bias; `rel_bias`: a `[H, num_buckets]` position table or a `RelativeBias`.
     backend: "auto" (Triton on CUDA, reference elsewhere), "triton" (interpreter on CPU) or "reference".
     """
-    return _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, "softmax", causal, scale, "none",
-                      attn_bias, rel_bias, backend)
+    return _attention(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        max_q_len,
+        max_kv_len,
+        "softmax",
+        causal,
+        scale,
+        "none",
+        attn_bias,
+        rel_bias,
+        backend,
+    )
 
 
-def gdpa(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, *, activation="silu", causal=False, scale=None,
-         normalize="kv_len", attn_bias=None, rel_bias=None, backend="auto"):
+def gdpa(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    *,
+    activation="silu",
+    causal=False,
+    scale=None,
+    normalize="kv_len",
+    attn_bias=None,
+    rel_bias=None,
+    backend="auto",
+):
     """Generalized dot-product attention: out = act(scale * q k^T + bias) v * norm, no softmax.
 
     activation: silu, gelu, gelu_tanh, relu, relu2. normalize: "kv_len" (1 / the sequence's key count),
@@ -338,5 +709,19 @@ def gdpa(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, *, activation="s
     """
     if activation == "softmax":
         raise ValueError("gdpa takes a pointwise activation; use jagged_attention for softmax")
-    return _attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, activation, causal, scale, normalize,
-                      attn_bias, rel_bias, backend)
+    return _attention(
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        max_q_len,
+        max_kv_len,
+        activation,
+        causal,
+        scale,
+        normalize,
+        attn_bias,
+        rel_bias,
+        backend,
+    )

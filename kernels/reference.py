@@ -68,13 +68,30 @@ def seq_ranges(q_offsets, kv_offsets, q_rows: int):
     return q_start, q_len, kv_start, kv_len, out_offsets
 
 
-def attention_reference(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, *, activation="softmax",
-                        causal=False, scale=None, normalize="none", attn_bias=None, pos_table=None,
-                        time_table=None, q_timestamps=None, kv_timestamps=None, pos_max_distance=128,
-                        time_log_base=2.0):
+def attention_reference(
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    *,
+    activation="softmax",
+    causal=False,
+    scale=None,
+    normalize="none",
+    attn_bias=None,
+    pos_table=None,
+    time_table=None,
+    q_timestamps=None,
+    kv_timestamps=None,
+    pos_max_distance=128,
+    time_log_base=2.0,
+):
     """out[i] = sum_j w(i, j) v[j] over each sequence's own keys; see `gemrec.kernels` for the semantics."""
     head_dim = q.shape[2]
-    scale = head_dim ** -0.5 if scale is None else scale
+    scale = head_dim**-0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     q_start, q_len, kv_start, kv_len, out_offsets = seq_ranges(q_offsets, kv_offsets, q.shape[0])
     num_seqs = q_len.shape[0]

@@ -74,8 +74,7 @@ def _sigmoid(x):
 def _tanh(x, FAST: tl.constexpr):
     """tanh; FAST: the hardware approximation (one MUFU op, abs error < 2^-10.9), else exact via sigmoid."""
     if FAST:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
-                                         pack=1)
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
     else:
         return 2.0 * _sigmoid(2.0 * x) - 1.0
 
@@ -127,11 +126,32 @@ def _time_bucket(dt, NUM_TIME: tl.constexpr, time_log_inv):
 
 
 @triton.jit
-def _bias(rows, cols, row_ok, col_ok, shift, h, o_start, kv_start,
-          AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
-          pos_log_inv, time_log_inv,
-          HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-          NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr):
+def _bias(
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    shift,
+    h,
+    o_start,
+    kv_start,
+    AB,
+    stride_abt,
+    stride_abh,
+    PT,
+    stride_pth,
+    TT,
+    stride_tth,
+    QTS,
+    KTS,
+    pos_log_inv,
+    time_log_inv,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+):
     """Additive score bias for a tile; `rows`/`cols` are broadcastable local indices."""
     bias = tl.zeros((rows + cols).shape, dtype=tl.float32)
     if HAS_AB:
@@ -184,12 +204,17 @@ def _norm_scale(kv_len, max_len_scale, NORM: tl.constexpr):
 
 
 @triton.jit
-def _seq_desc(X, start, length, stride_t, stride_h, h, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-              BLOCK_D: tl.constexpr):
+def _seq_desc(
+    X, start, length, stride_t, stride_h, h, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """Tensor descriptor (TMA) over one sequence's (length, head_dim) rows of head h: loads past its end or past
     head_dim read zeros, stores there are dropped; nothing outside the sequence is touched."""
-    return tl.make_tensor_descriptor(X + start * stride_t + h * stride_h, shape=[length, HEAD_DIM],
-                                     strides=[stride_t, 1], block_shape=[BLOCK_R, BLOCK_D])
+    return tl.make_tensor_descriptor(
+        X + start * stride_t + h * stride_h,
+        shape=[length, HEAD_DIM],
+        strides=[stride_t, 1],
+        block_shape=[BLOCK_R, BLOCK_D],
+    )
 
 
 @triton.jit
@@ -204,8 +229,9 @@ def _load_tile(X, rows, stride_t, stride_h, h, offs_d, mask, USE_MASK: tl.conste
 
 
 @triton.jit
-def _load_pair(A, B, a_rows, b_rows, stride_at, stride_ah, stride_bt, stride_bh, h, offs_d, mask,
-               USE_MASK: tl.constexpr):
+def _load_pair(
+    A, B, a_rows, b_rows, stride_at, stride_ah, stride_bt, stride_bh, h, offs_d, mask, USE_MASK: tl.constexpr
+):
     """Two (rows, head_dim) tiles of head h (`_load_tile`)."""
     a = _load_tile(A, a_rows, stride_at, stride_ah, h, offs_d, mask, USE_MASK)
     b = _load_tile(B, b_rows, stride_bt, stride_bh, h, offs_d, mask, USE_MASK)
@@ -213,8 +239,24 @@ def _load_pair(A, B, a_rows, b_rows, stride_at, stride_ah, stride_bt, stride_bh,
 
 
 @triton.jit
-def _load_kv(K, V, n0, kv_start, cols, col_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
-             MASKED: tl.constexpr, EVEN_D: tl.constexpr, TMA: tl.constexpr):
+def _load_kv(
+    K,
+    V,
+    n0,
+    kv_start,
+    cols,
+    col_ok,
+    d_ok,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    h,
+    offs_d,
+    MASKED: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """The K and V tiles of key rows `cols` (from n0); with TMA, K and V are this sequence's descriptors and
     rows past its length read as zeros."""
     if TMA:
@@ -222,44 +264,203 @@ def _load_kv(K, V, n0, kv_start, cols, col_ok, d_ok, stride_kt, stride_kh, strid
         v = V.load([n0, 0])
     else:
         kv_rows = kv_start + cols
-        k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
-                          col_ok[:, None] & d_ok[None, :], MASKED or not EVEN_D)
+        k, v = _load_pair(
+            K,
+            V,
+            kv_rows,
+            kv_rows,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            h,
+            offs_d,
+            col_ok[:, None] & d_ok[None, :],
+            MASKED or not EVEN_D,
+        )
     return k, v
 
 
 @triton.jit
-def _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
-              offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh,
-              qk_scale, scale,
-              AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
-              pos_log_inv, time_log_inv,
-              MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-              HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-              NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
-              SCALE_POS: tl.constexpr, TMA: tl.constexpr):
+def _fwd_tile(
+    acc,
+    m_i,
+    l_i,
+    q,
+    K,
+    V,
+    n0,
+    kv_start,
+    kv_len,
+    shift,
+    h,
+    o_start,
+    offs_m,
+    offs_n,
+    offs_d,
+    row_ok,
+    d_ok,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    qk_scale,
+    scale,
+    AB,
+    stride_abt,
+    stride_abh,
+    PT,
+    stride_pth,
+    TT,
+    stride_tth,
+    QTS,
+    KTS,
+    pos_log_inv,
+    time_log_inv,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    FAST: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+    TMA: tl.constexpr,
+):
     cols = n0 + offs_n
     col_ok = cols < kv_len
-    k, v = _load_kv(K, V, n0, kv_start, cols, col_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
-                    MASKED, EVEN_D, TMA)
-    return _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_start, offs_m, row_ok, qk_scale,
-                       scale, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv,
-                       time_log_inv, MODE, CAUSAL, MASKED, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST,
-                       SCALE_POS)
+    k, v = _load_kv(
+        K,
+        V,
+        n0,
+        kv_start,
+        cols,
+        col_ok,
+        d_ok,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        h,
+        offs_d,
+        MASKED,
+        EVEN_D,
+        TMA,
+    )
+    return _fwd_scores(
+        acc,
+        m_i,
+        l_i,
+        q,
+        k,
+        v,
+        cols,
+        col_ok,
+        kv_start,
+        shift,
+        h,
+        o_start,
+        offs_m,
+        row_ok,
+        qk_scale,
+        scale,
+        AB,
+        stride_abt,
+        stride_abh,
+        PT,
+        stride_pth,
+        TT,
+        stride_tth,
+        QTS,
+        KTS,
+        pos_log_inv,
+        time_log_inv,
+        MODE,
+        CAUSAL,
+        MASKED,
+        HAS_AB,
+        HAS_POS,
+        HAS_TIME,
+        NUM_POS,
+        NUM_TIME,
+        FAST,
+        SCALE_POS,
+    )
 
 
 @triton.jit
-def _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_start, offs_m, row_ok, qk_scale, scale,
-                AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
-                MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, SCALE_POS: tl.constexpr):
+def _fwd_scores(
+    acc,
+    m_i,
+    l_i,
+    q,
+    k,
+    v,
+    cols,
+    col_ok,
+    kv_start,
+    shift,
+    h,
+    o_start,
+    offs_m,
+    row_ok,
+    qk_scale,
+    scale,
+    AB,
+    stride_abt,
+    stride_abh,
+    PT,
+    stride_pth,
+    TT,
+    stride_tth,
+    QTS,
+    KTS,
+    pos_log_inv,
+    time_log_inv,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+):
     """One (queries x keys) tile of the forward on loaded k, v: online softmax (MODE 0) or activation, into acc."""
     qk = tl.dot(q, tl.trans(k))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
-        s = qk * scale + _bias(offs_m[:, None], cols[None, :], row_ok[:, None], col_ok[None, :], shift, h,
-                               o_start, kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth,
-                               QTS, KTS, pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
+        s = qk * scale + _bias(
+            offs_m[:, None],
+            cols[None, :],
+            row_ok[:, None],
+            col_ok[None, :],
+            shift,
+            h,
+            o_start,
+            kv_start,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            stride_pth,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+        )
     if MASKED:
         valid = col_ok[None, :]
         if CAUSAL:
@@ -305,15 +506,55 @@ def _fwd_scores(acc, m_i, l_i, q, k, v, cols, col_ok, kv_start, shift, h, o_star
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                stride_abt, stride_abh, stride_pth, stride_tth,
-                scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads,
-                HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                SCALE_POS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    AB,
+    PT,
+    TT,
+    QTS,
+    KTS,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    qk_scale,
+    inv_max_len,
+    pos_log_inv,
+    time_log_inv,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NORM: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+):
     pid_m = tl.program_id(0)
     if CAUSAL:
         pid_m = tl.num_programs(0) - 1 - pid_m
@@ -331,8 +572,11 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
     row_ok = offs_m < q_len
     d_ok = offs_d < HEAD_DIM
     q_rows = q_start + offs_m
-    q = tl.load(Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if TMA:
         K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
         V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -347,26 +591,144 @@ def _fwd_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
         n_full = tl.minimum(kv_len, m0 + 1 + shift)
     n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
     for n0 in range(0, n_full, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
-                                  offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt,
-                                  stride_vh, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth,
-                                  TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
-                                  MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST,
-                                  SCALE_POS, TMA)
+        acc, m_i, l_i = _fwd_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            n0,
+            kv_start,
+            kv_len,
+            shift,
+            h,
+            o_start,
+            offs_m,
+            offs_n,
+            offs_d,
+            row_ok,
+            d_ok,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            qk_scale,
+            scale,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            stride_pth,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            MODE,
+            CAUSAL,
+            False,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            EVEN_D,
+            FAST,
+            SCALE_POS,
+            TMA,
+        )
     for n0 in range(n_full, n_end, BLOCK_N):
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, K, V, n0, kv_start, kv_len, shift, h, o_start,
-                                  offs_m, offs_n, offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_vt,
-                                  stride_vh, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth,
-                                  TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv,
-                                  MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST,
-                                  SCALE_POS, TMA)
-    _fwd_store(acc, m_i, l_i, Out, LSE, o_start + offs_m, row_ok, d_ok, offs_d, stride_ot, stride_oh, h, num_heads,
-               kv_len, inv_max_len, MODE, NORM)
+        acc, m_i, l_i = _fwd_tile(
+            acc,
+            m_i,
+            l_i,
+            q,
+            K,
+            V,
+            n0,
+            kv_start,
+            kv_len,
+            shift,
+            h,
+            o_start,
+            offs_m,
+            offs_n,
+            offs_d,
+            row_ok,
+            d_ok,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            qk_scale,
+            scale,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            stride_pth,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            MODE,
+            CAUSAL,
+            True,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            EVEN_D,
+            FAST,
+            SCALE_POS,
+            TMA,
+        )
+    _fwd_store(
+        acc,
+        m_i,
+        l_i,
+        Out,
+        LSE,
+        o_start + offs_m,
+        row_ok,
+        d_ok,
+        offs_d,
+        stride_ot,
+        stride_oh,
+        h,
+        num_heads,
+        kv_len,
+        inv_max_len,
+        MODE,
+        NORM,
+    )
 
 
 @triton.jit
-def _fwd_store(acc, m_i, l_i, Out, LSE, o_rows, row_ok, d_ok, offs_d, stride_ot, stride_oh, h, num_heads, kv_len,
-               inv_max_len, MODE: tl.constexpr, NORM: tl.constexpr):
+def _fwd_store(
+    acc,
+    m_i,
+    l_i,
+    Out,
+    LSE,
+    o_rows,
+    row_ok,
+    d_ok,
+    offs_d,
+    stride_ot,
+    stride_oh,
+    h,
+    num_heads,
+    kv_len,
+    inv_max_len,
+    MODE: tl.constexpr,
+    NORM: tl.constexpr,
+):
     """A query block's output (softmax-normalized, or GDPA-scaled) and, for softmax, its logsumexp."""
     if MODE == 0:
         l_ok = l_i > 0.0
@@ -376,21 +738,64 @@ def _fwd_store(acc, m_i, l_i, Out, LSE, o_rows, row_ok, d_ok, offs_d, stride_ot,
         tl.store(LSE + o_rows * num_heads + h, lse, mask=row_ok)
     else:
         out = acc * _norm_scale(kv_len, inv_max_len, NORM)
-    tl.store(Out + o_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :], out.to(Out.dtype.element_ty),
-             mask=row_ok[:, None] & d_ok[None, :])
+    tl.store(
+        Out + o_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
 
 
 @triton.jit
-def _fwd_kv_resident_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                            stride_abt, stride_abh, stride_pth, stride_tth,
-                            scale, qk_scale, inv_max_len, pos_log_inv, time_log_inv, num_heads,
-                            HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                            Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                            HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                            NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                            SCALE_POS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
-                            CHUNK: tl.constexpr, TMA: tl.constexpr):
+def _fwd_kv_resident_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    AB,
+    PT,
+    TT,
+    QTS,
+    KTS,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    qk_scale,
+    inv_max_len,
+    pos_log_inv,
+    time_log_inv,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NORM: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SCALE_POS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """Forward when every key sequence fits one BLOCK_N tile (cross-attention to a few tokens): K and V are loaded
     once and each program walks CHUNK query rows, so the next query block loads while this one computes."""
     h = tl.program_id(1)
@@ -406,8 +811,20 @@ def _fwd_kv_resident_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_o
     col_ok = offs_n < kv_len
     d_ok = offs_d < HEAD_DIM
     kv_rows = kv_start + offs_n
-    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
-                      col_ok[:, None] & d_ok[None, :], True)
+    k, v = _load_pair(
+        K,
+        V,
+        kv_rows,
+        kv_rows,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        h,
+        offs_d,
+        col_ok[:, None] & d_ok[None, :],
+        True,
+    )
     if TMA:
         Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
     for m0 in range(m_begin, m_end, BLOCK_M):
@@ -420,24 +837,129 @@ def _fwd_kv_resident_kernel(Q, K, V, Out, LSE, AB, PT, TT, QTS, KTS, q_off, kv_o
         acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
         m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
         l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc, m_i, l_i = _fwd_scores(acc, m_i, l_i, q, k, v, offs_n, col_ok, kv_start, shift, h, o_start, offs_m,
-                                    row_ok, qk_scale, scale, AB, stride_abt, stride_abh, PT, stride_pth, TT,
-                                    stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL, True, HAS_AB,
-                                    HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, SCALE_POS)
-        _fwd_store(acc, m_i, l_i, Out, LSE, o_start + offs_m, row_ok, d_ok, offs_d, stride_ot, stride_oh, h,
-                   num_heads, kv_len, inv_max_len, MODE, NORM)
+        acc, m_i, l_i = _fwd_scores(
+            acc,
+            m_i,
+            l_i,
+            q,
+            k,
+            v,
+            offs_n,
+            col_ok,
+            kv_start,
+            shift,
+            h,
+            o_start,
+            offs_m,
+            row_ok,
+            qk_scale,
+            scale,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            stride_pth,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            MODE,
+            CAUSAL,
+            True,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            FAST,
+            SCALE_POS,
+        )
+        _fwd_store(
+            acc,
+            m_i,
+            l_i,
+            Out,
+            LSE,
+            o_start + offs_m,
+            row_ok,
+            d_ok,
+            offs_d,
+            stride_ot,
+            stride_oh,
+            h,
+            num_heads,
+            kv_len,
+            inv_max_len,
+            MODE,
+            NORM,
+        )
 
 
 @triton.jit
-def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start, q_len,
-                 shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh, stride_ot, stride_oh,
-                 stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads,
-                 AB, DAB, stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
-                 time_log_inv,
-                 MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                 HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                 NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
-                 FUSE_DQ: tl.constexpr, DELTA_INLINE: tl.constexpr, TMA: tl.constexpr):
+def _bwd_kv_tile(
+    dk,
+    dv,
+    k,
+    v,
+    m0,
+    offs_m0,
+    offs_n,
+    offs_d,
+    col_ok,
+    d_ok,
+    q_start,
+    o_start,
+    kv_start,
+    q_len,
+    shift,
+    h,
+    ns,
+    scale,
+    Q,
+    Out,
+    DO,
+    LSE,
+    DELTA,
+    DQA,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dqat,
+    stride_dqah,
+    num_heads,
+    AB,
+    DAB,
+    stride_abt,
+    stride_abh,
+    PT,
+    DPT,
+    stride_pth,
+    TT,
+    DTT,
+    stride_tth,
+    QTS,
+    KTS,
+    pos_log_inv,
+    time_log_inv,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    FAST: tl.constexpr,
+    FUSE_DQ: tl.constexpr,
+    DELTA_INLINE: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """One query block's contribution to dK, dV (transposed tiles) and its dQ: FUSE_DQ 1 adds its share into an fp32
     buffer (atomics); FUSE_DQ 2, where this key block holds every key of the sequence, stores the block's whole dQ
     and the score-bias gradients. With TMA, Q, DO (and Out, read for the softmax delta with DELTA_INLINE) are the
@@ -450,14 +972,49 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
         q = Q.load([m0, 0])
         do = DO.load([m0, 0])
     else:
-        q, do = _load_pair(Q, DO, q_start + offs_m, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d,
-                           qmask, MASKED or not EVEN_D)
+        q, do = _load_pair(
+            Q,
+            DO,
+            q_start + offs_m,
+            o_rows,
+            stride_qt,
+            stride_qh,
+            stride_dot,
+            stride_doh,
+            h,
+            offs_d,
+            qmask,
+            MASKED or not EVEN_D,
+        )
     qkT = tl.dot(k, tl.trans(q))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
-        sT = qkT * scale + _bias(offs_m[None, :], offs_n[:, None], row_ok[None, :], col_ok[:, None], shift, h, o_start,
-                    kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
-                    pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
+        sT = qkT * scale + _bias(
+            offs_m[None, :],
+            offs_n[:, None],
+            row_ok[None, :],
+            col_ok[:, None],
+            shift,
+            h,
+            o_start,
+            kv_start,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            stride_pth,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+        )
     if MASKED:
         valid = col_ok[:, None] & row_ok[None, :]
         if CAUSAL:
@@ -499,23 +1056,76 @@ def _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_star
     dk += tl.dot(dsT_lo, q)
     if FUSE_DQ == 1:
         dq = tl.dot(tl.trans(dsT_lo), k) * scale
-        tl.atomic_add(DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq, mask=qmask,
-                      sem="relaxed")
+        tl.atomic_add(
+            DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq, mask=qmask, sem="relaxed"
+        )
     elif FUSE_DQ == 2:
         dq = tl.dot(tl.trans(dsT_lo), k) * scale
-        tl.store(DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq.to(DQA.dtype.element_ty),
-                 mask=qmask)
-        _bias_grads(dsT, offs_m[None, :], offs_n[:, None], row_ok[None, :], col_ok[:, None], valid, shift, h, o_start,
-                    kv_start, DAB, stride_abt, stride_abh, DPT, DTT, QTS, KTS, pos_log_inv, time_log_inv, HAS_AB,
-                    HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
+        tl.store(
+            DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :],
+            dq.to(DQA.dtype.element_ty),
+            mask=qmask,
+        )
+        _bias_grads(
+            dsT,
+            offs_m[None, :],
+            offs_n[:, None],
+            row_ok[None, :],
+            col_ok[:, None],
+            valid,
+            shift,
+            h,
+            o_start,
+            kv_start,
+            DAB,
+            stride_abt,
+            stride_abh,
+            DPT,
+            DTT,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+        )
     return dk, dv
 
 
 @triton.jit
-def _bwd_kv_setup(Q, K, V, Out, DO, n0, q_start, q_len, kv_start, kv_len, o_start, h, stride_qt, stride_qh, stride_kt,
-                  stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
-                  HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                  DELTA_INLINE: tl.constexpr, TMA: tl.constexpr):
+def _bwd_kv_setup(
+    Q,
+    K,
+    V,
+    Out,
+    DO,
+    n0,
+    q_start,
+    q_len,
+    kv_start,
+    kv_len,
+    o_start,
+    h,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    DELTA_INLINE: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """A key block's K and V tiles (from row n0), its index vectors and masks, and with TMA the sequence's Q, DO
     (and, for the in-kernel softmax delta, Out) descriptors in place of the pointers."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -535,17 +1145,68 @@ def _bwd_kv_setup(Q, K, V, Out, DO, n0, q_start, q_len, kv_start, kv_len, o_star
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS, KTS, q_off, kv_off,
-                     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_dqat, stride_dqah,
-                     stride_abt, stride_abh, stride_pth, stride_tth,
-                     scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                     HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                     Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                     HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                     NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, FUSE_DQ: tl.constexpr,
-                     DELTA_INLINE: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     TMA: tl.constexpr):
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    DQA,
+    AB,
+    PT,
+    TT,
+    QTS,
+    KTS,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_dqat,
+    stride_dqah,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    norm_scale,
+    pos_log_inv,
+    time_log_inv,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NORM: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    FUSE_DQ: tl.constexpr,
+    DELTA_INLINE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it;
     the softmax delta read from DELTA, or with DELTA_INLINE computed from Out and DO per query block. Also the
     first programs of `_bwd_one_launch_kernel`."""
@@ -560,9 +1221,35 @@ def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS,
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     ns = _norm_scale(kv_len, norm_scale, NORM)
     k, v, Q, DO, Out, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask = _bwd_kv_setup(
-        Q, K, V, Out, DO, n0, q_start, q_len, kv_start, kv_len, o_start, h, stride_qt, stride_qh, stride_kt,
-        stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh, HEAD_DIM, BLOCK_M, BLOCK_N,
-        BLOCK_D, DELTA_INLINE, TMA)
+        Q,
+        K,
+        V,
+        Out,
+        DO,
+        n0,
+        q_start,
+        q_len,
+        kv_start,
+        kv_len,
+        o_start,
+        h,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_dot,
+        stride_doh,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        DELTA_INLINE,
+        TMA,
+    )
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     # query blocks [m_lo, m_full): causal diagonal (masked); [m_full, m_tail): every pair valid (no masks);
@@ -576,54 +1263,316 @@ def _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, DELTA, DK, DV, DQA, AB, PT, TT, QTS,
     if n0 + BLOCK_N > kv_len:
         m_tail = m_full
     for m0 in range(m_lo, m_full, BLOCK_M):
-        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
-                              q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
-                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB, AB,
-                              stride_abt, stride_abh, PT, PT, stride_pth, TT, TT, stride_tth, QTS, KTS, pos_log_inv,
-                              time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
-                              FAST, FUSE_DQ, DELTA_INLINE, TMA)
+        dk, dv = _bwd_kv_tile(
+            dk,
+            dv,
+            k,
+            v,
+            m0,
+            offs_m0,
+            offs_n,
+            offs_d,
+            col_ok,
+            d_ok,
+            q_start,
+            o_start,
+            kv_start,
+            q_len,
+            shift,
+            h,
+            ns,
+            scale,
+            Q,
+            Out,
+            DO,
+            LSE,
+            DELTA,
+            DQA,
+            stride_qt,
+            stride_qh,
+            stride_ot,
+            stride_oh,
+            stride_dot,
+            stride_doh,
+            stride_dqat,
+            stride_dqah,
+            num_heads,
+            AB,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            PT,
+            stride_pth,
+            TT,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            MODE,
+            CAUSAL,
+            True,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            EVEN_D,
+            FAST,
+            FUSE_DQ,
+            DELTA_INLINE,
+            TMA,
+        )
     for m0 in range(m_full, m_tail, BLOCK_M):
-        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
-                              q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
-                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB, AB,
-                              stride_abt, stride_abh, PT, PT, stride_pth, TT, TT, stride_tth, QTS, KTS, pos_log_inv,
-                              time_log_inv, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
-                              FAST, FUSE_DQ, DELTA_INLINE, TMA)
+        dk, dv = _bwd_kv_tile(
+            dk,
+            dv,
+            k,
+            v,
+            m0,
+            offs_m0,
+            offs_n,
+            offs_d,
+            col_ok,
+            d_ok,
+            q_start,
+            o_start,
+            kv_start,
+            q_len,
+            shift,
+            h,
+            ns,
+            scale,
+            Q,
+            Out,
+            DO,
+            LSE,
+            DELTA,
+            DQA,
+            stride_qt,
+            stride_qh,
+            stride_ot,
+            stride_oh,
+            stride_dot,
+            stride_doh,
+            stride_dqat,
+            stride_dqah,
+            num_heads,
+            AB,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            PT,
+            stride_pth,
+            TT,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            MODE,
+            CAUSAL,
+            False,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            EVEN_D,
+            FAST,
+            FUSE_DQ,
+            DELTA_INLINE,
+            TMA,
+        )
     for m0 in range(m_tail, q_len, BLOCK_M):
-        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
-                              q_len, shift, h, ns, scale, Q, Out, DO, LSE, DELTA, DQA, stride_qt, stride_qh,
-                              stride_ot, stride_oh, stride_dot, stride_doh, stride_dqat, stride_dqah, num_heads, AB, AB,
-                              stride_abt, stride_abh, PT, PT, stride_pth, TT, TT, stride_tth, QTS, KTS, pos_log_inv,
-                              time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
-                              FAST, FUSE_DQ, DELTA_INLINE, TMA)
+        dk, dv = _bwd_kv_tile(
+            dk,
+            dv,
+            k,
+            v,
+            m0,
+            offs_m0,
+            offs_n,
+            offs_d,
+            col_ok,
+            d_ok,
+            q_start,
+            o_start,
+            kv_start,
+            q_len,
+            shift,
+            h,
+            ns,
+            scale,
+            Q,
+            Out,
+            DO,
+            LSE,
+            DELTA,
+            DQA,
+            stride_qt,
+            stride_qh,
+            stride_ot,
+            stride_oh,
+            stride_dot,
+            stride_doh,
+            stride_dqat,
+            stride_dqah,
+            num_heads,
+            AB,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            PT,
+            stride_pth,
+            TT,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            MODE,
+            CAUSAL,
+            True,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            EVEN_D,
+            FAST,
+            FUSE_DQ,
+            DELTA_INLINE,
+            TMA,
+        )
     dk_rows = dkv_start + offs_n
-    tl.store(DK + dk_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
-             (dk * scale).to(DK.dtype.element_ty), mask=kmask)
-    tl.store(DV + dk_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :],
-             dv.to(DV.dtype.element_ty), mask=kmask)
+    tl.store(
+        DK + dk_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
+        (dk * scale).to(DK.dtype.element_ty),
+        mask=kmask,
+    )
+    tl.store(
+        DV + dk_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask
+    )
 
 
 @triton.jit
-def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len, o_start,
-                shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh,
-                AB, DAB, stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS,
-                pos_log_inv, time_log_inv, DK, DV, dkv_start, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                MODE: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
-                HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, EVEN_D: tl.constexpr, FAST: tl.constexpr,
-                TMA: tl.constexpr, STORE_DKV: tl.constexpr):
+def _bwd_q_tile(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    n0,
+    offs_m,
+    offs_n0,
+    offs_d,
+    row_ok,
+    d_ok,
+    kv_start,
+    kv_len,
+    o_start,
+    shift,
+    h,
+    ns,
+    scale,
+    K,
+    V,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    AB,
+    DAB,
+    stride_abt,
+    stride_abh,
+    PT,
+    DPT,
+    stride_pth,
+    TT,
+    DTT,
+    stride_tth,
+    QTS,
+    KTS,
+    pos_log_inv,
+    time_log_inv,
+    DK,
+    DV,
+    dkv_start,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    FAST: tl.constexpr,
+    TMA: tl.constexpr,
+    STORE_DKV: tl.constexpr,
+):
     """One key block's contribution to dQ and to the score-bias gradients (with TMA, K and V are descriptors).
     STORE_DKV, where this query block holds every query of the sequence: also the key block's whole dK and dV."""
     offs_n = n0 + offs_n0
     col_ok = offs_n < kv_len
-    k, v = _load_kv(K, V, n0, kv_start, offs_n, col_ok, d_ok, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d,
-                    MASKED, EVEN_D, TMA)
+    k, v = _load_kv(
+        K,
+        V,
+        n0,
+        kv_start,
+        offs_n,
+        col_ok,
+        d_ok,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        h,
+        offs_d,
+        MASKED,
+        EVEN_D,
+        TMA,
+    )
     qk = tl.dot(q, tl.trans(k))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
     if HAS_BIAS:
-        s = qk * scale + _bias(offs_m[:, None], offs_n[None, :], row_ok[:, None], col_ok[None, :], shift, h, o_start,
-                   kv_start, AB, stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS,
-                   pos_log_inv, time_log_inv, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME)
+        s = qk * scale + _bias(
+            offs_m[:, None],
+            offs_n[None, :],
+            row_ok[:, None],
+            col_ok[None, :],
+            shift,
+            h,
+            o_start,
+            kv_start,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            stride_pth,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+        )
     dp = tl.dot(do, tl.trans(v))
     if MODE == 0:
         if HAS_BIAS:
@@ -645,31 +1594,86 @@ def _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok
         ds = tl.where(valid, ds, 0.0)
     ds_lo = ds.to(k.dtype)
     dq += tl.dot(ds_lo, k)
-    _bias_grads(ds, offs_m[:, None], offs_n[None, :], row_ok[:, None], col_ok[None, :], valid, shift, h, o_start,
-                kv_start, DAB, stride_abt, stride_abh, DPT, DTT, QTS, KTS, pos_log_inv, time_log_inv, HAS_AB, HAS_POS,
-                HAS_TIME, NUM_POS, NUM_TIME)
+    _bias_grads(
+        ds,
+        offs_m[:, None],
+        offs_n[None, :],
+        row_ok[:, None],
+        col_ok[None, :],
+        valid,
+        shift,
+        h,
+        o_start,
+        kv_start,
+        DAB,
+        stride_abt,
+        stride_abh,
+        DPT,
+        DTT,
+        QTS,
+        KTS,
+        pos_log_inv,
+        time_log_inv,
+        HAS_AB,
+        HAS_POS,
+        HAS_TIME,
+        NUM_POS,
+        NUM_TIME,
+    )
     if STORE_DKV:
         p = tl.where(valid, p, 0.0)
         dkv_rows = dkv_start + offs_n
         kmask = col_ok[:, None] & d_ok[None, :]
         dv_tile = tl.dot(tl.trans(p.to(do.dtype)), do)
-        tl.store(DV + dkv_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :],
-                 dv_tile.to(DV.dtype.element_ty), mask=kmask)
+        tl.store(
+            DV + dkv_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :],
+            dv_tile.to(DV.dtype.element_ty),
+            mask=kmask,
+        )
         dk_tile = tl.dot(tl.trans(ds_lo), q) * scale
-        tl.store(DK + dkv_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
-                 dk_tile.to(DK.dtype.element_ty), mask=kmask)
+        tl.store(
+            DK + dkv_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
+            dk_tile.to(DK.dtype.element_ty),
+            mask=kmask,
+        )
     return dq
 
 
 @triton.jit
-def _bias_grads(ds, rows, cols, row_ok, col_ok, valid, shift, h, o_start, kv_start, DAB, stride_abt, stride_abh, DPT,
-                DTT, QTS, KTS, pos_log_inv, time_log_inv, HAS_AB: tl.constexpr, HAS_POS: tl.constexpr,
-                HAS_TIME: tl.constexpr, NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr):
+def _bias_grads(
+    ds,
+    rows,
+    cols,
+    row_ok,
+    col_ok,
+    valid,
+    shift,
+    h,
+    o_start,
+    kv_start,
+    DAB,
+    stride_abt,
+    stride_abh,
+    DPT,
+    DTT,
+    QTS,
+    KTS,
+    pos_log_inv,
+    time_log_inv,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+):
     """Score-bias gradients of one tile of score gradients ds (`rows`/`cols` broadcastable local indices, either
     orientation): the dense bias's tile stored, the bucket tables' entries added (atomics) where `valid`."""
     if HAS_AB:
-        tl.store(DAB + (o_start + rows).to(tl.int64) * stride_abt + h * stride_abh + cols,
-                 ds.to(DAB.dtype.element_ty), mask=row_ok & col_ok)
+        tl.store(
+            DAB + (o_start + rows).to(tl.int64) * stride_abt + h * stride_abh + cols,
+            ds.to(DAB.dtype.element_ty),
+            mask=row_ok & col_ok,
+        )
     if HAS_POS:
         bucket = _pos_bucket(rows + shift - cols, NUM_POS, pos_log_inv)
         tl.atomic_add(DPT + h * NUM_POS + bucket, ds, mask=valid)
@@ -681,15 +1685,65 @@ def _bias_grads(ds, rows, cols, row_ok, col_ok, valid, shift, h, o_start, kv_sta
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                   stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                   stride_dot, stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth,
-                   scale, norm_scale, pos_log_inv, time_log_inv, num_heads, first_program,
-                   HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                   Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                   HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                   NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, DELTA_INLINE: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    AB,
+    DAB,
+    PT,
+    DPT,
+    TT,
+    DTT,
+    QTS,
+    KTS,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    norm_scale,
+    pos_log_inv,
+    time_log_inv,
+    num_heads,
+    first_program,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NORM: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    DELTA_INLINE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """dQ for one query block, plus the score-bias gradients (dense bias rows, bucket tables); the softmax delta
     read from DELTA, or with DELTA_INLINE computed from Out and DO. Programs from `first_program` on (the last ones
     of `_bwd_one_launch_kernel`), the longest causal query blocks first."""
@@ -731,32 +1785,194 @@ def _bwd_dq_kernel(Q, K, V, Out, DO, LSE, DELTA, DQ, AB, DAB, PT, DPT, TT, DTT, 
         n_full = tl.minimum(kv_len, m0 + 1 + shift)
     n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
     for n0 in range(0, n_full, BLOCK_N):
-        dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
-                         o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
-                         stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
-                         time_log_inv, DQ, DQ, 0, 0, 0, 0, 0, MODE, CAUSAL, False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS,
-                         NUM_TIME, EVEN_D, FAST, TMA, False)
+        dq = _bwd_q_tile(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            n0,
+            offs_m,
+            offs_n0,
+            offs_d,
+            row_ok,
+            d_ok,
+            kv_start,
+            kv_len,
+            o_start,
+            shift,
+            h,
+            ns,
+            scale,
+            K,
+            V,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            AB,
+            DAB,
+            stride_abt,
+            stride_abh,
+            PT,
+            DPT,
+            stride_pth,
+            TT,
+            DTT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            DQ,
+            DQ,
+            0,
+            0,
+            0,
+            0,
+            0,
+            MODE,
+            CAUSAL,
+            False,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            EVEN_D,
+            FAST,
+            TMA,
+            False,
+        )
     for n0 in range(n_full, n_end, BLOCK_N):
-        dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len,
-                         o_start, shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB,
-                         stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
-                         time_log_inv, DQ, DQ, 0, 0, 0, 0, 0, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS,
-                         NUM_TIME, EVEN_D, FAST, TMA, False)
-    tl.store(DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty), mask=qmask)
+        dq = _bwd_q_tile(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            n0,
+            offs_m,
+            offs_n0,
+            offs_d,
+            row_ok,
+            d_ok,
+            kv_start,
+            kv_len,
+            o_start,
+            shift,
+            h,
+            ns,
+            scale,
+            K,
+            V,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            AB,
+            DAB,
+            stride_abt,
+            stride_abh,
+            PT,
+            DPT,
+            stride_pth,
+            TT,
+            DTT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            DQ,
+            DQ,
+            0,
+            0,
+            0,
+            0,
+            0,
+            MODE,
+            CAUSAL,
+            True,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            EVEN_D,
+            FAST,
+            TMA,
+            False,
+        )
+    tl.store(
+        DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=qmask,
+    )
 
 
 @triton.jit
-def _bwd_kv_resident_kernel(Q, K, V, Out, DO, LSE, DQ, DKA, DVA, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                            stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                            stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkvt, stride_dkvh,
-                            stride_abt, stride_abh, stride_pth, stride_tth,
-                            scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                            HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                            Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                            HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                            NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr):
+def _bwd_kv_resident_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    DO,
+    LSE,
+    DQ,
+    DKA,
+    DVA,
+    AB,
+    DAB,
+    PT,
+    DPT,
+    TT,
+    DTT,
+    QTS,
+    KTS,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_dkvt,
+    stride_dkvh,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    norm_scale,
+    pos_log_inv,
+    time_log_inv,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NORM: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """The whole backward when every key sequence fits one BLOCK_N tile: each program walks CHUNK query rows with K
     and V loaded once, stores their dQ and score-bias gradients, and adds its share of dK (scaled) and dV into the
     fp32 DKA, DVA (atomics); the softmax delta comes from Out and DO per query block."""
@@ -772,34 +1988,169 @@ def _bwd_kv_resident_kernel(Q, K, V, Out, DO, LSE, DQ, DKA, DVA, AB, DAB, PT, DP
     DELTA_INLINE: tl.constexpr = MODE == 0
     ns = _norm_scale(kv_len, norm_scale, NORM)
     k, v, Q, DO, Out, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask = _bwd_kv_setup(
-        Q, K, V, Out, DO, 0, q_start, q_len, kv_start, kv_len, o_start, h, stride_qt, stride_qh, stride_kt,
-        stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh, HEAD_DIM, BLOCK_M, BLOCK_N,
-        BLOCK_D, DELTA_INLINE, TMA)
+        Q,
+        K,
+        V,
+        Out,
+        DO,
+        0,
+        q_start,
+        q_len,
+        kv_start,
+        kv_len,
+        o_start,
+        h,
+        stride_qt,
+        stride_qh,
+        stride_kt,
+        stride_kh,
+        stride_vt,
+        stride_vh,
+        stride_ot,
+        stride_oh,
+        stride_dot,
+        stride_doh,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        DELTA_INLINE,
+        TMA,
+    )
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     for m0 in range(m_begin, m_end, BLOCK_M):
-        dk, dv = _bwd_kv_tile(dk, dv, k, v, m0, offs_m0, offs_n, offs_d, col_ok, d_ok, q_start, o_start, kv_start,
-                              q_len, shift, h, ns, scale, Q, Out, DO, LSE, LSE, DQ, stride_qt, stride_qh, stride_ot,
-                              stride_oh, stride_dot, stride_doh, stride_dqt, stride_dqh, num_heads, AB, DAB,
-                              stride_abt, stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv,
-                              time_log_inv, MODE, CAUSAL, True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D,
-                              FAST, 2, DELTA_INLINE, TMA)
+        dk, dv = _bwd_kv_tile(
+            dk,
+            dv,
+            k,
+            v,
+            m0,
+            offs_m0,
+            offs_n,
+            offs_d,
+            col_ok,
+            d_ok,
+            q_start,
+            o_start,
+            kv_start,
+            q_len,
+            shift,
+            h,
+            ns,
+            scale,
+            Q,
+            Out,
+            DO,
+            LSE,
+            LSE,
+            DQ,
+            stride_qt,
+            stride_qh,
+            stride_ot,
+            stride_oh,
+            stride_dot,
+            stride_doh,
+            stride_dqt,
+            stride_dqh,
+            num_heads,
+            AB,
+            DAB,
+            stride_abt,
+            stride_abh,
+            PT,
+            DPT,
+            stride_pth,
+            TT,
+            DTT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            MODE,
+            CAUSAL,
+            True,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            EVEN_D,
+            FAST,
+            2,
+            DELTA_INLINE,
+            TMA,
+        )
     dkv_ptrs = (dkv_start + offs_n)[:, None] * stride_dkvt + h * stride_dkvh + offs_d[None, :]
     tl.atomic_add(DKA + dkv_ptrs, dk * scale, mask=kmask, sem="relaxed")
     tl.atomic_add(DVA + dkv_ptrs, dv, mask=kmask, sem="relaxed")
 
 
 @triton.jit
-def _bwd_q_resident_kernel(Q, K, V, Out, DO, LSE, DQA, DK, DV, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                           stride_dot, stride_doh, stride_dqat, stride_dqah, stride_dkt, stride_dkh, stride_dvt,
-                           stride_dvh, stride_abt, stride_abh, stride_pth, stride_tth,
-                           scale, norm_scale, pos_log_inv, time_log_inv, num_heads,
-                           HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                           Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                           HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                           NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, TMA: tl.constexpr):
+def _bwd_q_resident_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    DO,
+    LSE,
+    DQA,
+    DK,
+    DV,
+    AB,
+    DAB,
+    PT,
+    DPT,
+    TT,
+    DTT,
+    QTS,
+    KTS,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dqat,
+    stride_dqah,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    norm_scale,
+    pos_log_inv,
+    time_log_inv,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NORM: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """The whole backward when every query sequence fits one BLOCK_M tile (PMA seeds over long keys): each program
     walks CHUNK key rows with Q, dO and the softmax delta loaded once, stores their dK, dV and score-bias gradients,
     and adds its share of dQ (scaled) into the fp32 DQA (atomics)."""
@@ -820,8 +2171,9 @@ def _bwd_q_resident_kernel(Q, K, V, Out, DO, LSE, DQA, DK, DV, AB, DAB, PT, DPT,
     d_ok = offs_d < HEAD_DIM
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
-    q, do = _load_pair(Q, DO, q_start + offs_m, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask,
-                       True)
+    q, do = _load_pair(
+        Q, DO, q_start + offs_m, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask, True
+    )
     lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
     if MODE == 0:
         o = _load_tile(Out, o_rows, stride_ot, stride_oh, h, offs_d, qmask, True)
@@ -833,50 +2185,279 @@ def _bwd_q_resident_kernel(Q, K, V, Out, DO, LSE, DQA, DK, DV, AB, DAB, PT, DPT,
         V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for n0 in range(n_begin, n_end, BLOCK_N):
-        dq = _bwd_q_tile(dq, q, do, lse, delta, n0, offs_m, offs_n0, offs_d, row_ok, d_ok, kv_start, kv_len, o_start,
-                         shift, h, ns, scale, K, V, stride_kt, stride_kh, stride_vt, stride_vh, AB, DAB, stride_abt,
-                         stride_abh, PT, DPT, stride_pth, TT, DTT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, DK,
-                         DV, dkv_start, stride_dkt, stride_dkh, stride_dvt, stride_dvh, MODE, CAUSAL, True, HAS_AB,
-                         HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, TMA, True)
-    tl.atomic_add(DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq * scale, mask=qmask,
-                  sem="relaxed")
+        dq = _bwd_q_tile(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            n0,
+            offs_m,
+            offs_n0,
+            offs_d,
+            row_ok,
+            d_ok,
+            kv_start,
+            kv_len,
+            o_start,
+            shift,
+            h,
+            ns,
+            scale,
+            K,
+            V,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            AB,
+            DAB,
+            stride_abt,
+            stride_abh,
+            PT,
+            DPT,
+            stride_pth,
+            TT,
+            DTT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            DK,
+            DV,
+            dkv_start,
+            stride_dkt,
+            stride_dkh,
+            stride_dvt,
+            stride_dvh,
+            MODE,
+            CAUSAL,
+            True,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            EVEN_D,
+            FAST,
+            TMA,
+            True,
+        )
+    tl.atomic_add(
+        DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq * scale, mask=qmask, sem="relaxed"
+    )
 
 
 @triton.jit
-def _bwd_one_launch_kernel(Q, K, V, Out, DO, LSE, DQ, DK, DV, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off,
-                           stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                           stride_dot, stride_doh, stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt,
-                           stride_dvh, stride_abt, stride_abh, stride_pth, stride_tth,
-                           scale, norm_scale, pos_log_inv, time_log_inv, num_heads, max_kv_len,
-                           HEAD_DIM: tl.constexpr, MODE: tl.constexpr, CAUSAL: tl.constexpr, NORM: tl.constexpr,
-                           Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr,
-                           HAS_AB: tl.constexpr, HAS_POS: tl.constexpr, HAS_TIME: tl.constexpr,
-                           NUM_POS: tl.constexpr, NUM_TIME: tl.constexpr, FAST: tl.constexpr, BLOCK_D: tl.constexpr,
-                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TMA: tl.constexpr):
+def _bwd_one_launch_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    DO,
+    LSE,
+    DQ,
+    DK,
+    DV,
+    AB,
+    DAB,
+    PT,
+    DPT,
+    TT,
+    DTT,
+    QTS,
+    KTS,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    norm_scale,
+    pos_log_inv,
+    time_log_inv,
+    num_heads,
+    max_kv_len,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NORM: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
+):
     """The whole backward in one launch. Programs [0, cdiv(max_kv_len, BLOCK_N)) of axis 0 compute dK/dV of one key
     block of BLOCK_N rows (query tiles of BLOCK_M), the rest dQ and the bias gradients of one query block of
     BLOCK_N rows (key tiles of BLOCK_M, the longest causal blocks first); both compute the softmax delta in-kernel."""
     num_kv_blocks = tl.cdiv(max_kv_len, BLOCK_N)
     DELTA_INLINE: tl.constexpr = MODE == 0
     if tl.program_id(0) < num_kv_blocks:
-        _bwd_dkdv_kernel(Q, K, V, Out, DO, LSE, LSE, DK, DV, DQ, AB, PT, TT, QTS, KTS, q_off, kv_off, stride_qt,
-                         stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot,
-                         stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, 0, 0, stride_abt, stride_abh,
-                         stride_pth, stride_tth, scale, norm_scale, pos_log_inv, time_log_inv, num_heads, HEAD_DIM,
-                         MODE, CAUSAL, NORM, Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST,
-                         False, DELTA_INLINE, BLOCK_D, BLOCK_M, BLOCK_N, TMA)
+        _bwd_dkdv_kernel(
+            Q,
+            K,
+            V,
+            Out,
+            DO,
+            LSE,
+            LSE,
+            DK,
+            DV,
+            DQ,
+            AB,
+            PT,
+            TT,
+            QTS,
+            KTS,
+            q_off,
+            kv_off,
+            stride_qt,
+            stride_qh,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            stride_ot,
+            stride_oh,
+            stride_dot,
+            stride_doh,
+            stride_dkt,
+            stride_dkh,
+            stride_dvt,
+            stride_dvh,
+            0,
+            0,
+            stride_abt,
+            stride_abh,
+            stride_pth,
+            stride_tth,
+            scale,
+            norm_scale,
+            pos_log_inv,
+            time_log_inv,
+            num_heads,
+            HEAD_DIM,
+            MODE,
+            CAUSAL,
+            NORM,
+            Q_STRIDE,
+            KV_STRIDE,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            FAST,
+            False,
+            DELTA_INLINE,
+            BLOCK_D,
+            BLOCK_M,
+            BLOCK_N,
+            TMA,
+        )
     else:
-        _bwd_dq_kernel(Q, K, V, Out, DO, LSE, LSE, DQ, AB, DAB, PT, DPT, TT, DTT, QTS, KTS, q_off, kv_off, stride_qt,
-                       stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot,
-                       stride_doh, stride_dqt, stride_dqh, stride_abt, stride_abh, stride_pth, stride_tth, scale,
-                       norm_scale, pos_log_inv, time_log_inv, num_heads, num_kv_blocks, HEAD_DIM, MODE, CAUSAL, NORM,
-                       Q_STRIDE, KV_STRIDE, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, FAST, DELTA_INLINE, BLOCK_D,
-                       BLOCK_N, BLOCK_M, TMA)
+        _bwd_dq_kernel(
+            Q,
+            K,
+            V,
+            Out,
+            DO,
+            LSE,
+            LSE,
+            DQ,
+            AB,
+            DAB,
+            PT,
+            DPT,
+            TT,
+            DTT,
+            QTS,
+            KTS,
+            q_off,
+            kv_off,
+            stride_qt,
+            stride_qh,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            stride_ot,
+            stride_oh,
+            stride_dot,
+            stride_doh,
+            stride_dqt,
+            stride_dqh,
+            stride_abt,
+            stride_abh,
+            stride_pth,
+            stride_tth,
+            scale,
+            norm_scale,
+            pos_log_inv,
+            time_log_inv,
+            num_heads,
+            num_kv_blocks,
+            HEAD_DIM,
+            MODE,
+            CAUSAL,
+            NORM,
+            Q_STRIDE,
+            KV_STRIDE,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            FAST,
+            DELTA_INLINE,
+            BLOCK_D,
+            BLOCK_N,
+            BLOCK_M,
+            TMA,
+        )
 
 
 @triton.jit
-def _delta_kernel(Out, DO, DELTA, num_items, stride_ot, stride_oh, stride_dot, stride_doh, num_heads,
-                  HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _delta_kernel(
+    Out,
+    DO,
+    DELTA,
+    num_items,
+    stride_ot,
+    stride_oh,
+    stride_dot,
+    stride_doh,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """delta[row, h] = sum_d out * grad_out, in fp32 (softmax backward), over flattened (row, head) items."""
     item = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = item < num_items
@@ -910,31 +2491,105 @@ def _rq(block, chunk, warps, stages, tma=False):
 # pointer tensors; those candidates are dropped when a tensor's layout does not allow a descriptor, or with
 # GEMREC_KERNEL_TMA=0.
 CONFIGS = {
-    "fwd": [_cfg(128, 64, 8, 3), _cfg(128, 128, 8, 3), _cfg(128, 64, 4, 3), _cfg(128, 64, 8, 4), _cfg(64, 64, 4, 3),
-            _cfg(64, 128, 4, 3), _cfg(64, 32, 4, 2), _cfg(128, 32, 8, 3), _cfg(64, 64, 8, 3),
-            _cfg(128, 64, 8, 3, True), _cfg(128, 128, 8, 3, True), _cfg(128, 128, 8, 2, True), _cfg(128, 64, 8, 4, True),
-            _cfg(64, 64, 4, 3, True), _cfg(64, 64, 4, 4, True), _cfg(64, 64, 4, 2, True), _cfg(64, 32, 4, 2, True)],
-    "dkdv": [_cfg(64, 128, 8, 2), _cfg(64, 128, 8, 3), _cfg(32, 128, 8, 3), _cfg(32, 128, 4, 3), _cfg(64, 64, 4, 3),
-             _cfg(128, 128, 8, 2), _cfg(32, 64, 4, 2), _cfg(32, 64, 8, 3), _cfg(64, 64, 8, 3), _cfg(16, 64, 8, 2),
-             _cfg(64, 128, 8, 3, True), _cfg(32, 128, 8, 3, True), _cfg(32, 64, 4, 2, True), _cfg(64, 64, 4, 3, True)],
-    "dq": [_cfg(128, 64, 8, 2), _cfg(128, 64, 8, 3), _cfg(128, 32, 4, 3), _cfg(64, 64, 4, 3), _cfg(64, 32, 4, 2),
-           _cfg(64, 32, 8, 2), _cfg(128, 64, 8, 3, True), _cfg(64, 64, 4, 3, True), _cfg(64, 32, 4, 2, True)],
+    "fwd": [
+        _cfg(128, 64, 8, 3),
+        _cfg(128, 128, 8, 3),
+        _cfg(128, 64, 4, 3),
+        _cfg(128, 64, 8, 4),
+        _cfg(64, 64, 4, 3),
+        _cfg(64, 128, 4, 3),
+        _cfg(64, 32, 4, 2),
+        _cfg(128, 32, 8, 3),
+        _cfg(64, 64, 8, 3),
+        _cfg(128, 64, 8, 3, True),
+        _cfg(128, 128, 8, 3, True),
+        _cfg(128, 128, 8, 2, True),
+        _cfg(128, 64, 8, 4, True),
+        _cfg(64, 64, 4, 3, True),
+        _cfg(64, 64, 4, 4, True),
+        _cfg(64, 64, 4, 2, True),
+        _cfg(64, 32, 4, 2, True),
+    ],
+    "dkdv": [
+        _cfg(64, 128, 8, 2),
+        _cfg(64, 128, 8, 3),
+        _cfg(32, 128, 8, 3),
+        _cfg(32, 128, 4, 3),
+        _cfg(64, 64, 4, 3),
+        _cfg(128, 128, 8, 2),
+        _cfg(32, 64, 4, 2),
+        _cfg(32, 64, 8, 3),
+        _cfg(64, 64, 8, 3),
+        _cfg(16, 64, 8, 2),
+        _cfg(64, 128, 8, 3, True),
+        _cfg(32, 128, 8, 3, True),
+        _cfg(32, 64, 4, 2, True),
+        _cfg(64, 64, 4, 3, True),
+    ],
+    "dq": [
+        _cfg(128, 64, 8, 2),
+        _cfg(128, 64, 8, 3),
+        _cfg(128, 32, 4, 3),
+        _cfg(64, 64, 4, 3),
+        _cfg(64, 32, 4, 2),
+        _cfg(64, 32, 8, 2),
+        _cfg(128, 64, 8, 3, True),
+        _cfg(64, 64, 4, 3, True),
+        _cfg(64, 32, 4, 2, True),
+    ],
     # the one-launch backward: BLOCK_M x BLOCK_N tiles (queries x keys) in its dK/dV programs, swapped in its dQ ones
-    "bwd1": [_cfg(32, 128, 8, 3), _cfg(64, 128, 8, 3), _cfg(64, 128, 8, 2), _cfg(64, 64, 4, 3), _cfg(32, 64, 4, 2),
-             _cfg(16, 64, 4, 2), _cfg(64, 32, 4, 2), _cfg(32, 128, 8, 3, True), _cfg(64, 128, 8, 3, True),
-             _cfg(32, 64, 4, 2, True)],
+    "bwd1": [
+        _cfg(32, 128, 8, 3),
+        _cfg(64, 128, 8, 3),
+        _cfg(64, 128, 8, 2),
+        _cfg(64, 64, 4, 3),
+        _cfg(32, 64, 4, 2),
+        _cfg(16, 64, 4, 2),
+        _cfg(64, 32, 4, 2),
+        _cfg(32, 128, 8, 3, True),
+        _cfg(64, 128, 8, 3, True),
+        _cfg(32, 64, 4, 2, True),
+    ],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
     # resident K/V (forward, backward: query blocks streamed) and resident queries (backward: key blocks streamed)
-    "fwd_rkv": [_rcfg(128, 1024, 8, 3), _rcfg(128, 512, 8, 3), _rcfg(64, 512, 4, 3), _rcfg(128, 256, 8, 3),
-                _rcfg(64, 256, 4, 3), _rcfg(128, 1024, 8, 3, True), _rcfg(128, 512, 8, 2, True),
-                _rcfg(64, 512, 4, 3, True), _rcfg(128, 256, 8, 3, True)],
-    "bwd_rkv": [_rcfg(64, 1024, 8, 2), _rcfg(64, 512, 8, 2), _rcfg(32, 512, 4, 2), _rcfg(32, 256, 4, 2),
-                _rcfg(32, 256, 4, 3), _rcfg(128, 1024, 8, 2), _rcfg(64, 1024, 8, 2, True), _rcfg(64, 512, 8, 3, True),
-                _rcfg(32, 512, 4, 3, True), _rcfg(32, 256, 4, 3, True), _rcfg(32, 256, 4, 2, True),
-                _rcfg(64, 256, 8, 3, True)],
-    "bwd_rq": [_rq(64, 1024, 4, 3), _rq(64, 512, 4, 3), _rq(64, 256, 4, 3), _rq(32, 256, 4, 3), _rq(32, 512, 4, 2),
-               _rq(128, 1024, 8, 3), _rq(64, 1024, 4, 3, True), _rq(128, 1024, 8, 3, True), _rq(64, 512, 4, 2, True),
-               _rq(64, 256, 4, 3, True), _rq(64, 512, 4, 3, True)],
+    "fwd_rkv": [
+        _rcfg(128, 1024, 8, 3),
+        _rcfg(128, 512, 8, 3),
+        _rcfg(64, 512, 4, 3),
+        _rcfg(128, 256, 8, 3),
+        _rcfg(64, 256, 4, 3),
+        _rcfg(128, 1024, 8, 3, True),
+        _rcfg(128, 512, 8, 2, True),
+        _rcfg(64, 512, 4, 3, True),
+        _rcfg(128, 256, 8, 3, True),
+    ],
+    "bwd_rkv": [
+        _rcfg(64, 1024, 8, 2),
+        _rcfg(64, 512, 8, 2),
+        _rcfg(32, 512, 4, 2),
+        _rcfg(32, 256, 4, 2),
+        _rcfg(32, 256, 4, 3),
+        _rcfg(128, 1024, 8, 2),
+        _rcfg(64, 1024, 8, 2, True),
+        _rcfg(64, 512, 8, 3, True),
+        _rcfg(32, 512, 4, 3, True),
+        _rcfg(32, 256, 4, 3, True),
+        _rcfg(32, 256, 4, 2, True),
+        _rcfg(64, 256, 8, 3, True),
+    ],
+    "bwd_rq": [
+        _rq(64, 1024, 4, 3),
+        _rq(64, 512, 4, 3),
+        _rq(64, 256, 4, 3),
+        _rq(32, 256, 4, 3),
+        _rq(32, 512, 4, 2),
+        _rq(128, 1024, 8, 3),
+        _rq(64, 1024, 4, 3, True),
+        _rq(128, 1024, 8, 3, True),
+        _rq(64, 512, 4, 2, True),
+        _rq(64, 256, 4, 3, True),
+        _rq(64, 512, 4, 3, True),
+    ],
 }
 LARGE_HEAD_DIM_CONFIGS = {
     "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2, True)],
@@ -1017,8 +2672,13 @@ def tma_ok(*tensors) -> bool:
     row/head strides, contiguous head_dim of at least 16 bytes."""
     for t in tensors:
         size = t.element_size()
-        if (t.stride(2) != 1 or t.data_ptr() % 16 or (t.stride(0) * size) % 16 or (t.stride(1) * size) % 16
-                or t.shape[2] * size < 16):
+        if (
+            t.stride(2) != 1
+            or t.data_ptr() % 16
+            or (t.stride(0) * size) % 16
+            or (t.stride(1) * size) % 16
+            or t.shape[2] * size < 16
+        ):
             return False
     return True
 
@@ -1047,7 +2707,7 @@ def _spec_key(args) -> tuple:
         if isinstance(a, torch.Tensor):
             key.append((a.dtype, a.data_ptr() % 16 == 0))
         elif isinstance(a, int) and not isinstance(a, bool):
-            key.append((a == 1, a % 16 == 0, -2**31 <= a < 2**31))
+            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
         else:
             key.append(type(a))
     return tuple(key)
@@ -1085,8 +2745,11 @@ class _Kernel:
         tma = tma and _tma_enabled()
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
             first = _candidates(self.kind, consts["HEAD_DIM"], tma)[0]
-            tiles = {name: self.interpret_tiles.get(name, 16) for name in first
-                     if name.startswith("BLOCK") or name in self.interpret_tiles}
+            tiles = {
+                name: self.interpret_tiles.get(name, 16)
+                for name in first
+                if name.startswith("BLOCK") or name in self.interpret_tiles
+            }
             if "TMA" in first:
                 tiles["TMA"] = tma
             self.fn[grid(tiles)](*args, **consts, **tiles)
@@ -1115,8 +2778,9 @@ class _Kernel:
         kernel, tail = entry
         stream = triton.runtime.driver.active.get_current_stream(tune_key[3])
         grid_x, grid_y, grid_z = (*g, 1, 1)[:3]  # grids may have fewer than 3 dimensions (the delta kernel's has 1)
-        kernel.run(grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None, *args,
-                   *tail)
+        kernel.run(
+            grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail
+        )
 
     def _tune(self, tune_key, grid, args, consts, candidates, reset) -> dict:
         from triton.runtime._async_compile import AsyncCompileMode
@@ -1139,8 +2803,9 @@ class _Kernel:
         timings, failures = [], []
         for config in candidates:
             try:
-                timings.append((do_bench(functools.partial(trial, config), warmup=5, rep=25, return_mode="median"),
-                                config))
+                timings.append(
+                    (do_bench(functools.partial(trial, config), warmup=5, rep=25, return_mode="median"), config)
+                )
             except OutOfResources:
                 continue
             except Exception as err:  # a candidate that fails to build is skipped and logged
@@ -1150,13 +2815,30 @@ class _Kernel:
         finals = []
         if len(timings) > 1:
             for _, config in sorted(timings, key=lambda tc: tc[0])[:TUNE_FINALISTS]:
-                finals.append((do_bench(functools.partial(trial, config), warmup=TUNE_FINAL_MS, rep=TUNE_FINAL_MS,
-                                        return_mode="median"), config))
+                finals.append(
+                    (
+                        do_bench(
+                            functools.partial(trial, config),
+                            warmup=TUNE_FINAL_MS,
+                            rep=TUNE_FINAL_MS,
+                            return_mode="median",
+                        ),
+                        config,
+                    )
+                )
         for t in reset:
             t.zero_()
-        self.tuning_log.append({"key": tune_key, "consts": dict(consts), "started": start,
-                                "seconds": time.perf_counter() - start, "timings": timings, "finals": finals,
-                                "failures": failures})
+        self.tuning_log.append(
+            {
+                "key": tune_key,
+                "consts": dict(consts),
+                "started": start,
+                "seconds": time.perf_counter() - start,
+                "timings": timings,
+                "finals": finals,
+                "failures": failures,
+            }
+        )
         return min(finals or timings, key=lambda tc: tc[0])[1]
 
 
@@ -1179,7 +2861,7 @@ def _const_names(fn) -> list[str]:
     """A kernel's constexpr parameters, which come last (the direct launch passes them positionally)."""
     params = inspect.signature(fn.fn).parameters.values()
     names = [prm.name for prm in params if prm.annotation is tl.constexpr]
-    assert [prm.name for prm in params][-len(names):] == names, "constexprs come last"
+    assert [prm.name for prm in params][-len(names) :] == names, "constexprs come last"
     return names
 
 
@@ -1191,18 +2873,29 @@ def tuned_configs() -> list[dict]:
     """What the autotuner chose so far in this process, per kernel and key, in the order it tuned them (for
     benchmark reports)."""
     out = []
-    entries = sorted(((entry, kind) for kind, kernel in _KERNELS.items() for entry in kernel.tuning_log),
-                     key=lambda pair: pair[0]["started"])
+    entries = sorted(
+        ((entry, kind) for kind, kernel in _KERNELS.items() for entry in kernel.tuning_log),
+        key=lambda pair: pair[0]["started"],
+    )
 
     def named(timings):
         return {_config_name(c): round(ms, 4) for ms, c in sorted(timings, key=lambda tc: tc[0])}
 
     for entry, kind in entries:
         best_ms, best = min(entry["finals"] or entry["timings"], key=lambda tc: tc[0])
-        out.append({"kernel": kind, "constexprs": entry["consts"], "len_buckets": entry["key"][1], "config": best,
-                    "ms": round(best_ms, 4), "tuning_s": round(entry["seconds"], 2),
-                    "candidates_ms": named(entry["timings"]), "finalists_ms": named(entry["finals"]),
-                    "failures": entry["failures"]})
+        out.append(
+            {
+                "kernel": kind,
+                "constexprs": entry["consts"],
+                "len_buckets": entry["key"][1],
+                "config": best,
+                "ms": round(best_ms, 4),
+                "tuning_s": round(entry["seconds"], 2),
+                "candidates_ms": named(entry["timings"]),
+                "finalists_ms": named(entry["finals"]),
+                "failures": entry["failures"],
+            }
+        )
     return out
 
 
@@ -1237,8 +2930,27 @@ def _log_inv(num_pos: int, max_distance: int) -> float:
 class Problem:
     """Everything the kernels share about one call, resolved on the host (no device syncs)."""
 
-    def __init__(self, q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, scale, norm,
-                 attn_bias, pos_table, time_table, q_timestamps, kv_timestamps, pos_max_distance, time_log_base):
+    def __init__(
+        self,
+        q,
+        k,
+        v,
+        q_offsets,
+        kv_offsets,
+        max_q_len,
+        max_kv_len,
+        mode,
+        causal,
+        scale,
+        norm,
+        attn_bias,
+        pos_table,
+        time_table,
+        q_timestamps,
+        kv_timestamps,
+        pos_max_distance,
+        time_log_base,
+    ):
         self.q, self.k, self.v = q, k, v
         self.heads, self.head_dim = q.shape[1], q.shape[2]
         self.q_shared = q_offsets.numel() == 2 and kv_offsets.numel() > 2
@@ -1257,13 +2969,25 @@ class Problem:
         self.time_log_inv = 1.0 / math.log(time_log_base) if time_table is not None else 0.0
         self.inv_max_len = 1.0 / max(max_kv_len, 1)
         # Longest sequences and total rows: a 4-sequence correctness check must not pick the tiles of a full batch.
-        self.bucket = (_len_bucket(max_q_len), _len_bucket(max_kv_len), _len_bucket(q.shape[0]),
-                       _len_bucket(k.shape[0]))
+        self.bucket = (
+            _len_bucket(max_q_len),
+            _len_bucket(max_kv_len),
+            _len_bucket(q.shape[0]),
+            _len_bucket(k.shape[0]),
+        )
         self.consts = dict(
-            HEAD_DIM=self.head_dim, MODE=mode, CAUSAL=causal, NORM=norm,
-            Q_STRIDE=0 if self.q_shared else 1, KV_STRIDE=0 if self.kv_shared else 1,
-            HAS_AB=attn_bias is not None, HAS_POS=pos_table is not None, HAS_TIME=time_table is not None,
-            NUM_POS=self.num_pos, NUM_TIME=self.num_time, FAST=not INTERPRET,
+            HEAD_DIM=self.head_dim,
+            MODE=mode,
+            CAUSAL=causal,
+            NORM=norm,
+            Q_STRIDE=0 if self.q_shared else 1,
+            KV_STRIDE=0 if self.kv_shared else 1,
+            HAS_AB=attn_bias is not None,
+            HAS_POS=pos_table is not None,
+            HAS_TIME=time_table is not None,
+            NUM_POS=self.num_pos,
+            NUM_TIME=self.num_time,
+            FAST=not INTERPRET,
         )
         self.block_d = max(16, _pow2_at_least(self.head_dim))
 
@@ -1298,8 +3022,10 @@ class Problem:
         qts = self.q_ts if self.q_ts is not None else dummy
         kts = self.kv_ts if self.kv_ts is not None else dummy
         strides = (
-            ab.stride(0) if self.attn_bias is not None else 0, ab.stride(1) if self.attn_bias is not None else 0,
-            pt.stride(0) if self.pos_table is not None else 0, tt.stride(0) if self.time_table is not None else 0,
+            ab.stride(0) if self.attn_bias is not None else 0,
+            ab.stride(1) if self.attn_bias is not None else 0,
+            pt.stride(0) if self.pos_table is not None else 0,
+            tt.stride(0) if self.time_table is not None else 0,
         )
         return ab, pt, tt, qts, kts, strides
 
@@ -1311,17 +3037,45 @@ def forward(p: Problem):
     if p.total_out == 0 or p.num_seqs == 0:
         return out.zero_(), lse.fill_(float("inf"))
     ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-    args = (q, k, v, out, lse, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            sabt, sabh, spt, stt, p.scale, p.scale * LOG2E, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        ab,
+        pt,
+        tt,
+        qts,
+        kts,
+        p.q_off,
+        p.kv_off,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        sabt,
+        sabh,
+        spt,
+        stt,
+        p.scale,
+        p.scale * LOG2E,
+        p.inv_max_len,
+        p.pos_log_inv,
+        p.time_log_inv,
+        p.heads,
+    )
     consts = {**p.consts, "BLOCK_D": p.block_d, "SCALE_POS": p.scale > 0}
     if p.resident() == "kv":
 
         def grid(meta):
             return (triton.cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
-        _KERNELS["fwd_rkv"](grid, args, {**consts, "BLOCK_N": _resident_block(p.max_kv_len)}, p.bucket,
-                            tma=tma_ok(q))
+        _KERNELS["fwd_rkv"](grid, args, {**consts, "BLOCK_N": _resident_block(p.max_kv_len)}, p.bucket, tma=tma_ok(q))
     else:
 
         def grid(meta):
@@ -1338,8 +3092,17 @@ def _delta(p: Problem, out, grad_out):
     def grid(meta):
         return (triton.cdiv(num_items, meta["BLOCK_R"]),)
 
-    args = (out, grad_out, delta, num_items, out.stride(0), out.stride(1), grad_out.stride(0), grad_out.stride(1),
-            p.heads)
+    args = (
+        out,
+        grad_out,
+        delta,
+        num_items,
+        out.stride(0),
+        out.stride(1),
+        grad_out.stride(0),
+        grad_out.stride(1),
+        p.heads,
+    )
     _KERNELS["delta"](grid, args, {"HEAD_DIM": p.head_dim, "BLOCK_D": p.block_d}, 0)
     return delta
 
@@ -1348,8 +3111,11 @@ def _bias_grad_args(p: Problem, dab, dpt, dtt) -> tuple:
     """The dQ-side kernels' DAB, DPT, DTT arguments: the autotuner zeroes DPT/DTT between trials, so absent tables
     get a scratch, never a live input."""
     scratch = torch.zeros(1, dtype=torch.float32, device=p.q.device) if p.has_bias else p.q_off
-    return (dab if dab is not None else p.q_off, dpt if dpt is not None else scratch,
-            dtt if dtt is not None else scratch)
+    return (
+        dab if dab is not None else p.q_off,
+        dpt if dpt is not None else scratch,
+        dtt if dtt is not None else scratch,
+    )
 
 
 def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
@@ -1363,13 +3129,61 @@ def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
         blocks = triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]) + triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_N"])
         return (blocks, p.heads, p.num_seqs)
 
-    args = (q, k, v, out, go, lse, dq, dk, dv, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            go.stride(0), go.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
-            dv.stride(1), sabt, sabh, spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads,
-            max(p.max_kv_len, 1))
-    _KERNELS["bwd1"](grid, args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket,
-                     reset=tuple(t for t in (dpt, dtt) if t is not None), tma=tma_ok(q, go, out, k, v))
+    args = (
+        q,
+        k,
+        v,
+        out,
+        go,
+        lse,
+        dq,
+        dk,
+        dv,
+        ab,
+        dab_arg,
+        pt,
+        dpt_arg,
+        tt,
+        dtt_arg,
+        qts,
+        kts,
+        p.q_off,
+        p.kv_off,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        go.stride(0),
+        go.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        sabt,
+        sabh,
+        spt,
+        stt,
+        p.scale,
+        p.inv_max_len,
+        p.pos_log_inv,
+        p.time_log_inv,
+        p.heads,
+        max(p.max_kv_len, 1),
+    )
+    _KERNELS["bwd1"](
+        grid,
+        args,
+        {**p.consts, "BLOCK_D": p.block_d},
+        p.bucket,
+        reset=tuple(t for t in (dpt, dtt) if t is not None),
+        tma=tma_ok(q, go, out, k, v),
+    )
     return dq
 
 
@@ -1385,13 +3199,58 @@ def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
     def grid(meta):
         return (triton.cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
-    args = (q, k, v, out, go, lse, dq, dka, dva, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            go.stride(0), go.stride(1), dq.stride(0), dq.stride(1), dka.stride(0), dka.stride(1), sabt, sabh, spt, stt,
-            p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-    _KERNELS["bwd_rkv"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "BLOCK_N": _resident_block(p.max_kv_len)},
-                        p.bucket, reset=tuple(t for t in (dka, dva, dpt, dtt) if t is not None),
-                        tma=tma_ok(q, go, out))
+    args = (
+        q,
+        k,
+        v,
+        out,
+        go,
+        lse,
+        dq,
+        dka,
+        dva,
+        ab,
+        dab_arg,
+        pt,
+        dpt_arg,
+        tt,
+        dtt_arg,
+        qts,
+        kts,
+        p.q_off,
+        p.kv_off,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        go.stride(0),
+        go.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        dka.stride(0),
+        dka.stride(1),
+        sabt,
+        sabh,
+        spt,
+        stt,
+        p.scale,
+        p.inv_max_len,
+        p.pos_log_inv,
+        p.time_log_inv,
+        p.heads,
+    )
+    _KERNELS["bwd_rkv"](
+        grid,
+        args,
+        {**p.consts, "BLOCK_D": p.block_d, "BLOCK_N": _resident_block(p.max_kv_len)},
+        p.bucket,
+        reset=tuple(t for t in (dka, dva, dpt, dtt) if t is not None),
+        tma=tma_ok(q, go, out),
+    )
     return dq, dka.to(k.dtype), dva.to(v.dtype)
 
 
@@ -1407,12 +3266,60 @@ def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
     def grid(meta):
         return (triton.cdiv(max(p.max_kv_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
-    args = (q, k, v, out, go, lse, dqa, dk, dv, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off, p.kv_off,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            go.stride(0), go.stride(1), dqa.stride(0), dqa.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
-            dv.stride(1), sabt, sabh, spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-    _KERNELS["bwd_rq"](grid, args, {**p.consts, "BLOCK_D": p.block_d, "BLOCK_M": _resident_block(p.max_q_len)},
-                       p.bucket, reset=tuple(t for t in (dqa, dpt, dtt) if t is not None), tma=tma_ok(k, v))
+    args = (
+        q,
+        k,
+        v,
+        out,
+        go,
+        lse,
+        dqa,
+        dk,
+        dv,
+        ab,
+        dab_arg,
+        pt,
+        dpt_arg,
+        tt,
+        dtt_arg,
+        qts,
+        kts,
+        p.q_off,
+        p.kv_off,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        go.stride(0),
+        go.stride(1),
+        dqa.stride(0),
+        dqa.stride(1),
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        sabt,
+        sabh,
+        spt,
+        stt,
+        p.scale,
+        p.inv_max_len,
+        p.pos_log_inv,
+        p.time_log_inv,
+        p.heads,
+    )
+    _KERNELS["bwd_rq"](
+        grid,
+        args,
+        {**p.consts, "BLOCK_D": p.block_d, "BLOCK_M": _resident_block(p.max_q_len)},
+        p.bucket,
+        reset=tuple(t for t in (dqa, dpt, dtt) if t is not None),
+        tma=tma_ok(k, v),
+    )
     return dqa, dk, dv
 
 
@@ -1450,14 +3357,58 @@ def backward(p: Problem, grad_out, out, lse):
         def grid_kv(meta):
             return (triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
 
-        args = (q, k, v, out, go, lse, delta, dk, dv, dqa, ab, pt, tt, qts, kts, p.q_off, p.kv_off,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0),
-                out.stride(1), go.stride(0), go.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-                dqa.stride(0) if fused else 0, dqa.stride(1) if fused else 0, sabt, sabh, spt, stt,
-                p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads)
-        _KERNELS["dkdv"](grid_kv, args, {**p.consts, "FUSE_DQ": fused, "DELTA_INLINE": False, "BLOCK_D": p.block_d},
-                         p.bucket,
-                         reset=(dqa,) if fused else (), tma=tma_ok(q, go))
+        args = (
+            q,
+            k,
+            v,
+            out,
+            go,
+            lse,
+            delta,
+            dk,
+            dv,
+            dqa,
+            ab,
+            pt,
+            tt,
+            qts,
+            kts,
+            p.q_off,
+            p.kv_off,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            v.stride(0),
+            v.stride(1),
+            out.stride(0),
+            out.stride(1),
+            go.stride(0),
+            go.stride(1),
+            dk.stride(0),
+            dk.stride(1),
+            dv.stride(0),
+            dv.stride(1),
+            dqa.stride(0) if fused else 0,
+            dqa.stride(1) if fused else 0,
+            sabt,
+            sabh,
+            spt,
+            stt,
+            p.scale,
+            p.inv_max_len,
+            p.pos_log_inv,
+            p.time_log_inv,
+            p.heads,
+        )
+        _KERNELS["dkdv"](
+            grid_kv,
+            args,
+            {**p.consts, "FUSE_DQ": fused, "DELTA_INLINE": False, "BLOCK_D": p.block_d},
+            p.bucket,
+            reset=(dqa,) if fused else (),
+            tma=tma_ok(q, go),
+        )
         if fused:
             dq = dqa
         else:
@@ -1467,12 +3418,56 @@ def backward(p: Problem, grad_out, out, lse):
             def grid_q(meta):
                 return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-            args = (q, k, v, out, go, lse, delta, dq, ab, dab_arg, pt, dpt_arg, tt, dtt_arg, qts, kts, p.q_off,
-                    p.kv_off, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                    out.stride(0), out.stride(1), go.stride(0), go.stride(1), dq.stride(0), dq.stride(1), sabt, sabh,
-                    spt, stt, p.scale, p.inv_max_len, p.pos_log_inv, p.time_log_inv, p.heads, 0)
-            _KERNELS["dq"](grid_q, args, {**p.consts, "DELTA_INLINE": False, "BLOCK_D": p.block_d}, p.bucket,
-                           reset=tuple(t for t in (dpt, dtt) if t is not None), tma=tma_ok(k, v))
+            args = (
+                q,
+                k,
+                v,
+                out,
+                go,
+                lse,
+                delta,
+                dq,
+                ab,
+                dab_arg,
+                pt,
+                dpt_arg,
+                tt,
+                dtt_arg,
+                qts,
+                kts,
+                p.q_off,
+                p.kv_off,
+                q.stride(0),
+                q.stride(1),
+                k.stride(0),
+                k.stride(1),
+                v.stride(0),
+                v.stride(1),
+                out.stride(0),
+                out.stride(1),
+                go.stride(0),
+                go.stride(1),
+                dq.stride(0),
+                dq.stride(1),
+                sabt,
+                sabh,
+                spt,
+                stt,
+                p.scale,
+                p.inv_max_len,
+                p.pos_log_inv,
+                p.time_log_inv,
+                p.heads,
+                0,
+            )
+            _KERNELS["dq"](
+                grid_q,
+                args,
+                {**p.consts, "DELTA_INLINE": False, "BLOCK_D": p.block_d},
+                p.bucket,
+                reset=tuple(t for t in (dpt, dtt) if t is not None),
+                tma=tma_ok(k, v),
+            )
     if p.q_shared:
         dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
     dq = dq.to(q.dtype)

@@ -55,13 +55,17 @@ def attention(
     _check(q, k, v, q_offsets, kv_offsets, kind)
     if backend not in BACKENDS:
         raise ValueError(f"attention: backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto" and q.is_cuda and v.shape[2] == q.shape[2] and 16 <= q.shape[2] <= 256 and q.dtype == k.dtype == v.dtype:
+    if (
+        backend == "auto"
+        and q.is_cuda
+        and v.shape[2] == q.shape[2]
+        and 16 <= q.shape[2] <= 256
+        and q.dtype == k.dtype == v.dtype
+    ):
         from gemrec.kernels import gdpa, jagged_attention
 
         if kind == "softmax":
-            return jagged_attention(
-                q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal=causal, scale=scale
-            )
+            return jagged_attention(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, causal=causal, scale=scale)
         return gdpa(
             q,
             k,
@@ -89,9 +93,7 @@ def _check(q, k, v, q_offsets, kv_offsets, kind):
             f"{tuple(v.shape)}"
         )
     if k.shape[:2] != v.shape[:2] or q.shape[1:] != k.shape[1:]:
-        raise ValueError(
-            f"attention: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+        raise ValueError(f"attention: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     nq, nkv = q_offsets.numel(), kv_offsets.numel()
     if q_offsets.dim() != 1 or kv_offsets.dim() != 1 or not (nq == nkv or nq == 2 or nkv == 2):
         raise ValueError(
@@ -108,9 +110,7 @@ def _repeat(x: torch.Tensor, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _length_groups(q_len: list[int], kv_len: list[int], heads: int, max_padding: float) -> list[list[int]]:
     """Sequences (non-empty) grouped so that padding to each group's longest wastes little."""
-    order = sorted(
-        (i for i in range(len(q_len)) if q_len[i] and kv_len[i]), key=lambda i: (-kv_len[i], -q_len[i])
-    )
+    order = sorted((i for i in range(len(q_len)) if q_len[i] and kv_len[i]), key=lambda i: (-kv_len[i], -q_len[i]))
     groups: list[list[int]] = []
     for i in order:
         if groups:
@@ -176,9 +176,7 @@ def jagged_attention_reference(
         rows_q = q_off[members][:, None] + q_pos
         q_rows.append(torch.where(q_valid, rows_q, 0).reshape(-1))
         kv_rows.append(torch.where(kv_valid, kv_off[members][:, None] + kv_pos, 0).reshape(-1))
-        source_of_row[rows_q[q_valid]] = (
-            padded_rows + torch.arange(len(group) * lq).view(len(group), lq)[q_valid]
-        )
+        source_of_row[rows_q[q_valid]] = padded_rows + torch.arange(len(group) * lq).view(len(group), lq)[q_valid]
         padded_rows += len(group) * lq
         allowed = kv_valid[:, None, None, :]
         if causal:
@@ -202,9 +200,7 @@ def jagged_attention_reference(
         if kind == "softmax":
             # A finite fill keeps rows without any visible key finite; the mask then zeroes them.
             wide = scores.to(torch.promote_types(scores.dtype, torch.float32))
-            probs = (wide.masked_fill(~allowed, torch.finfo(wide.dtype).min).softmax(-1) * allowed).to(
-                v.dtype
-            )
+            probs = (wide.masked_fill(~allowed, torch.finfo(wide.dtype).min).softmax(-1) * allowed).to(v.dtype)
         else:
             norm = (1.0 / kv_lens.to(scores.dtype))[:, None, None, None]
             probs = F.silu(scores).masked_fill(~allowed, 0.0) * norm

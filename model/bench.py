@@ -108,12 +108,8 @@ def check_attention(device: torch.device, seed: int = 0) -> dict[str, float]:
     results = {}
     for kind in ("softmax", "silu"):
         for causal in (False, True):
-            q, k, v = (
-                torch.randn(total, heads, dim, generator=gen).to(device, torch.bfloat16) for _ in range(3)
-            )
-            got = attention_module.attention(
-                q, k, v, offsets, offsets, max_len, max_len, kind=kind, causal=causal
-            )
+            q, k, v = (torch.randn(total, heads, dim, generator=gen).to(device, torch.bfloat16) for _ in range(3))
+            got = attention_module.attention(q, k, v, offsets, offsets, max_len, max_len, kind=kind, causal=causal)
             want = attention_module.jagged_attention_reference(
                 q.float(), k.float(), v.float(), offsets, offsets, max_len, max_len, kind=kind, causal=causal
             )
@@ -163,9 +159,7 @@ def _first_tensor(out) -> torch.Tensor:
 
 
 def run(args) -> dict:
-    device = torch.device(
-        ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    )
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     config = ModelConfig.from_dict({**PRODUCTION, **args.model_overrides})
     schema = production_schema(args.num_users, args.num_users)
     torch.manual_seed(0)
@@ -185,9 +179,7 @@ def run(args) -> dict:
         "max_seq_len": [inp.max_seq_len for inp, _ in inputs],
         "params": sum(p.numel() for p in model.parameters()),
     }
-    print(
-        f"device {report['device']}, {report['params'] / 1e6:.1f}M params, tokens/batch {report['tokens_per_batch']}"
-    )
+    print(f"device {report['device']}, {report['params'] / 1e6:.1f}M params, tokens/batch {report['tokens_per_batch']}")
 
     report["check_attention_rel_error"] = check_attention(device)
     report["check_moe_grouped_rel_error"] = check_moe(model, device)

@@ -38,9 +38,7 @@ class FeatureSchema:
                 raise ValueError(f"feature schema: seq item feature {name!r} must have source 'item'")
         for f in self.sparse_features:
             if f.num_embeddings < 1:
-                raise ValueError(
-                    f"feature schema: {f.name!r} needs num_embeddings >= 1, got {f.num_embeddings}"
-                )
+                raise ValueError(f"feature schema: {f.name!r} needs num_embeddings >= 1, got {f.num_embeddings}")
         if not self.labels:
             raise ValueError("feature schema: at least one label is required")
 
@@ -144,21 +142,24 @@ class ModelConfig:
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"model config: {name} must be one of {allowed}, got {getattr(self, name)!r}"
-                )
+                raise ValueError(f"model config: {name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.d_model % self.num_heads:
-            raise ValueError(
-                f"model config: d_model {self.d_model} is not divisible by num_heads {self.num_heads}"
-            )
+            raise ValueError(f"model config: d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
         if self.rotary and (self.d_model // self.num_heads) % 2:
             raise ValueError("model config: rotary positions need an even head dim")
         if self.moe_every and not 1 <= self.moe_top_k <= self.moe_num_experts:
             raise ValueError(
                 f"model config: moe_top_k {self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]"
             )
-        positive = ("embedding_dim", "d_model", "num_heads", "pma_seeds", "num_time_buckets", "head_hidden",
-                    "rotary_max_positions")
+        positive = (
+            "embedding_dim",
+            "d_model",
+            "num_heads",
+            "pma_seeds",
+            "num_time_buckets",
+            "head_hidden",
+            "rotary_max_positions",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")

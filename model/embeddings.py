@@ -69,8 +69,10 @@ class TorchTables(nn.Module):
             ids, self.weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
         )
         sizes = [features.numel() * rows for features, rows in blocks]
-        return [part.view(features.numel(), rows, self.dim).transpose(0, 1)
-                for part, (features, rows) in zip(pooled.split(sizes), blocks)]
+        return [
+            part.view(features.numel(), rows, self.dim).transpose(0, 1)
+            for part, (features, rows) in zip(pooled.split(sizes), blocks)
+        ]
 
 
 class TorchrecTables(nn.Module):
@@ -126,9 +128,7 @@ class SparseEmbeddings(nn.Module):
         tables = TorchrecTables if config.embedding_backend == "torchrec" else TorchTables
         self.tables = tables(schema, config.embedding_dim)
 
-    def forward(
-        self, sparse_features, seq_item_ids=None, seq_item_features=None, batch_size: int | None = None
-    ):
+    def forward(self, sparse_features, seq_item_ids=None, seq_item_features=None, batch_size: int | None = None):
         batch = sparse_features.stride() if batch_size is None else batch_size
         _check_keys(sparse_features, self.features, "sparse_features")
         if isinstance(self.tables, TorchTables):

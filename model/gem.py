@@ -36,18 +36,14 @@ def _check_input(inp: ModelInput, schema: FeatureSchema, with_sequence: bool) ->
             f"{list(schema.dense_features)}, got {tuple(inp.dense_features.shape)}"
         )
     if inp.sparse_features.stride() != batch:
-        raise ValueError(
-            f"sparse_features has stride {inp.sparse_features.stride()}, expected batch size {batch}"
-        )
+        raise ValueError(f"sparse_features has stride {inp.sparse_features.stride()}, expected batch size {batch}")
     if not with_sequence:
         return
     tokens = inp.num_tokens
     if tuple(inp.seq_offsets.shape) != (batch + 1,):
         raise ValueError(f"seq_offsets must be ({batch + 1},), got {tuple(inp.seq_offsets.shape)}")
     if tuple(inp.seq_timestamps.shape) != (tokens,):
-        raise ValueError(
-            f"seq_timestamps must be ({tokens},) like seq_item_ids, got {tuple(inp.seq_timestamps.shape)}"
-        )
+        raise ValueError(f"seq_timestamps must be ({tokens},) like seq_item_ids, got {tuple(inp.seq_timestamps.shape)}")
     if inp.seq_actions.dim() != 2 or tuple(inp.seq_actions.shape) != (tokens, schema.num_actions):
         raise ValueError(
             f"seq_actions must be ({tokens}, {schema.num_actions}) for actions {list(schema.actions)}, "
@@ -60,9 +56,7 @@ def _check_input(inp: ModelInput, schema: FeatureSchema, with_sequence: bool) ->
                 f"seq_offsets must rise from 0 to the {tokens} history tokens, got {inp.seq_offsets.tolist()}"
             )
         if batch and int(lengths.max()) > inp.max_seq_len:
-            raise ValueError(
-                f"max_seq_len {inp.max_seq_len} is below the longest history ({int(lengths.max())})"
-            )
+            raise ValueError(f"max_seq_len {inp.max_seq_len} is below the longest history ({int(lengths.max())})")
 
 
 class TaskHeads(nn.Module):
@@ -83,9 +77,7 @@ class TaskHeads(nn.Module):
     def flops(self, batch: int) -> tuple[int, int]:
         parts = [linear_flops(batch, self.trunk.in_features, self.trunk.out_features)]
         for tower in self.towers:
-            parts += [
-                linear_flops(batch, m.in_features, m.out_features) for m in tower if isinstance(m, nn.Linear)
-            ]
+            parts += [linear_flops(batch, m.in_features, m.out_features) for m in tower if isinstance(m, nn.Linear)]
         return add(*parts)
 
 
@@ -100,9 +92,7 @@ class TimeEncoding(nn.Module):
             self.table = nn.Embedding(buckets, dim)
             nn.init.normal_(self.table.weight, std=0.02)
         else:
-            self.register_buffer(
-                "freqs", torch.exp(torch.linspace(0.0, math.log(64.0), dim // 2)), persistent=False
-            )
+            self.register_buffer("freqs", torch.exp(torch.linspace(0.0, math.log(64.0), dim // 2)), persistent=False)
             self.proj = nn.Linear(2 * (dim // 2), dim)
 
     def forward(self, seconds: torch.Tensor) -> torch.Tensor:
@@ -142,13 +132,9 @@ class SeqInput(nn.Module):
         width = (1 + len(schema.seq_item_features)) * config.embedding_dim
         self.token_proj = nn.Linear(width, config.d_model)
         self.target_proj = nn.Linear(width, config.d_model, bias=False) if config.target_aware else None
-        self.action_proj = (
-            nn.Linear(schema.num_actions, config.d_model, bias=False) if schema.num_actions else None
-        )
+        self.action_proj = nn.Linear(schema.num_actions, config.d_model, bias=False) if schema.num_actions else None
         self.time = TimeEncoding(config.time_encoding, config.d_model, config.num_time_buckets)
-        self.recency = (
-            nn.Embedding(config.recency_buckets, config.d_model) if config.recency_buckets else None
-        )
+        self.recency = nn.Embedding(config.recency_buckets, config.d_model) if config.recency_buckets else None
         if self.recency is not None:
             nn.init.normal_(self.recency.weight, std=0.02)
 
@@ -171,9 +157,7 @@ class SeqInput(nn.Module):
         if self.target_proj is not None:
             parts.append(linear_flops(tokens, self.target_proj.in_features, self.target_proj.out_features))
         if self.action_proj is not None:
-            parts.append(
-                linear_flops(tokens, self.action_proj.in_features, self.action_proj.out_features, False)
-            )
+            parts.append(linear_flops(tokens, self.action_proj.in_features, self.action_proj.out_features, False))
         return add(*parts)
 
 
@@ -213,15 +197,13 @@ class GEMModel(nn.Module):
         self.seq_input = SeqInput(schema, config)
         self.rotary = Rotary(d // heads, config.rotary_base, config.rotary_max_positions) if config.rotary else None
         self.seq_tower = nn.ModuleList(
-            SeqLayer(d, heads, hidden, config.seq_attention, config.seq_causal)
-            for _ in range(config.seq_layers)
+            SeqLayer(d, heads, hidden, config.seq_attention, config.seq_causal) for _ in range(config.seq_layers)
         )
         self.seq_norm = nn.LayerNorm(d)
         self.pma = PMA(d, heads, hidden, config.pma_seeds, config.seq_attention, config.init_std)
         self.feature_input = FeatureTokens(schema, config)
         self.nonseq_tower = nn.ModuleList(
-            TokenLayer(d, heads, hidden, cross=True, kind="softmax", moe=None)
-            for _ in range(config.nonseq_layers)
+            TokenLayer(d, heads, hidden, cross=True, kind="softmax", moe=None) for _ in range(config.nonseq_layers)
         )
         self.interaction = nn.ModuleList(
             TokenLayer(d, heads, hidden, cross=False, kind="softmax", moe=self._moe(i))
@@ -300,12 +282,7 @@ def _mlp(sizes: list[int]) -> nn.Sequential:
 
 def _mlp_flops(mlp: nn.Sequential, rows: int, input_grad: bool) -> tuple[int, int]:
     linears = [m for m in mlp if isinstance(m, nn.Linear)]
-    return add(
-        *[
-            linear_flops(rows, m.in_features, m.out_features, input_grad or i > 0)
-            for i, m in enumerate(linears)
-        ]
-    )
+    return add(*[linear_flops(rows, m.in_features, m.out_features, input_grad or i > 0) for i, m in enumerate(linears)])
 
 
 class DotInteraction(nn.Module):
@@ -380,9 +357,7 @@ def build_model(config: ModelConfig, schema: FeatureSchema) -> nn.Module:
 def model_flops(model: nn.Module, inp: ModelInput) -> dict[str, tuple[int, int]]:
     """Matmul FLOPs per layer `{module name: (forward, backward)}` for this input's real jagged lengths."""
     if not hasattr(model, "flops"):
-        raise TypeError(
-            f"model_flops needs a gemrec model (GEMModel or DLRMModel), got {type(model).__name__}"
-        )
+        raise TypeError(f"model_flops needs a gemrec model (GEMModel or DLRMModel), got {type(model).__name__}")
     return model.flops(inp)
 
 
@@ -390,9 +365,7 @@ def loss(output: ModelOutput, labels: torch.Tensor, task_weights=None) -> torch.
     """Weighted sum over tasks of the mean binary cross-entropy, plus the model's auxiliary loss."""
     logits = output.logits
     if labels.shape != logits.shape:
-        raise ValueError(
-            f"labels must have the logits' shape {tuple(logits.shape)}, got {tuple(labels.shape)}"
-        )
+        raise ValueError(f"labels must have the logits' shape {tuple(logits.shape)}, got {tuple(labels.shape)}")
     per_task = F.binary_cross_entropy_with_logits(logits, labels.to(logits.dtype), reduction="none").mean(0)
     if task_weights is None:
         weights = torch.ones_like(per_task)

@@ -20,9 +20,7 @@ class JaggedFeatures:
     `values` holds every key's values, key after key; `lengths` has `len(keys) * stride` entries.
     """
 
-    def __init__(
-        self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, stride: int | None = None
-    ):
+    def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, stride: int | None = None):
         keys = list(keys)
         if len(set(keys)) != len(keys):
             raise ValueError(f"JaggedFeatures: duplicate keys in {keys}")
@@ -34,9 +32,7 @@ class JaggedFeatures:
             if not keys:
                 raise ValueError("JaggedFeatures: stride is required when there are no keys")
             if lengths.numel() % len(keys):
-                raise ValueError(
-                    f"JaggedFeatures: {lengths.numel()} lengths do not split over {len(keys)} keys"
-                )
+                raise ValueError(f"JaggedFeatures: {lengths.numel()} lengths do not split over {len(keys)} keys")
             stride = lengths.numel() // len(keys)
         if lengths.numel() != len(keys) * stride:
             raise ValueError(

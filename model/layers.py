@@ -71,8 +71,10 @@ class Rotary(nn.Module):
         `max_len` bounds the positions (each is below its sequence's length)."""
         capacity = self.cos_table.shape[0]
         if max_len > capacity:
-            raise ValueError(f"rotary positions: a sequence of {max_len} tokens is longer than the "
-                             f"{capacity} positions of the rotary tables (raise model.rotary_max_positions)")
+            raise ValueError(
+                f"rotary positions: a sequence of {max_len} tokens is longer than the "
+                f"{capacity} positions of the rotary tables (raise model.rotary_max_positions)"
+            )
         return self.cos_table[positions][:, None, :], self.sin_table[positions][:, None, :]
 
 
@@ -126,7 +128,15 @@ class JaggedAttention(nn.Module):
             q = self.wq(xq).view(xq.shape[0], h, hd)
             k, v = self.wkv(xkv).view(xkv.shape[0], 2, h, hd).unbind(1)
         out = attention(
-            q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, kind=self.kind, causal=self.causal,
+            q,
+            k,
+            v,
+            q_offsets,
+            kv_offsets,
+            max_q_len,
+            max_kv_len,
+            kind=self.kind,
+            causal=self.causal,
             backend=self.backend,
         )
         return self.wo(out.reshape(xq.shape[0], self.dim))
@@ -181,8 +191,9 @@ class PMA(nn.Module):
         # The K seed queries are projected once and shared by every sequence (a 2-entry q_offsets).
         q = self.attn.wq(self.seeds).view(k, heads, dim // heads)
         keys, values = self.attn.wkv(kv).view(kv.shape[0], 2, heads, dim // heads).unbind(1)
-        out = attention(q, keys, values, self.seed_offsets, seq_offsets, k, max_len, kind=self.attn.kind,
-                        backend=self.attn.backend)
+        out = attention(
+            q, keys, values, self.seed_offsets, seq_offsets, k, max_len, kind=self.attn.kind, backend=self.attn.backend
+        )
         x = self.seeds.unsqueeze(0) + self.attn.wo(out.reshape(batch, k, dim))
         return x + self.mlp(self.norm_out(x))
 

@@ -102,9 +102,7 @@ class MoEFeedForward(nn.Module):
         aux = self.num_experts * torch.sum(assigned / (n * self.top_k) * probs.sum(0) / n)
         return weights, experts, aux
 
-    def dispatch(
-        self, x: torch.Tensor, experts: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def dispatch(self, x: torch.Tensor, experts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(x_sorted (n*k, dim), tokens_per_expert (E,), order): token copies grouped by expert."""
         flat = experts.reshape(-1)
         order = torch.argsort(flat, stable=True)

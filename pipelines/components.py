@@ -18,8 +18,14 @@ def ingest(data: str, publish_dir: str, run_dir: str, dataset: Output[Dataset]):
 
     with steps.step_guard(run_dir, "ingest"):
         manifest = steps.ingest(data, dataset.path, publish_dir)
-        dataset.metadata.update({"name": manifest["name"], "dataset_checksum": manifest.get("dataset_checksum", ""),
-                                 "num_events": manifest["num_events"], "labels": manifest.get("labels", [])})
+        dataset.metadata.update(
+            {
+                "name": manifest["name"],
+                "dataset_checksum": manifest.get("dataset_checksum", ""),
+                "num_events": manifest["num_events"],
+                "labels": manifest.get("labels", []),
+            }
+        )
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
@@ -33,8 +39,7 @@ def validate(dataset: Input[Dataset], run_dir: str, statistics: Output[Metrics])
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def materialize_features(dataset: Input[Dataset], store: str, redis_url: str, run_dir: str,
-                         features: Output[Artifact]):
+def materialize_features(dataset: Input[Dataset], store: str, redis_url: str, run_dir: str, features: Output[Artifact]):
     """Online features for the feature service (memory store check, or written into Redis)."""
     import json
 
@@ -48,10 +53,27 @@ def materialize_features(dataset: Input[Dataset], store: str, redis_url: str, ru
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def train(dataset: Input[Dataset], features: Input[Artifact], recipe: str, nproc: int, tracking_uri: str,
-          experiment: str, run_dir: str, mode: str, feature_port: int, data_port: int, data_addr: str,
-          feature_addr: str, trainer_image: str, namespace: str, num_nodes: int, gpus_per_node: int,
-          pipeline_run: str, model: Output[Model], metrics: Output[Metrics]):
+def train(
+    dataset: Input[Dataset],
+    features: Input[Artifact],
+    recipe: str,
+    nproc: int,
+    tracking_uri: str,
+    experiment: str,
+    run_dir: str,
+    mode: str,
+    feature_port: int,
+    data_port: int,
+    data_addr: str,
+    feature_addr: str,
+    trainer_image: str,
+    namespace: str,
+    num_nodes: int,
+    gpus_per_node: int,
+    pipeline_run: str,
+    model: Output[Model],
+    metrics: Output[Metrics],
+):
     """Train (local services + torchrun, torchrun in this pod, or a Kubeflow TrainJob); log NE/AUC/QPS/MFU."""
     import json
 
@@ -60,24 +82,51 @@ def train(dataset: Input[Dataset], features: Input[Artifact], recipe: str, nproc
     with steps.step_guard(run_dir, "train"):
         with open(features.path) as f:
             feature_info = json.load(f)
-        result = steps.train(mode=mode, dataset=dataset.path, recipe=recipe, nproc=nproc, tracking_uri=tracking_uri,
-                             experiment=experiment, run_dir=run_dir, features=feature_info,
-                             feature_port=feature_port, data_port=data_port, data_addr=data_addr,
-                             feature_addr=feature_addr, trainer_image=trainer_image, namespace=namespace,
-                             num_nodes=num_nodes, gpus_per_node=gpus_per_node, pipeline_run=pipeline_run,
-                             dataset_checksum=dataset.metadata.get("dataset_checksum", ""),
-                             labels=list(dataset.metadata.get("labels", [])))
+        result = steps.train(
+            mode=mode,
+            dataset=dataset.path,
+            recipe=recipe,
+            nproc=nproc,
+            tracking_uri=tracking_uri,
+            experiment=experiment,
+            run_dir=run_dir,
+            features=feature_info,
+            feature_port=feature_port,
+            data_port=data_port,
+            data_addr=data_addr,
+            feature_addr=feature_addr,
+            trainer_image=trainer_image,
+            namespace=namespace,
+            num_nodes=num_nodes,
+            gpus_per_node=gpus_per_node,
+            pipeline_run=pipeline_run,
+            dataset_checksum=dataset.metadata.get("dataset_checksum", ""),
+            labels=list(dataset.metadata.get("labels", [])),
+        )
         for name, value in result["numbers"].items():
             metrics.log_metric(name, value)
         with open(model.path, "w") as f:
             json.dump(result, f, indent=2)
-        model.metadata.update({"mlflow_run_id": result["run_id"], "recipe": recipe,
-                               "tracking_uri": tracking_uri, "ne": result["numbers"]["ne"]})
+        model.metadata.update(
+            {
+                "mlflow_run_id": result["run_id"],
+                "recipe": recipe,
+                "tracking_uri": tracking_uri,
+                "ne": result["numbers"]["ne"],
+            }
+        )
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def evaluate(model: Input[Model], dataset: Input[Dataset], tracking_uri: str, recipe: str, run_dir: str,
-             evaluation: Output[Metrics], decision: Output[Artifact]):
+def evaluate(
+    model: Input[Model],
+    dataset: Input[Dataset],
+    tracking_uri: str,
+    recipe: str,
+    run_dir: str,
+    evaluation: Output[Metrics],
+    decision: Output[Artifact],
+):
     """Compare the candidate's eval NE with the `champion` model's."""
     import json
 
@@ -95,8 +144,15 @@ def evaluate(model: Input[Model], dataset: Input[Dataset], tracking_uri: str, re
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
-def register(model: Input[Model], decision: Input[Artifact], tracking_uri: str, recipe: str, run_dir: str,
-             ui_address: str, registered: Output[Model]):
+def register(
+    model: Input[Model],
+    decision: Input[Artifact],
+    tracking_uri: str,
+    recipe: str,
+    run_dir: str,
+    ui_address: str,
+    registered: Output[Model],
+):
     """Register the model in MLflow; move the `champion` alias only when NE improved, and say why."""
     import json
 
@@ -110,5 +166,6 @@ def register(model: Input[Model], decision: Input[Artifact], tracking_uri: str, 
         summary = steps.register(candidate, verdict, tracking_uri, recipe, run_dir, ui_address)
         with open(registered.path, "w") as f:
             json.dump(summary, f, indent=2)
-        registered.metadata.update({"model": summary["model"], "version": summary["version"],
-                                    "promoted": summary["promoted"]})
+        registered.metadata.update(
+            {"model": summary["model"], "version": summary["version"], "promoted": summary["promoted"]}
+        )

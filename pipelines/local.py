@@ -80,8 +80,9 @@ def check_inputs(recipe: str, data: str | None, nproc: int, feature_port: int, d
     if not path.exists():
         raise InputError(f"data path {path} does not exist")
     if not ((path / "ratings.csv").is_file() or (path / "manifest.json").is_file()):
-        raise InputError(f"{path} is neither MovieLens ml-latest-small (ratings.csv) nor a prepared dataset "
-                         "(manifest.json)")
+        raise InputError(
+            f"{path} is neither MovieLens ml-latest-small (ratings.csv) nor a prepared dataset (manifest.json)"
+        )
     if nproc < 1:
         raise InputError(f"--nproc must be at least 1 (got {nproc})")
     for port, what in ((feature_port, "feature service"), (data_port, "data service")):
@@ -118,9 +119,19 @@ def failed_step(run_dir: Path, err: BaseException) -> tuple[str, str]:
     return step, f"{type(err).__name__}: {err}"
 
 
-def run(recipe: str, data: str | None, nproc: int = 1, runs_root: str = "runs", tracking_uri: str | None = None,
-        feature_store: str = "memory", redis_url: str = "", feature_port: int = 0, data_port: int = 0,
-        ui_port: int = 5000, verbose: bool = False) -> dict:
+def run(
+    recipe: str,
+    data: str | None,
+    nproc: int = 1,
+    runs_root: str = "runs",
+    tracking_uri: str | None = None,
+    feature_store: str = "memory",
+    redis_url: str = "",
+    feature_port: int = 0,
+    data_port: int = 0,
+    ui_port: int = 5000,
+    verbose: bool = False,
+) -> dict:
     """Run `gemrec-train` locally; return the summary (raises PipelineFailed naming the step and cause)."""
     from kfp import local
 
@@ -128,12 +139,17 @@ def run(recipe: str, data: str | None, nproc: int = 1, runs_root: str = "runs", 
     tracking_uri = tracking.resolve_tracking_uri(tracking_uri)
     run_dir = new_run_dir(Path(runs_root).resolve(), recipe)
     started = time.time()
-    write_status(run_dir, status="running", pipeline=PIPELINE_NAME, recipe=recipe, data=str(data_path),
-                 started=datetime.now(UTC).isoformat())
+    write_status(
+        run_dir,
+        status="running",
+        pipeline=PIPELINE_NAME,
+        recipe=recipe,
+        data=str(data_path),
+        started=datetime.now(UTC).isoformat(),
+    )
     print(f"[gemrec] pipeline {PIPELINE_NAME}: recipe {recipe}, data {data_path}, nproc {nproc}", flush=True)
     print(f"[gemrec] outputs in {run_dir}; MLflow store {tracking_uri}", flush=True)
-    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(run_dir / "kfp"),
-               raise_on_error=True)
+    local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(run_dir / "kfp"), raise_on_error=True)
     pipeline = build("local")
     console = None if verbose else ExecutorLogFilter(sys.stdout, run_dir / "pipeline.log")
     output = contextlib.redirect_stdout(console) if console else contextlib.nullcontext()
@@ -141,17 +157,35 @@ def run(recipe: str, data: str | None, nproc: int = 1, runs_root: str = "runs", 
         with output, warnings.catch_warnings():
             # The steps' cluster image names are irrelevant to the subprocess runner.
             warnings.filterwarnings("ignore", message=".*non-Python base image.*")
-            warnings.filterwarnings("ignore", message=r"Task '.*': settings \[.*\] have no effect", category=UserWarning)
-            pipeline(recipe=recipe, data=str(data_path), nproc=nproc, tracking_uri=tracking_uri,
-                     experiment=PIPELINE_NAME, run_dir=str(run_dir), feature_store=feature_store,
-                     redis_url=redis_url, feature_port=feature_port, data_port=data_port,
-                     ui_address=f"http://127.0.0.1:{ui_port}")
+            warnings.filterwarnings(
+                "ignore", message=r"Task '.*': settings \[.*\] have no effect", category=UserWarning
+            )
+            pipeline(
+                recipe=recipe,
+                data=str(data_path),
+                nproc=nproc,
+                tracking_uri=tracking_uri,
+                experiment=PIPELINE_NAME,
+                run_dir=str(run_dir),
+                feature_store=feature_store,
+                redis_url=redis_url,
+                feature_port=feature_port,
+                data_port=data_port,
+                ui_address=f"http://127.0.0.1:{ui_port}",
+            )
     except BaseException as err:
         step, cause = failed_step(run_dir, err)
         if isinstance(err, KeyboardInterrupt):
             step, cause = step if step != "unknown" else "pipeline", "interrupted"
-        write_status(run_dir, status="failed", pipeline=PIPELINE_NAME, recipe=recipe, step=step, cause=cause,
-                     seconds=round(time.time() - started, 1))
+        write_status(
+            run_dir,
+            status="failed",
+            pipeline=PIPELINE_NAME,
+            recipe=recipe,
+            step=step,
+            cause=cause,
+            seconds=round(time.time() - started, 1),
+        )
         (run_dir / "FAILED").touch()
         if isinstance(err, KeyboardInterrupt):
             raise
@@ -162,8 +196,15 @@ def run(recipe: str, data: str | None, nproc: int = 1, runs_root: str = "runs", 
     summary = json.loads((run_dir / "summary.json").read_text())
     summary["seconds"] = round(time.time() - started, 1)
     summary["run_dir"] = str(run_dir)
-    write_status(run_dir, status="succeeded", pipeline=PIPELINE_NAME, recipe=recipe, seconds=summary["seconds"],
-                 run_id=summary["run_id"], model=f"{summary['model']}/{summary['version']}")
+    write_status(
+        run_dir,
+        status="succeeded",
+        pipeline=PIPELINE_NAME,
+        recipe=recipe,
+        seconds=summary["seconds"],
+        run_id=summary["run_id"],
+        model=f"{summary['model']}/{summary['version']}",
+    )
     return summary
 
 
@@ -174,8 +215,9 @@ def print_summary(summary: dict) -> None:
     m = summary["metrics"]
     label = next((k[3:] for k in m if k.startswith("ne_") and m[k] == m["ne"]), "")
     task = f"eval, {label}" if label else "eval"
-    table = Table(title=f"gemrec-train finished in {summary['seconds']:.0f} s",
-                  caption="NE: normalized entropy (lower is better)")
+    table = Table(
+        title=f"gemrec-train finished in {summary['seconds']:.0f} s", caption="NE: normalized entropy (lower is better)"
+    )
     table.add_column("result", no_wrap=True)
     table.add_column("value", overflow="fold")
     table.add_row(f"NE ({task})", f"{m['ne']:.4f}")
@@ -186,8 +228,11 @@ def print_summary(summary: dict) -> None:
     if "mfu" in m:
         table.add_row("MFU (end to end)", f"{100 * m['mfu']:.2f} %")
     table.add_row("MLflow run id", summary["run_id"])
-    table.add_row("model", f"{summary['model']} v{summary['version']}"
-                  + (" (new champion)" if summary["promoted"] else " (champion kept)"))
+    table.add_row(
+        "model",
+        f"{summary['model']} v{summary['version']}"
+        + (" (new champion)" if summary["promoted"] else " (champion kept)"),
+    )
     table.add_row("MLflow UI", f"{summary['ui']} (run `gemrec ui`)")
     console = Console()
     console.print(table)

@@ -47,15 +47,28 @@ def build(target: str = "local"):
         run_dir = f"{run_dir}/{dsl.PIPELINE_JOB_NAME_PLACEHOLDER}" if cluster else run_dir
         ingest = c.ingest(data=data, publish_dir=publish_dir, run_dir=run_dir).set_display_name("ingest")
         validate = c.validate(dataset=ingest.outputs["dataset"], run_dir=run_dir).set_display_name("validate")
-        materialize = c.materialize_features(dataset=ingest.outputs["dataset"], store=feature_store,
-                                             redis_url=redis_url, run_dir=run_dir)
+        materialize = c.materialize_features(
+            dataset=ingest.outputs["dataset"], store=feature_store, redis_url=redis_url, run_dir=run_dir
+        )
         materialize.set_display_name("materialize features").after(validate)
-        train_args = dict(dataset=ingest.outputs["dataset"], features=materialize.outputs["features"],
-                          recipe=recipe, nproc=nproc, tracking_uri=tracking_uri, experiment=experiment,
-                          run_dir=run_dir, feature_port=feature_port, data_port=data_port, data_addr=data_addr,
-                          feature_addr=feature_addr, trainer_image=trainer_image, namespace=namespace,
-                          num_nodes=num_nodes, gpus_per_node=gpus_per_node,
-                          pipeline_run=dsl.PIPELINE_JOB_NAME_PLACEHOLDER)
+        train_args = dict(
+            dataset=ingest.outputs["dataset"],
+            features=materialize.outputs["features"],
+            recipe=recipe,
+            nproc=nproc,
+            tracking_uri=tracking_uri,
+            experiment=experiment,
+            run_dir=run_dir,
+            feature_port=feature_port,
+            data_port=data_port,
+            data_addr=data_addr,
+            feature_addr=feature_addr,
+            trainer_image=trainer_image,
+            namespace=namespace,
+            num_nodes=num_nodes,
+            gpus_per_node=gpus_per_node,
+            pipeline_run=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
+        )
         if cluster:
             with dsl.If(num_nodes == 1, name="single-node"):
                 pod = c.train(mode="pod", **train_args).set_display_name("train (GPU pod)")
@@ -68,10 +81,17 @@ def build(target: str = "local"):
             trained = c.train(mode="local", **train_args).set_display_name("train")
             model = trained.outputs["model"]
             tasks = [ingest, validate, materialize, trained]
-        evaluate = c.evaluate(model=model, dataset=ingest.outputs["dataset"], tracking_uri=tracking_uri,
-                              recipe=recipe, run_dir=run_dir).set_display_name("evaluate")
-        register = c.register(model=model, decision=evaluate.outputs["decision"], tracking_uri=tracking_uri,
-                              recipe=recipe, run_dir=run_dir, ui_address=ui_address).set_display_name("register")
+        evaluate = c.evaluate(
+            model=model, dataset=ingest.outputs["dataset"], tracking_uri=tracking_uri, recipe=recipe, run_dir=run_dir
+        ).set_display_name("evaluate")
+        register = c.register(
+            model=model,
+            decision=evaluate.outputs["decision"],
+            tracking_uri=tracking_uri,
+            recipe=recipe,
+            run_dir=run_dir,
+            ui_address=ui_address,
+        ).set_display_name("register")
         tasks += [evaluate, register]
         for task in tasks:
             task.set_caching_options(False)

@@ -69,8 +69,14 @@ def gemrec_command(*args: str) -> list[str]:
 class Process:
     """A child process in its own session with its output in a log file."""
 
-    def __init__(self, name: str, command: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None,
-                 echo: bool = False):
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        log_path: Path | None,
+        env: dict[str, str] | None = None,
+        echo: bool = False,
+    ):
         """`log_path` None: the child writes to our stdout and stderr directly."""
         self.name, self.command, self.log_path = name, list(command), log_path
         self._log = None
@@ -106,7 +112,7 @@ class Process:
                 self._log.write(chunk)
             pending += chunk.replace(b"\r\n", b"\n")
             while (cut := min((i for i in (pending.find(b"\n"), pending.find(b"\r")) if i >= 0), default=-1)) >= 0:
-                line, separator, pending = pending[:cut], pending[cut:cut + 1], pending[cut + 1:]
+                line, separator, pending = pending[:cut], pending[cut : cut + 1], pending[cut + 1 :]
                 if separator == b"\n":
                     self._echo(line)
                 elif line.strip() and time.monotonic() - last_progress >= progress_every_s:
@@ -161,9 +167,11 @@ def wait_serving(process: Process, address: str, timeout_s: float = 120.0) -> No
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if not process.alive():
-                raise ServiceError(f"the {process.name} exited with code {process.popen.returncode} before "
-                                   f"serving on {address}; last lines of {process.log_path}:\n"
-                                   f"{tail(process.log_path)}")
+                raise ServiceError(
+                    f"the {process.name} exited with code {process.popen.returncode} before "
+                    f"serving on {address}; last lines of {process.log_path}:\n"
+                    f"{tail(process.log_path)}"
+                )
             try:
                 reply = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
                 if reply.status == health_pb2.HealthCheckResponse.SERVING:
@@ -171,8 +179,10 @@ def wait_serving(process: Process, address: str, timeout_s: float = 120.0) -> No
             except grpc.RpcError:
                 pass
             if time.monotonic() > deadline:
-                raise ServiceError(f"the {process.name} did not serve on {address} within {timeout_s:.0f} s; "
-                                   f"last lines of {process.log_path}:\n{tail(process.log_path)}")
+                raise ServiceError(
+                    f"the {process.name} did not serve on {address} within {timeout_s:.0f} s; "
+                    f"last lines of {process.log_path}:\n{tail(process.log_path)}"
+                )
             time.sleep(0.1)
 
 
@@ -189,14 +199,21 @@ class ProcessGroup(contextlib.AbstractContextManager):
         self._previous_sigterm = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         return self
 
-    def start(self, name: str, command: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None,
-              echo: bool = False) -> Process:
+    def start(
+        self,
+        name: str,
+        command: Sequence[str],
+        log_path: Path | None,
+        env: dict[str, str] | None = None,
+        echo: bool = False,
+    ) -> Process:
         process = Process(name, command, log_path, env=env, echo=echo)
         self.processes.append(process)
         return process
 
-    def start_service(self, name: str, command: Sequence[str], address: str, log_path: Path,
-                      timeout_s: float = 120.0) -> Process:
+    def start_service(
+        self, name: str, command: Sequence[str], address: str, log_path: Path, timeout_s: float = 120.0
+    ) -> Process:
         process = self.start(name, command, log_path)
         wait_serving(process, address, timeout_s=timeout_s)
         return process

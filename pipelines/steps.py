@@ -57,6 +57,7 @@ def step_guard(run_dir: str, step: str):
 
 # ---- ingest ---------------------------------------------------------------------------------------------
 
+
 def ingest(data: str, out: str, publish_dir: str = "") -> dict[str, Any]:
     """Prepare a dataset folder at `out` from raw MovieLens (`data` holds ratings.csv) or copy a prepared one.
 
@@ -124,8 +125,7 @@ def validate(dataset: str) -> dict[str, float]:
     labels = m.get("labels", [])
     if not labels:
         problems.append("the dataset has no labels to train on")
-    stats: dict[str, float] = {"num_events": m["num_events"], "num_users": m["num_users"],
-                               "num_items": m["num_items"]}
+    stats: dict[str, float] = {"num_events": m["num_events"], "num_users": m["num_users"], "num_items": m["num_items"]}
     for split in REQUIRED_SPLITS:
         if split not in m.get("splits", {}):
             problems.append(f"split {split!r} is missing")
@@ -161,14 +161,18 @@ def validate(dataset: str) -> dict[str, float]:
 
 # ---- materialize ----------------------------------------------------------------------------------------
 
+
 def materialize(dataset: str, store: str, redis_url: str) -> dict[str, Any]:
     """Load the online features from the dataset; with the Redis store, write them into Redis."""
     from gemrec.components.feature_service.store import MemoryStore
     from gemrec.components.feature_service.store import materialize as to_redis
 
     memory = MemoryStore(dataset)
-    info = {"store": store, "dataset_checksum": memory.schema.dataset_checksum,
-            "entities": {n: {"ids": e.num_ids, "features": len(e.features)} for n, e in memory.schema.entities.items()}}
+    info = {
+        "store": store,
+        "dataset_checksum": memory.schema.dataset_checksum,
+        "entities": {n: {"ids": e.num_ids, "features": len(e.features)} for n, e in memory.schema.entities.items()},
+    }
     if store == "redis":
         if not redis_url:
             raise StepError("the redis feature store needs --redis-url")
@@ -184,15 +188,38 @@ def materialize(dataset: str, store: str, redis_url: str) -> dict[str, Any]:
 
 # ---- train ----------------------------------------------------------------------------------------------
 
+
 def trainer_args(recipe: str, data_addr: str, tracking_uri: str, experiment: str, metrics_out: str) -> list[str]:
     """`gemrec train` over the data service; checkpoints beside the metrics file."""
-    return ["train", "--data-addr", data_addr, "--recipe", recipe, "--tracking-uri", tracking_uri,
-            "--experiment", experiment, "--metrics-out", metrics_out,
-            "--run-dir", str(Path(metrics_out).parent / "trainer")]
+    return [
+        "train",
+        "--data-addr",
+        data_addr,
+        "--recipe",
+        recipe,
+        "--tracking-uri",
+        tracking_uri,
+        "--experiment",
+        experiment,
+        "--metrics-out",
+        metrics_out,
+        "--run-dir",
+        str(Path(metrics_out).parent / "trainer"),
+    ]
 
 
-def train_local(dataset: str, recipe: str, nproc: int, tracking_uri: str, experiment: str, run_dir: str,
-                features: dict, metrics_out: str, feature_port: int = 0, data_port: int = 0) -> dict[str, Any]:
+def train_local(
+    dataset: str,
+    recipe: str,
+    nproc: int,
+    tracking_uri: str,
+    experiment: str,
+    run_dir: str,
+    features: dict,
+    metrics_out: str,
+    feature_port: int = 0,
+    data_port: int = 0,
+) -> dict[str, Any]:
     """Start the feature and data services on 127.0.0.1, run the trainer under torchrun, stop the services.
 
     Returns the trainer's metrics JSON plus `run_id` (its MLflow run).
@@ -215,26 +242,61 @@ def train_local(dataset: str, recipe: str, nproc: int, tracking_uri: str, experi
     started_ms = int(time.time() * 1000)
     with ProcessGroup() as group:
         print(f"[gemrec] starting feature service on {feature_addr}", flush=True)
-        group.start_service("feature service", gemrec_command(
-            "serve", "features", "--dataset", dataset, "--port", str(feature_port), *store),
-            feature_addr, logs / "feature-service.log")
+        group.start_service(
+            "feature service",
+            gemrec_command("serve", "features", "--dataset", dataset, "--port", str(feature_port), *store),
+            feature_addr,
+            logs / "feature-service.log",
+        )
         print(f"[gemrec] starting data service on {data_addr}", flush=True)
-        group.start_service("data service", gemrec_command(
-            "serve", "data", "--dataset", dataset, "--port", str(data_port), "--features", feature_addr,
-            "--linear-weight", str(linear_weight)),
-            data_addr, logs / "data-service.log")
+        group.start_service(
+            "data service",
+            gemrec_command(
+                "serve",
+                "data",
+                "--dataset",
+                dataset,
+                "--port",
+                str(data_port),
+                "--features",
+                feature_addr,
+                "--linear-weight",
+                str(linear_weight),
+            ),
+            data_addr,
+            logs / "data-service.log",
+        )
         print(f"[gemrec] training with torchrun --nproc_per_node {nproc}", flush=True)
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                    "--master_addr", LOCALHOST, "--master_port", str(free_port()), "--no-python", gemrec_executable(),
-                    *trainer_args(recipe, data_addr, tracking_uri, experiment, metrics_out)]
-        trainer = group.start("trainer", torchrun, logs / "trainer.log",
-                              env={"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
-                                   "GEMREC_FEATURE_ADDR": feature_addr, "GEMREC_DATA_ADDR": data_addr},
-                              echo=True)
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            LOCALHOST,
+            "--master_port",
+            str(free_port()),
+            "--no-python",
+            gemrec_executable(),
+            *trainer_args(recipe, data_addr, tracking_uri, experiment, metrics_out),
+        ]
+        trainer = group.start(
+            "trainer",
+            torchrun,
+            logs / "trainer.log",
+            env={
+                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"),
+                "GEMREC_FEATURE_ADDR": feature_addr,
+                "GEMREC_DATA_ADDR": data_addr,
+            },
+            echo=True,
+        )
         code = trainer.stream()
         if code != 0:
-            raise StepError(f"the trainer exited with code {code}: {last_error(trainer.log_path)} "
-                            f"(log: {trainer.log_path})")
+            raise StepError(
+                f"the trainer exited with code {code}: {last_error(trainer.log_path)} (log: {trainer.log_path})"
+            )
         for process in group.processes[:2]:
             if not process.alive():
                 raise StepError(f"the {process.name} died during training (log: {process.log_path})")
@@ -251,8 +313,11 @@ def last_error(log_path: Path) -> str:
         lines = log_path.read_text(errors="replace").splitlines()
     except FileNotFoundError:
         return "no log"
-    errors = [" ".join(m.group(1, 2)) if m.group(1) else m.group(2) for line in lines
-              if (m := ERROR_LINE.match(line)) and "ChildFailedError" not in line]
+    errors = [
+        " ".join(m.group(1, 2)) if m.group(1) else m.group(2)
+        for line in lines
+        if (m := ERROR_LINE.match(line)) and "ChildFailedError" not in line
+    ]
     cli_errors = [line for line in errors if "gemrec " in line and ": error: " in line]
     return (cli_errors or errors or ["see the log"])[-1]
 
@@ -306,30 +371,58 @@ def require_ne(numbers: dict[str, float]) -> float:
     return numbers["ne"]
 
 
-def train_in_pod(recipe: str, nproc: int, tracking_uri: str, experiment: str, data_addr: str,
-                 metrics_out: str) -> dict[str, Any]:
+def train_in_pod(
+    recipe: str, nproc: int, tracking_uri: str, experiment: str, data_addr: str, metrics_out: str
+) -> dict[str, Any]:
     """Cluster, one node: torchrun in this (GPU) pod against the cluster's data service."""
     started_ms = int(time.time() * 1000)
     with ProcessGroup() as group:
-        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                    "--no-python", gemrec_executable(), *trainer_args(recipe, data_addr, tracking_uri, experiment, metrics_out)]
+        torchrun = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--no-python",
+            gemrec_executable(),
+            *trainer_args(recipe, data_addr, tracking_uri, experiment, metrics_out),
+        ]
         code = group.start("trainer", torchrun, Path(metrics_out).parent / "trainer.log", echo=True).stream()
     if code != 0:
         raise StepError(f"the trainer exited with code {code}: {last_error(Path(metrics_out).parent / 'trainer.log')}")
     return with_run_id(read_trainer_metrics(metrics_out), tracking_uri, experiment, started_ms)
 
 
-def train_trainjob(recipe: str, nproc: int, tracking_uri: str, experiment: str, data_addr: str,
-                   feature_addr: str, image: str, namespace: str, num_nodes: int, gpus_per_node: int,
-                   pipeline_run: str) -> dict[str, Any]:
+def train_trainjob(
+    recipe: str,
+    nproc: int,
+    tracking_uri: str,
+    experiment: str,
+    data_addr: str,
+    feature_addr: str,
+    image: str,
+    namespace: str,
+    num_nodes: int,
+    gpus_per_node: int,
+    pipeline_run: str,
+) -> dict[str, Any]:
     """Cluster, many nodes: a Kubeflow TrainJob; the metrics come back through the MLflow run."""
     from . import trainjob
 
     started_ms = int(time.time() * 1000)
     spec = trainjob.TrainJobSpec(
-        name=trainjob.job_name(pipeline_run), image=image, recipe=recipe, data_addr=data_addr,
-        feature_addr=feature_addr, tracking_uri=tracking_uri, experiment=experiment, num_nodes=num_nodes,
-        nproc_per_node=nproc, gpus_per_node=gpus_per_node, labels={"gemrec/pipeline-run": spec_label(pipeline_run)})
+        name=trainjob.job_name(pipeline_run),
+        image=image,
+        recipe=recipe,
+        data_addr=data_addr,
+        feature_addr=feature_addr,
+        tracking_uri=tracking_uri,
+        experiment=experiment,
+        num_nodes=num_nodes,
+        nproc_per_node=nproc,
+        gpus_per_node=gpus_per_node,
+        labels={"gemrec/pipeline-run": spec_label(pipeline_run)},
+    )
     try:
         trainjob.run(spec, namespace)
     except trainjob.TrainJobError as err:
@@ -343,21 +436,50 @@ def spec_label(value: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in value)[:63].strip("-_.") or "none"
 
 
-def train(mode: str, dataset: str, recipe: str, nproc: int, tracking_uri: str, experiment: str, run_dir: str,
-          features: dict, feature_port: int, data_port: int, data_addr: str, feature_addr: str,
-          trainer_image: str, namespace: str, num_nodes: int, gpus_per_node: int, pipeline_run: str,
-          dataset_checksum: str, labels: list[str]) -> dict[str, Any]:
+def train(
+    mode: str,
+    dataset: str,
+    recipe: str,
+    nproc: int,
+    tracking_uri: str,
+    experiment: str,
+    run_dir: str,
+    features: dict,
+    feature_port: int,
+    data_port: int,
+    data_addr: str,
+    feature_addr: str,
+    trainer_image: str,
+    namespace: str,
+    num_nodes: int,
+    gpus_per_node: int,
+    pipeline_run: str,
+    dataset_checksum: str,
+    labels: list[str],
+) -> dict[str, Any]:
     """Dispatch on `mode` (local | pod | trainjob), then name and tag the MLflow run."""
     metrics_out = str(Path(run_dir) / "trainer-metrics.json")
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     if mode == "local":
-        result = train_local(dataset, recipe, nproc, tracking_uri, experiment, run_dir, features, metrics_out,
-                             feature_port, data_port)
+        result = train_local(
+            dataset, recipe, nproc, tracking_uri, experiment, run_dir, features, metrics_out, feature_port, data_port
+        )
     elif mode == "pod":
         result = train_in_pod(recipe, nproc, tracking_uri, experiment, data_addr, metrics_out)
     elif mode == "trainjob":
-        result = train_trainjob(recipe, nproc, tracking_uri, experiment, data_addr, feature_addr, trainer_image,
-                                namespace, num_nodes, gpus_per_node, pipeline_run)
+        result = train_trainjob(
+            recipe,
+            nproc,
+            tracking_uri,
+            experiment,
+            data_addr,
+            feature_addr,
+            trainer_image,
+            namespace,
+            num_nodes,
+            gpus_per_node,
+            pipeline_run,
+        )
     else:
         raise StepError(f"unknown train mode {mode!r}: use local, pod or trainjob")
     numbers = headline(result, labels)
@@ -365,15 +487,33 @@ def train(mode: str, dataset: str, recipe: str, nproc: int, tracking_uri: str, e
     if isinstance(result.get("mfu"), dict) and "device" in result["mfu"]:
         result.setdefault("device", result["mfu"]["device"])
     commit = result.get("git_commit") or tracking.git_commit()  # the commit the trainer ran
-    tracking.label_run(tracking_uri, result["run_id"], tracking.run_name(recipe, commit), {
-        "git_commit": commit, "dataset_checksum": dataset_checksum, "device": result.get("device", ""),
-        "pipeline": "gemrec-train", "pipeline_run": pipeline_run, "recipe": recipe, "train_mode": mode,
-    }, numbers, tracking.describe(recipe, commit, dataset_checksum, numbers))
-    return {"run_id": result["run_id"], "numbers": numbers, "trainer": result, "git_commit": commit,
-            "dataset_checksum": dataset_checksum}
+    tracking.label_run(
+        tracking_uri,
+        result["run_id"],
+        tracking.run_name(recipe, commit),
+        {
+            "git_commit": commit,
+            "dataset_checksum": dataset_checksum,
+            "device": result.get("device", ""),
+            "pipeline": "gemrec-train",
+            "pipeline_run": pipeline_run,
+            "recipe": recipe,
+            "train_mode": mode,
+        },
+        numbers,
+        tracking.describe(recipe, commit, dataset_checksum, numbers),
+    )
+    return {
+        "run_id": result["run_id"],
+        "numbers": numbers,
+        "trainer": result,
+        "git_commit": commit,
+        "dataset_checksum": dataset_checksum,
+    }
 
 
 # ---- evaluate and register ------------------------------------------------------------------------------
+
 
 def evaluate(candidate: dict, tracking_uri: str, recipe: str, dataset_checksum: str) -> dict[str, Any]:
     ne = require_ne(candidate["numbers"])
@@ -383,20 +523,42 @@ def evaluate(candidate: dict, tracking_uri: str, recipe: str, dataset_checksum: 
     if current is not None and current.ne is not None:
         metrics.update({"champion_ne": current.ne, "ne_improvement": current.ne - ne})
     print(f"[gemrec] {reason}", flush=True)
-    return {"promote": promote, "reason": reason, "metrics": metrics,
-            "champion_version": current.version if current else None}
+    return {
+        "promote": promote,
+        "reason": reason,
+        "metrics": metrics,
+        "champion_version": current.version if current else None,
+    }
 
 
-def register(candidate: dict, verdict: dict, tracking_uri: str, recipe: str, run_dir: str,
-             ui_address: str) -> dict[str, Any]:
+def register(
+    candidate: dict, verdict: dict, tracking_uri: str, recipe: str, run_dir: str, ui_address: str
+) -> dict[str, Any]:
     name = tracking.model_name(recipe)
     numbers = candidate["numbers"]
     won_with = {k: numbers[k] for k in ("ne", "auc", "qps", "mfu") if k in numbers}
-    version = tracking.register(tracking_uri, candidate["run_id"], name, won_with, verdict["promote"],
-                                verdict["reason"], candidate["dataset_checksum"], recipe)
-    summary = {"status": "succeeded", "model": name, "version": version, "model_uri": f"models:/{name}/{version}",
-               "promoted": verdict["promote"], "reason": verdict["reason"], "run_id": candidate["run_id"],
-               "metrics": numbers, "tracking_uri": tracking_uri, "ui": ui_address}
+    version = tracking.register(
+        tracking_uri,
+        candidate["run_id"],
+        name,
+        won_with,
+        verdict["promote"],
+        verdict["reason"],
+        candidate["dataset_checksum"],
+        recipe,
+    )
+    summary = {
+        "status": "succeeded",
+        "model": name,
+        "version": version,
+        "model_uri": f"models:/{name}/{version}",
+        "promoted": verdict["promote"],
+        "reason": verdict["reason"],
+        "run_id": candidate["run_id"],
+        "metrics": numbers,
+        "tracking_uri": tracking_uri,
+        "ui": ui_address,
+    }
     if run_dir:
         (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -39,8 +39,10 @@ def find_training_run(tracking_uri: str, experiment: str, started_after_ms: int)
     if exp is None:
         raise LookupError(f"the trainer created no MLflow experiment {experiment!r} in {tracking_uri}")
     runs = mlflow_client.search_runs(
-        [exp.experiment_id], filter_string=f"attributes.start_time >= {started_after_ms}",
-        order_by=["attributes.start_time DESC"], max_results=1,
+        [exp.experiment_id],
+        filter_string=f"attributes.start_time >= {started_after_ms}",
+        order_by=["attributes.start_time DESC"],
+        max_results=1,
     )
     if not runs:
         raise LookupError(f"the trainer logged no MLflow run in experiment {experiment!r} at {tracking_uri}")
@@ -50,8 +52,9 @@ def find_training_run(tracking_uri: str, experiment: str, started_after_ms: int)
 HEADLINE = ("ne", "auc", "qps", "mfu")
 
 
-def label_run(tracking_uri: str, run_id: str, name: str, tags: dict[str, str], numbers: dict[str, float],
-              description: str) -> None:
+def label_run(
+    tracking_uri: str, run_id: str, name: str, tags: dict[str, str], numbers: dict[str, float], description: str
+) -> None:
     """Name the run, describe it, add the tags and headline metrics the trainer did not set (never
     overwriting the trainer's values) and show its experiment in MLflow's model-training view."""
     mlflow_client = client(tracking_uri)
@@ -78,11 +81,14 @@ def headline_text(key: str, value: float) -> str:
 
 def describe(recipe: str, commit: str, dataset_checksum: str, numbers: dict[str, float]) -> str:
     """The run's description (markdown) in the MLflow UI."""
-    rows = "\n".join(f"| {key.upper()} | {headline_text(key, numbers[key]).split(' ', 1)[1]} |"
-                     for key in HEADLINE if key in numbers)
-    return (f"**gemrec-train** pipeline run, recipe `{recipe}`, commit `{commit[:12]}`, dataset `{dataset_checksum[:19]}`."
-            f"\n\n| metric | value |\n|---|---|\n{rows}\n\nNE is eval normalized entropy (lower is better), "
-            "QPS training examples per second, MFU model FLOP utilization.")
+    rows = "\n".join(
+        f"| {key.upper()} | {headline_text(key, numbers[key]).split(' ', 1)[1]} |" for key in HEADLINE if key in numbers
+    )
+    return (
+        f"**gemrec-train** pipeline run, recipe `{recipe}`, commit `{commit[:12]}`, dataset `{dataset_checksum[:19]}`."
+        f"\n\n| metric | value |\n|---|---|\n{rows}\n\nNE is eval normalized entropy (lower is better), "
+        "QPS training examples per second, MFU model FLOP utilization."
+    )
 
 
 @dataclass
@@ -114,10 +120,11 @@ def decide(candidate_ne: float, current: Champion | None, dataset_checksum: str)
         return True, f"champion v{current.version} has no recorded NE: replaced by NE {candidate_ne:.4f}"
     same_data = " (same dataset)" if current.dataset_checksum == dataset_checksum else " (different dataset)"
     if candidate_ne < current.ne:
-        return True, (f"NE improved {current.ne:.4f} -> {candidate_ne:.4f} over champion v{current.version}"
-                      f"{same_data}")
-    return False, (f"NE {candidate_ne:.4f} does not improve on champion v{current.version} NE {current.ne:.4f}"
-                   f"{same_data}: alias stays")
+        return True, (f"NE improved {current.ne:.4f} -> {candidate_ne:.4f} over champion v{current.version}{same_data}")
+    return False, (
+        f"NE {candidate_ne:.4f} does not improve on champion v{current.version} NE {current.ne:.4f}"
+        f"{same_data}: alias stays"
+    )
 
 
 def model_uri(tracking_uri: str, run_id: str) -> str:
@@ -125,7 +132,8 @@ def model_uri(tracking_uri: str, run_id: str) -> str:
     mlflow_client = client(tracking_uri)
     models = mlflow_client.search_logged_models(
         experiment_ids=[mlflow_client.get_run(run_id).info.experiment_id],
-        filter_string=f"source_run_id = '{run_id}'", max_results=1,
+        filter_string=f"source_run_id = '{run_id}'",
+        max_results=1,
     )
     if models:
         return f"models:/{models[0].model_id}"
@@ -135,19 +143,30 @@ def model_uri(tracking_uri: str, run_id: str) -> str:
     raise LookupError(f"MLflow run {run_id} has no logged model to register")
 
 
-def register(tracking_uri: str, run_id: str, name: str, metrics: dict[str, float], promote: bool, reason: str,
-             dataset_checksum: str, recipe: str) -> str:
+def register(
+    tracking_uri: str,
+    run_id: str,
+    name: str,
+    metrics: dict[str, float],
+    promote: bool,
+    reason: str,
+    dataset_checksum: str,
+    recipe: str,
+) -> str:
     """Register the run's model as a new version; move the champion alias when `promote`. Returns the version."""
     mlflow_client = client(tracking_uri)
     if not mlflow_client.search_registered_models(filter_string=f"name = '{name}'"):
         mlflow_client.create_registered_model(
-            name, description=f"gemrec model trained with the `{recipe}` recipe by the gemrec-train pipeline. "
-                              f"The `{CHAMPION_ALIAS}` alias points at the version with the lowest eval NE.")
+            name,
+            description=f"gemrec model trained with the `{recipe}` recipe by the gemrec-train pipeline. "
+            f"The `{CHAMPION_ALIAS}` alias points at the version with the lowest eval NE.",
+        )
     uri = model_uri(tracking_uri, run_id)
     if uri.startswith("models:/"):  # an MLflow 3 logged model: register its artifacts and link it
-        logged = mlflow_client.get_logged_model(uri[len("models:/"):])
-        version = mlflow_client.create_model_version(name, logged.artifact_location, run_id=run_id,
-                                                     tags={"recipe": recipe}, model_id=logged.model_id).version
+        logged = mlflow_client.get_logged_model(uri[len("models:/") :])
+        version = mlflow_client.create_model_version(
+            name, logged.artifact_location, run_id=run_id, tags={"recipe": recipe}, model_id=logged.model_id
+        ).version
     else:
         version = mlflow_client.create_model_version(name, uri, run_id=run_id, tags={"recipe": recipe}).version
     summary = ", ".join(headline_text(k, v) for k, v in metrics.items())
@@ -159,14 +178,20 @@ def register(tracking_uri: str, run_id: str, name: str, metrics: dict[str, float
     if promote:
         mlflow_client.set_registered_model_alias(name, CHAMPION_ALIAS, version)
         mlflow_client.update_registered_model(
-            name, description=f"gemrec model trained with the `{recipe}` recipe by the gemrec-train pipeline. "
-                              f"Champion: version {version} with {summary}.")
+            name,
+            description=f"gemrec model trained with the `{recipe}` recipe by the gemrec-train pipeline. "
+            f"Champion: version {version} with {summary}.",
+        )
     mlflow_client.set_tag(run_id, "gemrec.registered_model", f"{name}/{version}")
     mlflow_client.set_tag(run_id, "gemrec.champion_decision", "promoted" if promote else "kept")
     mlflow_client.set_tag(run_id, "gemrec.champion_reason", reason)
-    mlflow_client.log_text(run_id, json.dumps({"promoted": promote, "reason": reason, "model": name,
-                                               "version": version, "metrics": metrics}, indent=2),
-                           "champion_decision.json")
+    mlflow_client.log_text(
+        run_id,
+        json.dumps(
+            {"promoted": promote, "reason": reason, "model": name, "version": version, "metrics": metrics}, indent=2
+        ),
+        "champion_decision.json",
+    )
     return str(version)
 
 

@@ -59,8 +59,11 @@ def build(spec: TrainJobSpec) -> dict:
         "kind": "TrainJob",
         "metadata": {
             "name": spec.name,
-            "labels": {"app.kubernetes.io/part-of": "gemrec", "app.kubernetes.io/name": "gemrec-trainer",
-                       **spec.labels},
+            "labels": {
+                "app.kubernetes.io/part-of": "gemrec",
+                "app.kubernetes.io/name": "gemrec-trainer",
+                **spec.labels,
+            },
         },
         "spec": {
             "runtimeRef": {"apiGroup": GROUP, "kind": "ClusterTrainingRuntime", "name": spec.runtime},
@@ -70,11 +73,20 @@ def build(spec: TrainJobSpec) -> dict:
                 "numProcPerNode": spec.nproc_per_node,
                 # torchrun takes nodes, ranks and the rendezvous from the runtime's PET_* variables.
                 "command": ["torchrun", "--no-python", "gemrec"],
-                "args": ["train", f"--data-addr={spec.data_addr}", f"--recipe={spec.recipe}",
-                         f"--tracking-uri={spec.tracking_uri}", f"--experiment={spec.experiment}"],
+                "args": [
+                    "train",
+                    f"--data-addr={spec.data_addr}",
+                    f"--recipe={spec.recipe}",
+                    f"--tracking-uri={spec.tracking_uri}",
+                    f"--experiment={spec.experiment}",
+                ],
                 "env": [{"name": k, "value": v} for k, v in env.items()]
-                + [{"name": "GEMREC_AUTH_TOKEN",
-                    "valueFrom": {"secretKeyRef": {"name": "gemrec-auth", "key": "token", "optional": True}}}],
+                + [
+                    {
+                        "name": "GEMREC_AUTH_TOKEN",
+                        "valueFrom": {"secretKeyRef": {"name": "gemrec-auth", "key": "token", "optional": True}},
+                    }
+                ],
                 "resourcesPerNode": {"requests": requests, "limits": limits},
             },
         },
@@ -103,8 +115,9 @@ def create(api, namespace: str, body: dict) -> dict:
     try:
         return client.CustomObjectsApi(api).create_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, body)
     except ApiException as err:
-        raise TrainJobError(f"cannot create TrainJob {body['metadata']['name']} in {namespace}: "
-                            f"{err.status} {err.reason}: {err.body}") from err
+        raise TrainJobError(
+            f"cannot create TrainJob {body['metadata']['name']} in {namespace}: {err.status} {err.reason}: {err.body}"
+        ) from err
 
 
 def wait(api, namespace: str, name: str, timeout_s: float = 24 * 3600, poll_s: float = 15.0) -> dict:
@@ -135,10 +148,14 @@ def wait(api, namespace: str, name: str, timeout_s: float = 24 * 3600, poll_s: f
         time.sleep(poll_s)
 
 
-def run(spec: TrainJobSpec, namespace: str, host: str | None = None, timeout_s: float = 24 * 3600,
-        poll_s: float = 15.0) -> dict:
+def run(
+    spec: TrainJobSpec, namespace: str, host: str | None = None, timeout_s: float = 24 * 3600, poll_s: float = 15.0
+) -> dict:
     api = api_client(host)
     create(api, namespace, build(spec))
-    print(f"[gemrec] created TrainJob {namespace}/{spec.name} ({spec.num_nodes} node(s) x "
-          f"{spec.nproc_per_node} process(es), image {spec.image})", flush=True)
+    print(
+        f"[gemrec] created TrainJob {namespace}/{spec.name} ({spec.num_nodes} node(s) x "
+        f"{spec.nproc_per_node} process(es), image {spec.image})",
+        flush=True,
+    )
     return wait(api, namespace, spec.name, timeout_s=timeout_s, poll_s=poll_s)

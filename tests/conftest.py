@@ -45,7 +45,20 @@ def synth_dataset(tmp_path_factory) -> Path:
     from gemrec.components.data_service.builder import SplitConfig
     from gemrec.components.data_service.synth import SynthConfig, synthesize
 
-    config = SynthConfig(events=30_000, seed=7, mean_length=60, max_length=2_000, items=6_000,
-                         item_hash_buckets=4_096, categories=40, brands=300, tags=200)
-    return synthesize(tmp_path_factory.mktemp("datasets") / "synth", config,
-                      split=SplitConfig(eval_fraction=0.1, by="events"), progress=False)
+    config = SynthConfig(
+        events=30_000,
+        seed=7,
+        mean_length=60,
+        max_length=2_000,
+        items=6_000,
+        item_hash_buckets=4_096,
+        categories=40,
+        brands=300,
+        tags=200,
+    )
+    return synthesize(
+        tmp_path_factory.mktemp("datasets") / "synth",
+        config,
+        split=SplitConfig(eval_fraction=0.1, by="events"),
+        progress=False,
+    )

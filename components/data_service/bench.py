@@ -24,8 +24,10 @@ def _timed(fn) -> tuple[object, dict]:
     """fn's result and its wall and CPU seconds (CPU: this process, all threads)."""
     start, cpu = time.perf_counter(), time.process_time()
     result = fn()
-    return result, {"prepare_s": round(time.perf_counter() - start, 2),
-                    "prepare_cpu_s": round(time.process_time() - cpu, 2)}
+    return result, {
+        "prepare_s": round(time.perf_counter() - start, 2),
+        "prepare_cpu_s": round(time.process_time() - cpu, 2),
+    }
 
 
 def loop_collate(ds, split: str, rows: np.ndarray, max_seq_len: int) -> dict[str, np.ndarray]:
@@ -46,10 +48,14 @@ def loop_collate(ds, split: str, rows: np.ndarray, max_seq_len: int) -> dict[str
         for name, (values, counts) in features.items():
             feature = side.categorical[name]
             for item in history:
-                values.append(feature.values[feature.offsets[item]:feature.offsets[item + 1]])
+                values.append(feature.values[feature.offsets[item] : feature.offsets[item + 1]])
                 counts.append(feature.offsets[item + 1] - feature.offsets[item])
-    out = {"seq_item_ids": np.concatenate(items), "seq_timestamps": np.concatenate(stamps),
-           "seq_actions": np.concatenate(actions), "lengths": np.asarray(lengths)}
+    out = {
+        "seq_item_ids": np.concatenate(items),
+        "seq_timestamps": np.concatenate(stamps),
+        "seq_actions": np.concatenate(actions),
+        "lengths": np.asarray(lengths),
+    }
     for name, (values, counts) in features.items():
         out[name] = np.concatenate(values) if values else np.zeros(0, dtype=np.int64)
         out[f"{name}.lengths"] = np.asarray(counts, dtype=np.int64)
@@ -57,8 +63,10 @@ def loop_collate(ds, split: str, rows: np.ndarray, max_seq_len: int) -> dict[str
 
 
 def _same_history(batch, peer: dict[str, np.ndarray], names: list[str]) -> bool:
-    same = all(np.array_equal(getattr(batch, key).numpy(), peer[key])
-               for key in ("seq_item_ids", "seq_timestamps", "seq_actions"))
+    same = all(
+        np.array_equal(getattr(batch, key).numpy(), peer[key])
+        for key in ("seq_item_ids", "seq_timestamps", "seq_actions")
+    )
     same &= np.array_equal(batch.seq_lengths().numpy(), peer["lengths"])
     for name in names:
         same &= np.array_equal(batch.seq_item_features[name].values().numpy(), peer[name])
@@ -73,8 +81,7 @@ def collation(ds, split: str, max_seq_len: int, batch_size: int, seconds: float,
     batch = ds.collate(split, rows, max_seq_len)  # warm-up, and the peer's correctness check
     result = {"max_seq_len": max_seq_len, "batch_size": batch_size}
     if peer:
-        result["peer_matches"] = _same_history(batch, loop_collate(ds, split, rows, max_seq_len),
-                                               ds.seq_item_features)
+        result["peer_matches"] = _same_history(batch, loop_collate(ds, split, rows, max_seq_len), ds.seq_item_features)
     runs = [("collate", lambda rows: ds.collate(split, rows, max_seq_len))]
     if peer:
         runs.append(("python_loop", lambda rows: loop_collate(ds, split, rows, max_seq_len)))
@@ -91,14 +98,18 @@ def collation(ds, split: str, max_seq_len: int, batch_size: int, seconds: float,
             tokens += int(ds.history_lengths(split, max_seq_len, rows).sum())
         elapsed = time.perf_counter() - start
         # Per core = per CPU-second of this single-threaded process: robust to other load on the machine.
-        result[name] = {"examples_per_s": round(examples / busy), "tokens_per_s": round(tokens / busy),
-                        "wall_examples_per_s": round(examples / elapsed),
-                        "mean_tokens_per_example": round(tokens / max(1, examples), 1)}
+        result[name] = {
+            "examples_per_s": round(examples / busy),
+            "tokens_per_s": round(tokens / busy),
+            "wall_examples_per_s": round(examples / elapsed),
+            "mean_tokens_per_example": round(tokens / max(1, examples), 1),
+        }
     return result
 
 
-def run(out: Path | None, synth_events: int, seq_lens: list[int], batch_size: int, seconds: float,
-        raw: Path | None) -> dict:
+def run(
+    out: Path | None, synth_events: int, seq_lens: list[int], batch_size: int, seconds: float, raw: Path | None
+) -> dict:
     import torch
 
     from .dataset import Dataset
@@ -106,26 +117,36 @@ def run(out: Path | None, synth_events: int, seq_lens: list[int], batch_size: in
     from .synth import SynthConfig, synthesize
 
     torch.set_num_threads(1)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=Path(__file__).parent).stdout.strip()
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit,
-              "load_average": [round(x, 2) for x in os.getloadavg()],
-              "machine": f"{platform.processor() or platform.machine()}, {_cpu_name()}", "datasets": {}}
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+    ).stdout.strip()
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": commit,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "machine": f"{platform.processor() or platform.machine()}, {_cpu_name()}",
+        "datasets": {},
+    }
     with tempfile.TemporaryDirectory(prefix="gemrec-bench-") as tmp:
         datasets = {}
         path, timing = _timed(lambda: prepare_movielens(Path(tmp) / "ml", raw=raw, progress=False))
         datasets["ml-latest-small"] = path
         report["datasets"]["ml-latest-small"] = timing
         if synth_events:
-            path, timing = _timed(lambda: synthesize(Path(tmp) / "synth", SynthConfig(events=synth_events),
-                                                     progress=True))
+            path, timing = _timed(
+                lambda: synthesize(Path(tmp) / "synth", SynthConfig(events=synth_events), progress=True)
+            )
             datasets[f"synth-{synth_events}"] = path
             report["datasets"][f"synth-{synth_events}"] = timing
         for name, path in datasets.items():
             ds = Dataset.open(path)
             entry = report["datasets"][name]
-            entry.update(events=ds.manifest["num_events"], users=ds.manifest["num_users"],
-                         history_p99=ds.manifest["max_seq_len"]["p99"], history_max=ds.manifest["max_seq_len"]["max"])
+            entry.update(
+                events=ds.manifest["num_events"],
+                users=ds.manifest["num_users"],
+                history_p99=ds.manifest["max_seq_len"]["p99"],
+                history_max=ds.manifest["max_seq_len"]["max"],
+            )
             entry["collation"] = [collation(ds, "train", L, batch_size, seconds, peer=True) for L in seq_lens]
             print(json.dumps({name: entry}, indent=1), flush=True)
     report["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -148,15 +169,20 @@ def _cpu_name() -> str:
 
 
 def markdown(report: dict) -> list[str]:
-    lines = ["| dataset | events | prepare s (CPU s) | max_seq_len | collate ex/s/core | tokens/s/core | wall ex/s | "
-             "python-loop peer ex/s/core | tokens/example |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| dataset | events | prepare s (CPU s) | max_seq_len | collate ex/s/core | tokens/s/core | wall ex/s | "
+        "python-loop peer ex/s/core | tokens/example |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for name, entry in report["datasets"].items():
         for c in entry["collation"]:
             peer = c.get("python_loop", {}).get("examples_per_s")
             peer = f"{peer:,}" if peer is not None else "-"
-            lines.append(f"| {name} | {entry['events']:,} | {entry['prepare_s']} ({entry['prepare_cpu_s']}) | "
-                         f"{c['max_seq_len']} | "
-                         f"{c['collate']['examples_per_s']:,} | {c['collate']['tokens_per_s']:,} | "
-                         f"{c['collate']['wall_examples_per_s']:,} | "
-                         f"{peer} | {c['collate']['mean_tokens_per_example']} |")
+            lines.append(
+                f"| {name} | {entry['events']:,} | {entry['prepare_s']} ({entry['prepare_cpu_s']}) | "
+                f"{c['max_seq_len']} | "
+                f"{c['collate']['examples_per_s']:,} | {c['collate']['tokens_per_s']:,} | "
+                f"{c['collate']['wall_examples_per_s']:,} | "
+                f"{peer} | {c['collate']['mean_tokens_per_example']} |"
+            )
     return lines

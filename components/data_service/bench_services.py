@@ -52,8 +52,12 @@ def _stop(proc: subprocess.Popen) -> None:
 
 def _percentiles(latencies_s: list[float]) -> dict:
     ms = np.asarray(latencies_s) * 1e3
-    return {"p50_ms": round(float(np.percentile(ms, 50)), 3), "p99_ms": round(float(np.percentile(ms, 99)), 3),
-            "mean_ms": round(float(ms.mean()), 3), "requests": len(ms)}
+    return {
+        "p50_ms": round(float(np.percentile(ms, 50)), 3),
+        "p99_ms": round(float(np.percentile(ms, 99)), 3),
+        "mean_ms": round(float(ms.mean()), 3),
+        "requests": len(ms),
+    }
 
 
 def _load_worker(address: str, num_ids: int, seconds: float, barrier, results) -> None:
@@ -93,8 +97,10 @@ def bench_features(address: str, requests: int, seconds: float, concurrency: lis
     ctx = mp.get_context("spawn")
     for clients in concurrency:
         barrier, results = ctx.Barrier(clients), ctx.Queue()
-        procs = [ctx.Process(target=_load_worker, args=(address, num_items, seconds, barrier, results))
-                 for _ in range(clients)]
+        procs = [
+            ctx.Process(target=_load_worker, args=(address, num_items, seconds, barrier, results))
+            for _ in range(clients)
+        ]
         for p in procs:
             p.start()
         done = [results.get(timeout=300) for _ in procs]
@@ -123,9 +129,15 @@ def bench_stream(address: str, max_seq_len: int, batch_size: int, seconds: float
             break
     client.close()
     elapsed = time.perf_counter() - start
-    return {"max_seq_len": max_seq_len, "batch_size": batch_size, "batches": batches,
-            "samples_per_s": round(samples / elapsed, 1), "tokens_per_s": round(tokens / elapsed),
-            "payload_MB_per_s": round(nbytes / elapsed / 1e6, 1), "MB_per_batch": round(nbytes / batches / 1e6, 2)}
+    return {
+        "max_seq_len": max_seq_len,
+        "batch_size": batch_size,
+        "batches": batches,
+        "samples_per_s": round(samples / elapsed, 1),
+        "tokens_per_s": round(tokens / elapsed),
+        "payload_MB_per_s": round(nbytes / elapsed / 1e6, 1),
+        "MB_per_batch": round(nbytes / batches / 1e6, 2),
+    }
 
 
 def bench_balance(dataset, world_size: int, batch_size: int, max_seq_len: int, steps: int) -> dict:
@@ -134,9 +146,14 @@ def bench_balance(dataset, world_size: int, batch_size: int, max_seq_len: int, s
     core = DataLoaderCore(dataset)
     key = core.plan(StreamRequest("train", 0, world_size, batch_size, max_seq_len, 0, 0, True)).key
     parts = [core.step_rows(key, s)[1] for s in range(steps)]
-    return {"world_size": world_size, "batch_size": batch_size, "max_seq_len": max_seq_len, "steps": steps,
-            "balanced_cost_max_over_mean": round(float(np.mean([p.cost_imbalance for p in parts])), 6),
-            "contiguous_cost_max_over_mean": round(float(np.mean([p.naive_cost_imbalance for p in parts])), 6)}
+    return {
+        "world_size": world_size,
+        "batch_size": batch_size,
+        "max_seq_len": max_seq_len,
+        "steps": steps,
+        "balanced_cost_max_over_mean": round(float(np.mean([p.cost_imbalance for p in parts])), 6),
+        "contiguous_cost_max_over_mean": round(float(np.mean([p.naive_cost_imbalance for p in parts])), 6),
+    }
 
 
 def _datasets(args, out: Path) -> tuple[Path, Path]:
@@ -157,8 +174,12 @@ def _datasets(args, out: Path) -> tuple[Path, Path]:
             raise CLIError(f"cannot prepare MovieLens for the feature benchmark: {err} (or pass --dataset)") from None
     synth = out / f"synth-{args.synth_events}"
     if not (synth / "manifest.json").is_file():
-        synthesize(synth, SynthConfig(events=args.synth_events, seed=0),
-                   split=SplitConfig(eval_fraction=0.1, by="events"), overwrite=True)
+        synthesize(
+            synth,
+            SynthConfig(events=args.synth_events, seed=0),
+            split=SplitConfig(eval_fraction=0.1, by="events"),
+            overwrite=True,
+        )
     return features, synth
 
 
@@ -167,8 +188,10 @@ def _redis(out: Path):
     if binary is None:
         return None, None
     port = _free_port()
-    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(out)], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(out)],
+        stdout=subprocess.DEVNULL,
+    )
     time.sleep(0.5)
     return proc, f"redis://127.0.0.1:{port}/0"
 
@@ -181,9 +204,15 @@ def run(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     features_dir, synth_dir = _datasets(args, out)
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
-              "commit": _commit(), "features_dataset": str(features_dir), "data_dataset": str(synth_dir),
-              "feature_service": {}, "data_service": []}
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "machine": _machine(),
+        "commit": _commit(),
+        "features_dataset": str(features_dir),
+        "data_dataset": str(synth_dir),
+        "feature_service": {},
+        "data_service": [],
+    }
 
     stores = ["memory"]
     redis_proc, redis_url = (None, None) if args.skip_redis else _redis(out)
@@ -227,13 +256,19 @@ def run(args) -> int:
 def _machine() -> str:
     import os
 
-    return f"{platform.node()} {platform.processor() or platform.machine()} {os.cpu_count()} cores, Python {platform.python_version()}"
+    cpu = platform.processor() or platform.machine()
+    return f"{platform.node()} {cpu} {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parents[2], check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[2],
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -245,15 +280,24 @@ def _print(report: dict) -> None:
     for store, r in report["feature_service"].items():
         for n in (1, 512):
             lat = r[f"latency_{n}_ids"]
-            print(f"| {store} | {n} x {r['item_features']} features | {lat['p50_ms']} | {lat['p99_ms']} | {lat['mean_ms']} |")
-    print("| store | " + " | ".join(k for k in next(iter(report["feature_service"].values())) if k.startswith("throughput")) + " |")
+            cells = [f"{n} x {r['item_features']} features", lat["p50_ms"], lat["p99_ms"], lat["mean_ms"]]
+            print(f"| {store} | " + " | ".join(str(c) for c in cells) + " |")
+    print(
+        "| store | "
+        + " | ".join(k for k in next(iter(report["feature_service"].values())) if k.startswith("throughput"))
+        + " |"
+    )
     for store, r in report["feature_service"].items():
         print(f"| {store} | " + " | ".join(str(v) for k, v in r.items() if k.startswith("throughput")) + " |")
     print("| max_seq_len | batch | samples/s | tokens/s | payload MB/s | MB/batch |")
     print("|---|---|---|---|---|---|")
     for r in report["data_service"]:
-        print(f"| {r['max_seq_len']} | {r['batch_size']} | {r['samples_per_s']} | {r['tokens_per_s']} | "
-              f"{r['payload_MB_per_s']} | {r['MB_per_batch']} |")
+        print(
+            f"| {r['max_seq_len']} | {r['batch_size']} | {r['samples_per_s']} | {r['tokens_per_s']} | "
+            f"{r['payload_MB_per_s']} | {r['MB_per_batch']} |"
+        )
     for r in report["balance"]:
-        print(f"balance W={r['world_size']} B={r['batch_size']} L<={r['max_seq_len']}: cost max/mean "
-              f"{r['balanced_cost_max_over_mean']} balanced vs {r['contiguous_cost_max_over_mean']} contiguous")
+        print(
+            f"balance W={r['world_size']} B={r['batch_size']} L<={r['max_seq_len']}: cost max/mean "
+            f"{r['balanced_cost_max_over_mean']} balanced vs {r['contiguous_cost_max_over_mean']} contiguous"
+        )

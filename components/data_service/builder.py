@@ -30,8 +30,15 @@ SCHEMA_VERSION = 1
 # Dense features computed from the target event itself (request-time context), in this order.
 TIME_FEATURES = ["hour_of_day_sin", "hour_of_day_cos", "day_of_week_sin", "day_of_week_cos"]
 HISTORY_FEATURES = ["history_length_log"]
-REQUIRED_FILES = ["manifest.json", "events.parquet", "timelines.parquet", "items.parquet", "users.parquet",
-                  "vocab/users.parquet", "vocab/items.parquet"]
+REQUIRED_FILES = [
+    "manifest.json",
+    "events.parquet",
+    "timelines.parquet",
+    "items.parquet",
+    "users.parquet",
+    "vocab/users.parquet",
+    "vocab/items.parquet",
+]
 
 
 @dataclass
@@ -131,7 +138,7 @@ def _vocabulary(event_ids: np.ndarray, side: SideTable | None) -> tuple[np.ndarr
     codes = codes.astype(np.int64)
     side_rows = np.full(len(uniques), -1, dtype=np.int64)
     if side is not None:
-        side_codes = codes[len(event_ids):]
+        side_codes = codes[len(event_ids) :]
         if len(np.unique(side_codes)) != len(side_codes):
             dup = pd.Series(side_ids)[pd.Series(side_codes).duplicated()].iloc[0]
             raise DataError(f"{side.source}: duplicate id {dup!r}")
@@ -159,16 +166,22 @@ def jagged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def _list_array(values: np.ndarray, offsets: np.ndarray) -> pa.Array:
-    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32) if offsets[-1] < 2**31 else offsets),
-                                    pa.array(values.astype(np.int64)))
+    return pa.ListArray.from_arrays(
+        pa.array(offsets.astype(np.int32) if offsets[-1] < 2**31 else offsets), pa.array(values.astype(np.int64))
+    )
 
 
 def _length_stats(lengths: np.ndarray) -> dict[str, int]:
     if len(lengths) == 0:
         return {"p50": 0, "p90": 0, "p99": 0, "max": 0, "mean": 0.0}
     p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
-    return {"p50": int(p50), "p90": int(p90), "p99": int(p99), "max": int(lengths.max()),
-            "mean": round(float(lengths.mean()), 2)}
+    return {
+        "p50": int(p50),
+        "p90": int(p90),
+        "p99": int(p99),
+        "max": int(lengths.max()),
+        "mean": round(float(lengths.mean()), 2),
+    }
 
 
 def file_sha256(path: Path) -> str:
@@ -187,17 +200,22 @@ def dataset_checksum(root: Path) -> str:
     return "sha256:" + digest.hexdigest()
 
 
-def _side_columns(entity: str, side: SideTable | None, side_rows: np.ndarray, embedding_ids: np.ndarray,
-                  num_entities: int) -> tuple[dict[str, pa.Array], list[Categorical], list[str]]:
+def _side_columns(
+    entity: str, side: SideTable | None, side_rows: np.ndarray, embedding_ids: np.ndarray, num_entities: int
+) -> tuple[dict[str, pa.Array], list[Categorical], list[str]]:
     """Side-table columns aligned to dense indices (missing rows: no values, dense 0)."""
-    columns: dict[str, pa.Array] = {entity: pa.array(np.arange(num_entities, dtype=np.int64)),
-                                    f"{entity}_id": pa.array(embedding_ids)}
+    columns: dict[str, pa.Array] = {
+        entity: pa.array(np.arange(num_entities, dtype=np.int64)),
+        f"{entity}_id": pa.array(embedding_ids),
+    }
     if side is None:
         return columns, [], []
     for feature in side.categorical:
         if len(feature.offsets) != len(side.raw_ids) + 1:
-            raise DataError(f"{side.source}: feature {feature.name} has {len(feature.offsets) - 1} rows, "
-                            f"expected {len(side.raw_ids)}")
+            raise DataError(
+                f"{side.source}: feature {feature.name} has {len(feature.offsets) - 1} rows, "
+                f"expected {len(side.raw_ids)}"
+            )
         values, lengths = gather_jagged(feature.values, feature.offsets, side_rows)
         offsets = np.zeros(num_entities + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -212,9 +230,13 @@ def _side_columns(entity: str, side: SideTable | None, side_rows: np.ndarray, em
 
 
 def _write_vocab(path: Path, uniques: np.ndarray, embedding_ids: np.ndarray) -> None:
-    table = pa.table({"raw_id": pa.array(uniques.astype(str)),
-                      "index": pa.array(np.arange(len(uniques), dtype=np.int64)),
-                      "embedding_id": pa.array(embedding_ids)})
+    table = pa.table(
+        {
+            "raw_id": pa.array(uniques.astype(str)),
+            "index": pa.array(np.arange(len(uniques), dtype=np.int64)),
+            "embedding_id": pa.array(embedding_ids),
+        }
+    )
     pq.write_table(table, path)
 
 
@@ -225,11 +247,21 @@ def _embedding_ids(uniques: np.ndarray, buckets: int | None) -> tuple[np.ndarray
     return (stable_hash(uniques) % np.uint64(buckets)).astype(np.int64), int(buckets), True
 
 
-def build_dataset(out: Path, *, name: str, events: EventLog, items: SideTable | None = None,
-                  users: SideTable | None = None, split: SplitConfig | None = None,
-                  seq_item_features: list[str] | None = None, hash_buckets: dict[str, int] | None = None,
-                  input_checksums: dict[str, str] | None = None, extra: dict | None = None,
-                  overwrite: bool = False, progress: bool = True) -> Path:
+def build_dataset(
+    out: Path,
+    *,
+    name: str,
+    events: EventLog,
+    items: SideTable | None = None,
+    users: SideTable | None = None,
+    split: SplitConfig | None = None,
+    seq_item_features: list[str] | None = None,
+    hash_buckets: dict[str, int] | None = None,
+    input_checksums: dict[str, str] | None = None,
+    extra: dict | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Write the dataset directory `out` and return it. See the module docstring."""
     out = Path(out)
     occupied = out.exists() and (not out.is_dir() or any(out.iterdir()))
@@ -265,9 +297,17 @@ def build_dataset(out: Path, *, name: str, events: EventLog, items: SideTable | 
     return out
 
 
-def _build(tmp: Path, name: str, events: EventLog, items: SideTable | None, users: SideTable | None,
-           split: SplitConfig, seq_item_features: list[str] | None, hash_buckets: dict[str, int],
-           steps: tqdm) -> dict:
+def _build(
+    tmp: Path,
+    name: str,
+    events: EventLog,
+    items: SideTable | None,
+    users: SideTable | None,
+    split: SplitConfig,
+    seq_item_features: list[str] | None,
+    hash_buckets: dict[str, int],
+    steps: tqdm,
+) -> dict:
     num_input = len(events.timestamps)
     if num_input == 0:
         raise DataError("the event log has no events")
@@ -332,36 +372,51 @@ def _build(tmp: Path, name: str, events: EventLog, items: SideTable | None, user
         if feature.multi_valued or len(feature.values) != num_input:
             raise DataError(f"context feature {feature.name!r} must have one value per event")
         context[feature.name] = feature.values[keep]
-    pq.write_table(pa.table({"user": user, "item": item, "timestamp": timestamps,
-                             **{n: pa.array(v) for n, v in actions.items()},
-                             **{n: pa.array(v) for n, v in context.items()}}),
-                   tmp / "events.parquet", row_group_size=1 << 20)
-    pq.write_table(pa.table({"user": np.arange(num_users, dtype=np.int64), "start": timeline_starts,
-                             "length": timeline_lengths}), tmp / "timelines.parquet")
+    pq.write_table(
+        pa.table(
+            {
+                "user": user,
+                "item": item,
+                "timestamp": timestamps,
+                **{n: pa.array(v) for n, v in actions.items()},
+                **{n: pa.array(v) for n, v in context.items()},
+            }
+        ),
+        tmp / "events.parquet",
+        row_group_size=1 << 20,
+    )
+    pq.write_table(
+        pa.table({"user": np.arange(num_users, dtype=np.int64), "start": timeline_starts, "length": timeline_lengths}),
+        tmp / "timelines.parquet",
+    )
     steps.update()
 
     steps.set_postfix_str("write examples")
     splits, label_rates, history_lengths = {}, {}, []
     for split_name, mask in (("train", ~is_eval), ("eval", is_eval)):
         idx = np.flatnonzero(mask)
-        table = {"user": user[idx], "event": idx, "hist_start": hist_start[idx], "hist_end": hist_end[idx],
-                 "timestamp": timestamps[idx], **{n: v[idx] for n, v in labels.items()}}
+        table = {
+            "user": user[idx],
+            "event": idx,
+            "hist_start": hist_start[idx],
+            "hist_end": hist_end[idx],
+            "timestamp": timestamps[idx],
+            **{n: v[idx] for n, v in labels.items()},
+        }
         pq.write_table(pa.table(table), tmp / "examples" / f"{split_name}.parquet", row_group_size=1 << 20)
         lengths = hist_end[idx] - hist_start[idx]
         history_lengths.append(lengths)
-        splits[split_name] = {"num_examples": len(idx),
-                              "time_range": [int(timestamps[idx].min()), int(timestamps[idx].max())]
-                              if len(idx) else None,
-                              "history_length": _length_stats(lengths)}
-        label_rates[split_name] = {n: round(float(v[idx].mean()), 6) if len(idx) else None
-                                   for n, v in labels.items()}
+        splits[split_name] = {
+            "num_examples": len(idx),
+            "time_range": [int(timestamps[idx].min()), int(timestamps[idx].max())] if len(idx) else None,
+            "history_length": _length_stats(lengths),
+        }
+        label_rates[split_name] = {n: round(float(v[idx].mean()), 6) if len(idx) else None for n, v in labels.items()}
     steps.update()
 
     steps.set_postfix_str("side tables")
-    item_columns, item_features, item_dense = _side_columns("item", items, item_side_rows, item_embedding,
-                                                            num_items)
-    user_columns, user_features, user_dense = _side_columns("user", users, user_side_rows, user_embedding,
-                                                            num_users)
+    item_columns, item_features, item_dense = _side_columns("item", items, item_side_rows, item_embedding, num_items)
+    user_columns, user_features, user_dense = _side_columns("user", users, user_side_rows, user_embedding, num_users)
     pq.write_table(pa.table(item_columns), tmp / "items.parquet")
     pq.write_table(pa.table(user_columns), tmp / "users.parquet")
     _write_vocab(tmp / "vocab" / "users.parquet", user_uniques, user_embedding)
@@ -370,22 +425,51 @@ def _build(tmp: Path, name: str, events: EventLog, items: SideTable | None, user
     if named:
         (tmp / "vocab" / "features").mkdir()
     for feature in named:
-        pq.write_table(pa.table({"value": pa.array([str(v) for v in feature.value_names]),
-                                 "index": pa.array(np.arange(len(feature.value_names), dtype=np.int64))}),
-                       tmp / "vocab" / "features" / f"{feature.name}.parquet")
+        pq.write_table(
+            pa.table(
+                {
+                    "value": pa.array([str(v) for v in feature.value_names]),
+                    "index": pa.array(np.arange(len(feature.value_names), dtype=np.int64)),
+                }
+            ),
+            tmp / "vocab" / "features" / f"{feature.name}.parquet",
+        )
     steps.update()
 
-    sparse = [{"name": "user_id", "source": "user", "num_embeddings": user_buckets, "multi_valued": False,
-               "hashed": user_hashed},
-              {"name": "item_id", "source": "item", "num_embeddings": item_buckets, "multi_valued": False,
-               "hashed": item_hashed}]
+    sparse = [
+        {
+            "name": "user_id",
+            "source": "user",
+            "num_embeddings": user_buckets,
+            "multi_valued": False,
+            "hashed": user_hashed,
+        },
+        {
+            "name": "item_id",
+            "source": "item",
+            "num_embeddings": item_buckets,
+            "multi_valued": False,
+            "hashed": item_hashed,
+        },
+    ]
     for source, features in (("user", user_features), ("item", item_features), ("event", events.context)):
         for feature in features:
-            sparse.append({"name": feature.name, "source": source, "num_embeddings": int(feature.num_embeddings),
-                           "multi_valued": feature.multi_valued, "hashed": feature.hashed})
+            sparse.append(
+                {
+                    "name": feature.name,
+                    "source": source,
+                    "num_embeddings": int(feature.num_embeddings),
+                    "multi_valued": feature.multi_valued,
+                    "hashed": feature.hashed,
+                }
+            )
     names = [f["name"] for f in sparse]
-    dense_sources = {**{n: "time" for n in TIME_FEATURES}, **{n: "history" for n in HISTORY_FEATURES},
-                     **{n: "user" for n in user_dense}, **{n: "item" for n in item_dense}}
+    dense_sources = {
+        **{n: "time" for n in TIME_FEATURES},
+        **{n: "history" for n in HISTORY_FEATURES},
+        **{n: "user" for n in user_dense},
+        **{n: "item" for n in item_dense},
+    }
     all_names = names + list(dense_sources) + list(actions) + list(labels)
     clashes = sorted({n for n in names + list(dense_sources) if all_names.count(n) > 1})
     if clashes:
@@ -410,14 +494,20 @@ def _build(tmp: Path, name: str, events: EventLog, items: SideTable | None, user
         "dense_features": list(dense_sources),
         "dense_feature_sources": dense_sources,
         "splits": splits,
-        "split": {"by": split.by if split.cutoff is None else "cutoff", "eval_fraction": split.eval_fraction,
-                  "cutoff": cutoff},
+        "split": {
+            "by": split.by if split.cutoff is None else "cutoff",
+            "eval_fraction": split.eval_fraction,
+            "cutoff": cutoff,
+        },
         "label_rates": label_rates,
         "max_seq_len": _length_stats(all_lengths),
         "timeline_length": _length_stats(timeline_lengths),
         "time_range": [int(timestamps.min()), int(timestamps.max())],
-        "counts": {"input_events": num_input, "duplicates_dropped": num_input - num_events,
-                   "unsorted_input_rows": unsorted_rows},
+        "counts": {
+            "input_events": num_input,
+            "duplicates_dropped": num_input - num_events,
+            "unsorted_input_rows": unsorted_rows,
+        },
     }
 
 

@@ -7,12 +7,25 @@ from pathlib import Path
 
 
 def _split_args(parser: argparse.ArgumentParser, split_by: str = "time") -> None:
-    parser.add_argument("--eval-fraction", type=float, default=0.1,
-                        help="the last fraction of time (or of events) that becomes the eval split (default 0.1)")
-    parser.add_argument("--split-by", choices=("time", "events"), default=split_by,
-                        help=f"fraction of the time range or of the events (default {split_by})")
-    parser.add_argument("--split-cutoff", type=int, default=None, metavar="UNIX_S",
-                        help="explicit cutoff: examples at or after it are eval")
+    parser.add_argument(
+        "--eval-fraction",
+        type=float,
+        default=0.1,
+        help="the last fraction of time (or of events) that becomes the eval split (default 0.1)",
+    )
+    parser.add_argument(
+        "--split-by",
+        choices=("time", "events"),
+        default=split_by,
+        help=f"fraction of the time range or of the events (default {split_by})",
+    )
+    parser.add_argument(
+        "--split-cutoff",
+        type=int,
+        default=None,
+        metavar="UNIX_S",
+        help="explicit cutoff: examples at or after it are eval",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
 
 
@@ -56,10 +69,19 @@ def _prepare_movielens(args) -> int:
 def _prepare_events(args) -> int:
     from .events import prepare_events
 
-    out = prepare_events(args.out, args.events, args.label, users=args.users, items=args.items,
-                         context=args.context, timestamp_unit=args.timestamp_unit,
-                         hash_over=args.hash_ids_over or None, name=args.name, split=_split_config(args),
-                         overwrite=args.overwrite)
+    out = prepare_events(
+        args.out,
+        args.events,
+        args.label,
+        users=args.users,
+        items=args.items,
+        context=args.context,
+        timestamp_unit=args.timestamp_unit,
+        hash_over=args.hash_ids_over or None,
+        name=args.name,
+        split=_split_config(args),
+        overwrite=args.overwrite,
+    )
     _print_summary(out)
     return 0
 
@@ -112,9 +134,13 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     sources = prepare.add_subparsers(dest="source", metavar="SOURCE", required=True)
 
     movielens = sources.add_parser("movielens", help="MovieLens ml-latest-small")
-    movielens.add_argument("--raw", type=Path, default=None,
-                           help="unpacked ml-latest-small folder (default: $GEMREC_DATA_DIR/movielens-latest-small, "
-                                "../shared/data/movielens-latest-small, else download)")
+    movielens.add_argument(
+        "--raw",
+        type=Path,
+        default=None,
+        help="unpacked ml-latest-small folder (default: $GEMREC_DATA_DIR/movielens-latest-small, "
+        "../shared/data/movielens-latest-small, else download)",
+    )
     movielens.add_argument("--out", type=Path, required=True, help="output dataset folder")
     _split_args(movielens)
     movielens.set_defaults(func=_run(_prepare_movielens))
@@ -123,14 +149,33 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     events.add_argument("--events", type=Path, required=True, help="event log: user_id, item_id, timestamp, ...")
     events.add_argument("--users", type=Path, default=None, help="user side table keyed by user_id")
     events.add_argument("--items", type=Path, default=None, help="item side table keyed by item_id")
-    events.add_argument("--label", action="append", required=True, metavar="NAME[=EXPR]",
-                        help="a 0/1 column (click) or COLUMN OP VALUE (buy=behavior==buy, like=rating>=4); repeatable")
-    events.add_argument("--context", action="append", default=[], metavar="COLUMN",
-                        help="event column known at request time (device, page): a feature of the target; repeatable")
-    events.add_argument("--timestamp-unit", choices=("s", "ms", "us", "ns"), default="s",
-                        help="unit of numeric timestamps (date strings are parsed as such)")
-    events.add_argument("--hash-ids-over", type=int, default=5_000_000, metavar="N",
-                        help="hash id and value spaces with more than N distinct values into N buckets (0: never)")
+    events.add_argument(
+        "--label",
+        action="append",
+        required=True,
+        metavar="NAME[=EXPR]",
+        help="a 0/1 column (click) or COLUMN OP VALUE (buy=behavior==buy, like=rating>=4); repeatable",
+    )
+    events.add_argument(
+        "--context",
+        action="append",
+        default=[],
+        metavar="COLUMN",
+        help="event column known at request time (device, page): a feature of the target; repeatable",
+    )
+    events.add_argument(
+        "--timestamp-unit",
+        choices=("s", "ms", "us", "ns"),
+        default="s",
+        help="unit of numeric timestamps (date strings are parsed as such)",
+    )
+    events.add_argument(
+        "--hash-ids-over",
+        type=int,
+        default=5_000_000,
+        metavar="N",
+        help="hash id and value spaces with more than N distinct values into N buckets (0: never)",
+    )
     events.add_argument("--name", default=None, help="dataset name (default: the events file name)")
     events.add_argument("--out", type=Path, required=True, help="output dataset folder")
     _split_args(events)

@@ -61,8 +61,15 @@ class DataClient:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         self.address = address
         self.request = data_pb2.StreamBatchesRequest(
-            split=split, rank=rank, world_size=world_size, batch_size=batch_size, max_seq_len=max_seq_len,
-            epoch=epoch, seed=seed, shuffle=shuffle, cursor=cursor,
+            split=split,
+            rank=rank,
+            world_size=world_size,
+            batch_size=batch_size,
+            max_seq_len=max_seq_len,
+            epoch=epoch,
+            seed=seed,
+            shuffle=shuffle,
+            cursor=cursor,
         )
         self.cursor = cursor  # of the last batch handed to the caller: save it to resume later
         self.prefetch = prefetch

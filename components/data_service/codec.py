@@ -74,17 +74,35 @@ def _kjt_parts(kjt) -> list:
     return parts + _message(5, _array_parts(weights)) if weights is not None else parts
 
 
-def serialize_batch(batch: Batch, *, cursor: bytes = b"", epoch: int = 0, step: int = 0, num_steps: int = 0,
-                    cost_imbalance: float = 0.0, tokens_imbalance: float = 0.0, sq_tokens_imbalance: float = 0.0,
-                    naive_cost_imbalance: float = 0.0) -> bytes:
+def serialize_batch(
+    batch: Batch,
+    *,
+    cursor: bytes = b"",
+    epoch: int = 0,
+    step: int = 0,
+    num_steps: int = 0,
+    cost_imbalance: float = 0.0,
+    tokens_imbalance: float = 0.0,
+    sq_tokens_imbalance: float = 0.0,
+    naive_cost_imbalance: float = 0.0,
+) -> bytes:
     """The serialized `gemrec.v1.BatchMessage` of `batch` plus the stream bookkeeping fields."""
     parts = []
-    for field, tensor in ((1, batch.user_ids), (2, batch.item_ids), (3, batch.timestamps), (4, batch.labels),
-                          (5, batch.dense_features)):
+    for field, tensor in (
+        (1, batch.user_ids),
+        (2, batch.item_ids),
+        (3, batch.timestamps),
+        (4, batch.labels),
+        (5, batch.dense_features),
+    ):
         parts += _message(field, _array_parts(tensor))
     parts += _message(6, _kjt_parts(batch.sparse_features))
-    for field, tensor in ((7, batch.seq_offsets), (8, batch.seq_item_ids), (9, batch.seq_timestamps),
-                          (10, batch.seq_actions)):
+    for field, tensor in (
+        (7, batch.seq_offsets),
+        (8, batch.seq_item_ids),
+        (9, batch.seq_timestamps),
+        (10, batch.seq_actions),
+    ):
         parts += _message(field, _array_parts(tensor))
     if batch.seq_item_features is not None:
         parts += _message(11, _kjt_parts(batch.seq_item_features))
@@ -95,8 +113,12 @@ def serialize_batch(batch: Batch, *, cursor: bytes = b"", epoch: int = 0, step: 
         parts += _message(13, [name.encode()])
     if cursor:
         parts += _message(14, [cursor])
-    for field, value in ((18, cost_imbalance), (19, tokens_imbalance), (20, sq_tokens_imbalance),
-                         (21, naive_cost_imbalance)):
+    for field, value in (
+        (18, cost_imbalance),
+        (19, tokens_imbalance),
+        (20, sq_tokens_imbalance),
+        (21, naive_cost_imbalance),
+    ):
         if value:
             parts += [_key(field, _I64), struct.pack("<d", value)]
     return b"".join(parts)
@@ -194,12 +216,22 @@ def _kjt(buf: memoryview):
         elif field == 4:
             stride = _int64(value)
     empty = torch.zeros(0, dtype=torch.int64)
-    return KeyedJaggedTensor(keys=keys, values=parts.get(2, empty), lengths=parts.get(3, empty),
-                             stride=stride or None, weights=parts.get(5))
+    return KeyedJaggedTensor(
+        keys=keys, values=parts.get(2, empty), lengths=parts.get(3, empty), stride=stride or None, weights=parts.get(5)
+    )
 
 
-_BATCH_TENSORS = {1: "user_ids", 2: "item_ids", 3: "timestamps", 4: "labels", 5: "dense_features",
-                  7: "seq_offsets", 8: "seq_item_ids", 9: "seq_timestamps", 10: "seq_actions"}
+_BATCH_TENSORS = {
+    1: "user_ids",
+    2: "item_ids",
+    3: "timestamps",
+    4: "labels",
+    5: "dense_features",
+    7: "seq_offsets",
+    8: "seq_item_ids",
+    9: "seq_timestamps",
+    10: "seq_actions",
+}
 _INFO_INTS = {15: "epoch", 16: "step", 17: "num_steps"}
 _INFO_DOUBLES = {18: "cost_imbalance", 19: "tokens_imbalance", 20: "sq_tokens_imbalance", 21: "naive_cost_imbalance"}
 
@@ -227,6 +259,12 @@ def decode_batch(data: bytes) -> tuple[Batch, BatchInfo]:
     missing = sorted(set(_BATCH_TENSORS.values()) - set(tensors)) + ([] if 6 in kjts else ["sparse_features"])
     if missing:
         raise ValueError(f"batch message without {', '.join(missing)}")
-    batch = Batch(**tensors, sparse_features=kjts[6], seq_item_features=kjts.get(11), max_seq_len=max_seq_len,
-                  label_names=tuple(label_names), cursor=info.cursor)
+    batch = Batch(
+        **tensors,
+        sparse_features=kjts[6],
+        seq_item_features=kjts.get(11),
+        max_seq_len=max_seq_len,
+        label_names=tuple(label_names),
+        cursor=info.cursor,
+    )
     return batch, info

@@ -49,10 +49,23 @@ class Cursor:
 
     def encode(self) -> bytes:
         k = self.key
-        body = MAGIC + _FIELDS.pack(
-            VERSION, k.dataset, k.rank, k.world_size, k.batch_size, k.max_seq_len, k.epoch, k.seed, k.shuffle,
-            k.linear_weight, self.next_step,
-        ) + k.split.encode()
+        body = (
+            MAGIC
+            + _FIELDS.pack(
+                VERSION,
+                k.dataset,
+                k.rank,
+                k.world_size,
+                k.batch_size,
+                k.max_seq_len,
+                k.epoch,
+                k.seed,
+                k.shuffle,
+                k.linear_weight,
+                self.next_step,
+            )
+            + k.split.encode()
+        )
         return body + hashlib.blake2b(body, digest_size=_DIGEST).digest()
 
     @classmethod

@@ -29,8 +29,7 @@ class FeatureSource(Protocol):
     Categorical features give int64 values (jagged), dense features float32 values with length 1.
     """
 
-    def lookup(self, entity: str, ids: np.ndarray, names: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]:
-        ...
+    def lookup(self, entity: str, ids: np.ndarray, names: list[str]) -> dict[str, tuple[np.ndarray, np.ndarray]]: ...
 
 
 @dataclass
@@ -88,8 +87,11 @@ def _as_kjt(keys: list[str], parts: list[tuple[np.ndarray, np.ndarray]]):
 
     values = np.concatenate([v for v, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
     lengths = np.concatenate([n for _, n in parts]) if parts else np.zeros(0, dtype=np.int64)
-    return KeyedJaggedTensor(keys=keys, values=torch.from_numpy(values.astype(np.int64, copy=False)),
-                             lengths=torch.from_numpy(lengths.astype(np.int64, copy=False)))
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=torch.from_numpy(values.astype(np.int64, copy=False)),
+        lengths=torch.from_numpy(lengths.astype(np.int64, copy=False)),
+    )
 
 
 class Dataset:
@@ -111,7 +113,9 @@ class Dataset:
         self._event_ts = _column(events, "timestamp", np.int64)
         self._event_actions = np.ascontiguousarray(
             np.stack([_column(events, a, np.float32) for a in self.action_names], axis=1)
-            if self.action_names else np.zeros((len(self._event_item), 0), dtype=np.float32))
+            if self.action_names
+            else np.zeros((len(self._event_item), 0), dtype=np.float32)
+        )
         self._context = {n: _column(events, n, np.int64) for n in context}
         timelines = _read(self.path / "timelines.parquet")
         self._timeline_start = _column(timelines, "start", np.int64)
@@ -171,11 +175,15 @@ class Dataset:
         if split not in self._splits:
             self.num_examples(split)
             table = _read(self.path / "examples" / f"{split}.parquet")
-            labels = (np.stack([_column(table, n, np.float32) for n in self.label_names], axis=1)
-                      if self.label_names else np.zeros((table.num_rows, 0), dtype=np.float32))
-            self._splits[split] = _Split(*(_column(table, c, np.int64)
-                                           for c in ("user", "event", "hist_start", "hist_end", "timestamp")),
-                                         labels=np.ascontiguousarray(labels))
+            labels = (
+                np.stack([_column(table, n, np.float32) for n in self.label_names], axis=1)
+                if self.label_names
+                else np.zeros((table.num_rows, 0), dtype=np.float32)
+            )
+            self._splits[split] = _Split(
+                *(_column(table, c, np.int64) for c in ("user", "event", "hist_start", "hist_end", "timestamp")),
+                labels=np.ascontiguousarray(labels),
+            )
         return self._splits[split]
 
     def _rows(self, split: str, rows) -> tuple[_Split, np.ndarray]:
@@ -230,9 +238,10 @@ class Dataset:
 
         seq_features = None
         if self.seq_item_features:
-            seq_features = _as_kjt(self.seq_item_features,
-                                   [self._seq_feature(n, seq_items, hist_end - lengths, hist_end)
-                                    for n in self.seq_item_features])
+            seq_features = _as_kjt(
+                self.seq_item_features,
+                [self._seq_feature(n, seq_items, hist_end - lengths, hist_end) for n in self.seq_item_features],
+            )
 
         dense = np.zeros((len(rows), len(self.dense_features)), dtype=np.float32)
         for col, name in enumerate(self.dense_features):
@@ -295,8 +304,12 @@ class Dataset:
         end = start + int(np.searchsorted(self._event_ts[start:stop], before_ts, side="left"))
         begin = max(start, end - max(0, int(max_len)))
         items = self._event_item[begin:end]
-        return {"item_ids": self._side["item"].embedding_id[items], "items": items,
-                "timestamps": self._event_ts[begin:end], "actions": self._event_actions[begin:end]}
+        return {
+            "item_ids": self._side["item"].embedding_id[items],
+            "items": items,
+            "timestamps": self._event_ts[begin:end],
+            "actions": self._event_actions[begin:end],
+        }
 
 
 def _time_feature(name: str, timestamps: np.ndarray) -> np.ndarray:
@@ -306,4 +319,3 @@ def _time_feature(name: str, timestamps: np.ndarray) -> np.ndarray:
         phase = ((timestamps // 86_400 + 3) % 7) / 7.0
     angle = 2.0 * np.pi * phase
     return (np.sin(angle) if name.endswith("_sin") else np.cos(angle)).astype(np.float32)
-

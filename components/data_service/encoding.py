@@ -8,8 +8,9 @@ import pandas as pd
 from .builder import Categorical
 
 
-def categorical_from_strings(name: str, values: pd.Series, sep: str | None = "|",
-                             drop: tuple[str, ...] = ("",)) -> Categorical:
+def categorical_from_strings(
+    name: str, values: pd.Series, sep: str | None = "|", drop: tuple[str, ...] = ("",)
+) -> Categorical:
     """A Categorical over the rows of `values`: each cell split on `sep` (None: single value), stripped,
     `drop` values and missing cells give no value, repeats within a cell are kept once. Codes are dense
     indices of the sorted distinct values (their names are kept for vocab/features/)."""
@@ -25,5 +26,10 @@ def categorical_from_strings(name: str, values: pd.Series, sep: str | None = "|"
     lengths = np.bincount(pairs["row"].to_numpy(), minlength=len(cells)).astype(np.int64)
     offsets = np.zeros(len(cells) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    return Categorical(name, pairs["code"].to_numpy(dtype=np.int64), offsets, max(1, len(uniques)),
-                       value_names=[str(u) for u in uniques])
+    return Categorical(
+        name,
+        pairs["code"].to_numpy(dtype=np.int64),
+        offsets,
+        max(1, len(uniques)),
+        value_names=[str(u) for u in uniques],
+    )

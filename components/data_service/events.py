@@ -28,8 +28,14 @@ from .readers import fail_rows, parse_timestamps, read_table, require_non_null
 ID_COLUMNS = {"user": "user_id", "item": "item_id"}
 TIME_COLUMN = "timestamp"
 ONE_HOT_MAX_VALUES = 32
-OPERATORS = {"==": np.equal, "!=": np.not_equal, ">=": np.greater_equal, "<=": np.less_equal,
-             ">": np.greater, "<": np.less}
+OPERATORS = {
+    "==": np.equal,
+    "!=": np.not_equal,
+    ">=": np.greater_equal,
+    "<=": np.less_equal,
+    ">": np.greater,
+    "<": np.less,
+}
 EXPRESSION = re.compile(r"^\s*([A-Za-z_][\w.]*)\s*(==|!=|>=|<=|>|<)\s*(.+?)\s*$")
 NAME = re.compile(r"^[A-Za-z_]\w*$")
 
@@ -51,8 +57,10 @@ class LabelSpec:
             return cls(name, name)
         match = EXPRESSION.match(expression)
         if match is None:
-            raise DataError(f"--label {text!r}: unknown label expression {expression!r}; "
-                            f"expected COLUMN OP VALUE with OP one of {' '.join(OPERATORS)}")
+            raise DataError(
+                f"--label {text!r}: unknown label expression {expression!r}; "
+                f"expected COLUMN OP VALUE with OP one of {' '.join(OPERATORS)}"
+            )
         column, operator, value = match.groups()
         return cls(name, column, operator, value.strip().strip("'\""))
 
@@ -62,19 +70,22 @@ class LabelSpec:
         series = frame[self.column]
         fail_rows(path, self.column, series.isna().to_numpy(), series, f"missing value for label {self.name!r}")
         if self.operator is None:
-            values = series.map(lambda v: {True: 1, False: 0, "true": 1, "false": 0}.get(
-                v.strip().lower() if isinstance(v, str) else v, v))
+            values = series.map(
+                lambda v: {True: 1, False: 0, "true": 1, "false": 0}.get(
+                    v.strip().lower() if isinstance(v, str) else v, v
+                )
+            )
             numeric = pd.to_numeric(values, errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-            fail_rows(path, self.column, ~np.isin(numeric, (0.0, 1.0)), series,
-                      f"label {self.name!r} must be 0 or 1")
+            fail_rows(path, self.column, ~np.isin(numeric, (0.0, 1.0)), series, f"label {self.name!r} must be 0 or 1")
             return numeric.astype(np.int8)
         compare = OPERATORS[self.operator]
         if pd.api.types.is_numeric_dtype(series) or pd.api.types.is_bool_dtype(series):
             try:
                 threshold = float(self.value)
             except ValueError as err:
-                raise DataError(f"--label {self.name}: column {self.column!r} is numeric, {self.value!r} is not "
-                                f"a number") from err
+                raise DataError(
+                    f"--label {self.name}: column {self.column!r} is numeric, {self.value!r} is not a number"
+                ) from err
             return compare(series.to_numpy(dtype=np.float64), threshold).astype(np.int8)
         if self.operator not in ("==", "!="):
             raise DataError(f"--label {self.name}: {self.operator} needs a numeric column, {self.column!r} holds text")
@@ -123,8 +134,14 @@ def read_side_table(path: Path, entity: str, hash_over: int | None) -> SideTable
     return SideTable(source=str(path), raw_ids=raw_ids, categorical=categorical, dense=dense)
 
 
-def read_event_log(path: Path, labels: list[LabelSpec], context: list[str], timestamp_unit: str = "s",
-                   hash_over: int | None = None, split: SplitConfig | None = None) -> tuple[EventLog, dict]:
+def read_event_log(
+    path: Path,
+    labels: list[LabelSpec],
+    context: list[str],
+    timestamp_unit: str = "s",
+    hash_over: int | None = None,
+    split: SplitConfig | None = None,
+) -> tuple[EventLog, dict]:
     """The event log and a report of how each extra column was used."""
     frame = read_table(path, [*ID_COLUMNS.values(), TIME_COLUMN, *context])
     require_non_null(path, frame, [TIME_COLUMN])
@@ -159,8 +176,10 @@ def read_event_log(path: Path, labels: list[LabelSpec], context: list[str], time
         text = series.astype("string").str.strip()
         distinct = sorted(text.dropna().unique())
         if len(distinct) > ONE_HOT_MAX_VALUES:
-            report["ignored_columns"][column] = (f"{len(distinct)} distinct values: too many for one-hot actions "
-                                                 "(name it with --context if it is known at request time)")
+            report["ignored_columns"][column] = (
+                f"{len(distinct)} distinct values: too many for one-hot actions "
+                "(name it with --context if it is known at request time)"
+            )
             continue
         for value in distinct:
             action = f"{column}={value}"
@@ -172,14 +191,26 @@ def read_event_log(path: Path, labels: list[LabelSpec], context: list[str], time
         fail_rows(path, column, series.isna().to_numpy(), series, "missing context value")
         feature = categorical_from_strings(_prefixed("ctx", column), series, sep=None)
         context_features.append(_hash_values(feature, hash_over))
-    return EventLog(users=users, items=items, timestamps=timestamps, labels=label_values, actions=actions,
-                    context=context_features), report
+    return EventLog(
+        users=users, items=items, timestamps=timestamps, labels=label_values, actions=actions, context=context_features
+    ), report
 
 
-def prepare_events(out: Path, events: Path, labels: list[str], *, users: Path | None = None,
-                   items: Path | None = None, context: list[str] | None = None, timestamp_unit: str = "s",
-                   hash_over: int | None = 5_000_000, name: str | None = None, split: SplitConfig | None = None,
-                   overwrite: bool = False, progress: bool = True) -> Path:
+def prepare_events(
+    out: Path,
+    events: Path,
+    labels: list[str],
+    *,
+    users: Path | None = None,
+    items: Path | None = None,
+    context: list[str] | None = None,
+    timestamp_unit: str = "s",
+    hash_over: int | None = 5_000_000,
+    name: str | None = None,
+    split: SplitConfig | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     specs = [LabelSpec.parse(text) for text in labels]
     context = list(context or [])
     log, report = read_event_log(Path(events), specs, context, timestamp_unit, hash_over, split)
@@ -188,11 +219,27 @@ def prepare_events(out: Path, events: Path, labels: list[str], *, users: Path | 
     inputs = [Path(p) for p in (events, items, users) if p]
     checksums = {p.name: "sha256:" + file_sha256(p) for p in inputs}
     buckets = {"user": hash_over, "item": hash_over} if hash_over else None
-    return build_dataset(out, name=name or Path(events).stem, events=log, items=item_table, users=user_table,
-                         split=split, hash_buckets=buckets, input_checksums=checksums,
-                         extra={"source": {"events": str(events), "items": str(items) if items else None,
-                                           "users": str(users) if users else None,
-                                           "labels": {s.name: s.column if s.operator is None else
-                                                      f"{s.column}{s.operator}{s.value}" for s in specs},
-                                           "context": context, **report}},
-                         overwrite=overwrite, progress=progress)
+    return build_dataset(
+        out,
+        name=name or Path(events).stem,
+        events=log,
+        items=item_table,
+        users=user_table,
+        split=split,
+        hash_buckets=buckets,
+        input_checksums=checksums,
+        extra={
+            "source": {
+                "events": str(events),
+                "items": str(items) if items else None,
+                "users": str(users) if users else None,
+                "labels": {
+                    s.name: s.column if s.operator is None else f"{s.column}{s.operator}{s.value}" for s in specs
+                },
+                "context": context,
+                **report,
+            }
+        },
+        overwrite=overwrite,
+        progress=progress,
+    )

@@ -126,9 +126,13 @@ def read_events(raw: Path) -> EventLog:
     items = parse_numeric(path, ratings["movieId"], "movieId").astype(np.int64)
     like = (rating >= 4.0).astype(np.int8)
     love = (rating >= 4.5).astype(np.int8)
-    return EventLog(users=users, items=items, timestamps=parse_timestamps(path, ratings["timestamp"], "timestamp"),
-                    labels={"like": like, "love": love},
-                    actions={"rating": (rating / 5.0).astype(np.float32), "like": like, "love": love})
+    return EventLog(
+        users=users,
+        items=items,
+        timestamps=parse_timestamps(path, ratings["timestamp"], "timestamp"),
+        labels={"like": like, "love": love},
+        actions={"rating": (rating / 5.0).astype(np.float32), "like": like, "love": love},
+    )
 
 
 def read_items(raw: Path, tags_before: int) -> SideTable:
@@ -136,8 +140,10 @@ def read_items(raw: Path, tags_before: int) -> SideTable:
     movies = read_table(path, ["movieId", "title", "genres"])
     require_non_null(path, movies, ["movieId"])
     movie_ids = parse_numeric(path, movies["movieId"], "movieId").astype(np.int64)
-    features = [categorical_from_strings("item_genres", movies["genres"], drop=("", NO_GENRE)),
-                categorical_from_strings("item_year", year_bucket(movies["title"]), sep=None)]
+    features = [
+        categorical_from_strings("item_genres", movies["genres"], drop=("", NO_GENRE)),
+        categorical_from_strings("item_year", year_bucket(movies["title"]), sep=None),
+    ]
     tag_path = raw / "tags.csv"
     if tag_path.is_file():
         tags = read_table(tag_path, ["userId", "movieId", "tag", "timestamp"])
@@ -151,15 +157,22 @@ def read_items(raw: Path, tags_before: int) -> SideTable:
     return SideTable(source=str(path), raw_ids=movie_ids, categorical=features)
 
 
-def prepare_movielens(out: Path, raw: Path | None = None, split: SplitConfig | None = None,
-                      overwrite: bool = False, progress: bool = True) -> Path:
+def prepare_movielens(
+    out: Path, raw: Path | None = None, split: SplitConfig | None = None, overwrite: bool = False, progress: bool = True
+) -> Path:
     raw = resolve_raw_dir(raw)
     checksums = verify_checksums(raw, ["ratings.csv", "movies.csv", "tags.csv"])
     split = split or SplitConfig()
     events = read_events(raw)
     items = read_items(raw, tags_before=split.cutoff_for(events.timestamps))
-    return build_dataset(out, name=NAME, events=events, items=items, split=split, input_checksums=checksums,
-                         extra={"source": {"raw_dir": str(raw), "url": URL}}, overwrite=overwrite,
-                         progress=progress)
-
-
+    return build_dataset(
+        out,
+        name=NAME,
+        events=events,
+        items=items,
+        split=split,
+        input_checksums=checksums,
+        extra={"source": {"raw_dir": str(raw), "url": URL}},
+        overwrite=overwrite,
+        progress=progress,
+    )

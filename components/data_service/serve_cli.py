@@ -26,8 +26,9 @@ def serve_data(args) -> int:
     if args.features:
         from gemrec.components.feature_service.client import FeatureClient
 
-        features = FeatureClient(args.features, token=args.features_token, tls_ca=args.features_tls_ca,
-                                 timeout_s=args.features_timeout_s)
+        features = FeatureClient(
+            args.features, token=args.features_token, tls_ca=args.features_tls_ca, timeout_s=args.features_timeout_s
+        )
         try:
             checksum = features.info()["dataset_checksum"]
         except Exception as err:
@@ -59,9 +60,13 @@ def register(groups) -> None:
     p.add_argument("--features-tls-ca", help="PEM to trust for a TLS feature service")
     p.add_argument("--features-token", help="bearer token for the feature service (default: $GEMREC_AUTH_TOKEN)")
     p.add_argument("--features-timeout-s", type=float, default=10.0, help="deadline of each feature lookup")
-    p.add_argument("--linear-weight", type=float, default=512.0,
-                   help="rank balancing cost per example: L^2 + linear_weight * L (a causal transformer with a 4x MLP: "
-                        "12 x d_model)")
+    p.add_argument(
+        "--linear-weight",
+        type=float,
+        default=512.0,
+        help="rank balancing cost per example: L^2 + linear_weight * L (a causal transformer with a 4x MLP: "
+        "12 x d_model)",
+    )
     p.add_argument("--prefetch", type=int, default=2, help="batches built ahead per stream")
     p.add_argument("--workers", type=int, default=4, help="collate threads")
     p.set_defaults(func=serve_data)

@@ -109,8 +109,16 @@ class DataLoaderCore:
         if req.epoch < 0:
             raise InvalidArgument(f"epoch must be >= 0, got {req.epoch}")
         key = StreamKey(
-            self._tag, req.split, req.rank, req.world_size, req.batch_size, req.max_seq_len, req.epoch, req.seed,
-            bool(req.shuffle), self.linear_weight,
+            self._tag,
+            req.split,
+            req.rank,
+            req.world_size,
+            req.batch_size,
+            req.max_seq_len,
+            req.epoch,
+            req.seed,
+            bool(req.shuffle),
+            self.linear_weight,
         )
         global_batch = req.batch_size * req.world_size
         num_steps = -(-self.dataset.num_examples(req.split) // global_batch)

@@ -23,18 +23,21 @@ def length_histogram(lengths: np.ndarray) -> list[tuple[int, int, int]]:
 def summary_lines(path: Path) -> list[str]:
     m = read_manifest(path)
     counts = m["counts"]
-    lines = [f"{m['name']} at {path}",
-             f"  events {m['num_events']:,}  users {m['num_users']:,}  items {m['num_items']:,}  "
-             f"(input {counts['input_events']:,}, duplicates dropped {counts['duplicates_dropped']:,}, "
-             f"unsorted input rows {counts['unsorted_input_rows']:,})",
-             f"  split by {m['split']['by']} at cutoff {m['split']['cutoff']}"]
+    lines = [
+        f"{m['name']} at {path}",
+        f"  events {m['num_events']:,}  users {m['num_users']:,}  items {m['num_items']:,}  "
+        f"(input {counts['input_events']:,}, duplicates dropped {counts['duplicates_dropped']:,}, "
+        f"unsorted input rows {counts['unsorted_input_rows']:,})",
+        f"  split by {m['split']['by']} at cutoff {m['split']['cutoff']}",
+    ]
     for split, info in m["splits"].items():
         rates = ", ".join(f"{n} {r:.4f}" for n, r in (m["label_rates"][split] or {}).items() if r is not None)
         lines.append(f"  {split:5s} {info['num_examples']:>12,} examples  label rates: {rates or '-'}")
     s = m["max_seq_len"]
     lines.append(f"  history length p50 {s['p50']}  p90 {s['p90']}  p99 {s['p99']}  max {s['max']}")
-    features = ", ".join(f"{f['name']}({f['num_embeddings']}{'*' if f['multi_valued'] else ''})"
-                         for f in m["sparse_features"])
+    features = ", ".join(
+        f"{f['name']}({f['num_embeddings']}{'*' if f['multi_valued'] else ''})" for f in m["sparse_features"]
+    )
     lines.append(f"  sparse (* multi-valued): {features}")
     lines.append(f"  dense: {', '.join(m['dense_features'])}   actions: {', '.join(m['actions'])}")
     return lines

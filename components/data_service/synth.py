@@ -112,8 +112,9 @@ def _ne(p: np.ndarray, y: np.ndarray) -> float | None:
     return round(_mean_log_loss(p, y) / _mean_log_loss(np.full(len(y), rate), y), 5)
 
 
-def generate(cfg: SynthConfig, split: SplitConfig | None = None,
-             progress: bool = True) -> tuple[EventLog, SideTable, SideTable, dict]:
+def generate(
+    cfg: SynthConfig, split: SplitConfig | None = None, progress: bool = True
+) -> tuple[EventLog, SideTable, SideTable, dict]:
     """The event log, item and user side tables, and the planted-signal report."""
     cfg.validate()
     rng = np.random.default_rng(cfg.seed)
@@ -177,10 +178,14 @@ def generate(cfg: SynthConfig, split: SplitConfig | None = None,
     random_category = rng.choice(existing, size=len(phase_user), p=existing_weight / existing_weight.sum())
     phase_category = np.where(from_interests, interests[pick], random_category)[np.cumsum(new_phase) - 1]
     in_phase = rng.random(n) < 0.7
-    item = by_category[_pick(rng, category_cum,
-                             np.where(category_begin[phase_category] > 0,
-                                      category_cum[category_begin[phase_category] - 1], 0.0),
-                             category_cum[category_end[phase_category] - 1])]
+    item = by_category[
+        _pick(
+            rng,
+            category_cum,
+            np.where(category_begin[phase_category] > 0, category_cum[category_begin[phase_category] - 1], 0.0),
+            category_cum[category_end[phase_category] - 1],
+        )
+    ]
     item = np.where(in_phase, item, _pick(rng, global_cum, np.zeros(n), np.full(n, global_cum[-1])))
     category = item_category[item]
 
@@ -219,8 +224,7 @@ def generate(cfg: SynthConfig, split: SplitConfig | None = None,
         interest_match |= has & (interests[np.minimum(interest_starts[user] + j, len(interests) - 1)] == category)
     device_effect = np.array([0.2, 0.0, -0.2, -0.4])[device]
     surface_effect = np.array([0.0, 0.5, 0.2, -0.5, -0.2, 0.1, 0.3, 0.4])[surface]
-    static_logit = (-1.6 + 0.6 * item_quality[item] + 0.8 * interest_match + device_effect + surface_effect
-                    - 0.08 * slot)
+    static_logit = -1.6 + 0.6 * item_quality[item] + 0.8 * interest_match + device_effect + surface_effect - 0.08 * slot
     p_click = _sigmoid(static_logit + cfg.recent_weight * recent - cfg.repeat_weight * repeat)
     click = rng.random(n) < p_click
     clicked_same = np.zeros(n, dtype=bool)
@@ -243,8 +247,10 @@ def generate(cfg: SynthConfig, split: SplitConfig | None = None,
         "config": asdict(cfg),
         "signals": ["recent_interest", "saturation", "repeat_purchase", "static"],
         "eval_cutoff": cutoff,
-        "oracle_ne": {"click": _ne(p_click[is_eval], click[is_eval]),
-                      "convert": _ne((p_click * p_convert_given_click)[is_eval], convert[is_eval])},
+        "oracle_ne": {
+            "click": _ne(p_click[is_eval], click[is_eval]),
+            "convert": _ne((p_click * p_convert_given_click)[is_eval], convert[is_eval]),
+        },
         "static_only_ne": {"click": _ne(static_click[is_eval], click[is_eval])},
         "share_with_recent_signal": round(float(np.mean(recent > 0)), 4),
     }
@@ -252,35 +258,61 @@ def generate(cfg: SynthConfig, split: SplitConfig | None = None,
     steps.close()
 
     events = EventLog(
-        users=user_raw[user], items=item_raw[item], timestamps=timestamps,
+        users=user_raw[user],
+        items=item_raw[item],
+        timestamps=timestamps,
         labels={"click": click.astype(np.int8), "convert": convert.astype(np.int8)},
-        actions={"click": click.astype(np.float32), "convert": convert.astype(np.float32),
-                 "like": like.astype(np.float32),
-                 "dwell": (np.log1p(dwell) / np.log1p(dwell.max())).astype(np.float32)},
-        context=[Categorical.single("ctx_device", device, len(DEVICES), value_names=DEVICES),
-                 Categorical.single("ctx_surface", surface, len(SURFACES), value_names=SURFACES),
-                 Categorical.single("ctx_position", slot, 20)])
+        actions={
+            "click": click.astype(np.float32),
+            "convert": convert.astype(np.float32),
+            "like": like.astype(np.float32),
+            "dwell": (np.log1p(dwell) / np.log1p(dwell.max())).astype(np.float32),
+        },
+        context=[
+            Categorical.single("ctx_device", device, len(DEVICES), value_names=DEVICES),
+            Categorical.single("ctx_surface", surface, len(SURFACES), value_names=SURFACES),
+            Categorical.single("ctx_position", slot, 20),
+        ],
+    )
     items = SideTable(
-        source="synth items", raw_ids=item_raw,
-        categorical=[Categorical.single("item_category", item_category, cfg.categories),
-                     Categorical.single("item_brand", item_brand, cfg.brands),
-                     Categorical("item_tags", item_tags.astype(np.int64), tag_offsets, cfg.tags)],
-        dense={"item_quality": item_quality.astype(np.float32), "item_price": item_price.astype(np.float32)})
+        source="synth items",
+        raw_ids=item_raw,
+        categorical=[
+            Categorical.single("item_category", item_category, cfg.categories),
+            Categorical.single("item_brand", item_brand, cfg.brands),
+            Categorical("item_tags", item_tags.astype(np.int64), tag_offsets, cfg.tags),
+        ],
+        dense={"item_quality": item_quality.astype(np.float32), "item_price": item_price.astype(np.float32)},
+    )
     users = SideTable(
-        source="synth users", raw_ids=user_raw,
-        categorical=[Categorical.single("user_country", user_country, 200),
-                     Categorical.single("user_age", user_age, 8),
-                     Categorical.single("user_gender", user_gender, 3),
-                     Categorical.single("user_segment", user_segment, 1000),
-                     Categorical("user_interests", interests.astype(np.int64), interest_offsets, cfg.categories)],
-        dense={"user_tenure": user_tenure})
+        source="synth users",
+        raw_ids=user_raw,
+        categorical=[
+            Categorical.single("user_country", user_country, 200),
+            Categorical.single("user_age", user_age, 8),
+            Categorical.single("user_gender", user_gender, 3),
+            Categorical.single("user_segment", user_segment, 1000),
+            Categorical("user_interests", interests.astype(np.int64), interest_offsets, cfg.categories),
+        ],
+        dense={"user_tenure": user_tenure},
+    )
     return events, items, users, report
 
 
-def synthesize(out: Path, cfg: SynthConfig, split: SplitConfig | None = None, overwrite: bool = False,
-               progress: bool = True) -> Path:
+def synthesize(
+    out: Path, cfg: SynthConfig, split: SplitConfig | None = None, overwrite: bool = False, progress: bool = True
+) -> Path:
     events, items, users, report = generate(cfg, split, progress=progress)
-    return build_dataset(out, name=f"synth-{cfg.events}-seed{cfg.seed}", events=events, items=items, users=users,
-                         split=split, seq_item_features=["item_category", "item_brand", "item_tags"],
-                         hash_buckets={"item": cfg.item_hash_buckets} if cfg.item_hash_buckets else None,
-                         extra={"synth": report}, overwrite=overwrite, progress=progress)
+    return build_dataset(
+        out,
+        name=f"synth-{cfg.events}-seed{cfg.seed}",
+        events=events,
+        items=items,
+        users=users,
+        split=split,
+        seq_item_features=["item_category", "item_brand", "item_tags"],
+        hash_buckets={"item": cfg.item_hash_buckets} if cfg.item_hash_buckets else None,
+        extra={"synth": report},
+        overwrite=overwrite,
+        progress=progress,
+    )

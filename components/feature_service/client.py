@@ -1,10 +1,10 @@
 """Python client of `gemrec.v1.FeatureService`; implements the `FeatureSource` protocol.
 
-    with FeatureClient("127.0.0.1:50051") as features:
-        features.list_features()                      # {"user": {...}, "item": {"item_genres": {...}}}
-        cols = features.lookup("item", np.array([1, 2, 3]), ["item_genres"])
-        values, lengths = cols["item_genres"]         # values of all ids concatenated, one length per id
-        hist = features.user_history(np.array([0, 1]), before_ts=np.array([1.5e9, 1.6e9]), max_len=50)
+with FeatureClient("127.0.0.1:50051") as features:
+    features.list_features()                      # {"user": {...}, "item": {"item_genres": {...}}}
+    cols = features.lookup("item", np.array([1, 2, 3]), ["item_genres"])
+    values, lengths = cols["item_genres"]         # values of all ids concatenated, one length per id
+    hist = features.user_history(np.array([0, 1]), before_ts=np.array([1.5e9, 1.6e9]), max_len=50)
 """
 
 from __future__ import annotations
@@ -55,8 +55,12 @@ class FeatureClient:
     def info(self) -> dict:
         """{"dataset", "dataset_checksum", "store", "entities": list_features()}."""
         reply = self._call(self._stub.ListFeatures, features_pb2.ListFeaturesRequest())
-        return {"dataset": reply.dataset, "dataset_checksum": reply.dataset_checksum, "store": reply.store,
-                "entities": self._entities(reply)}
+        return {
+            "dataset": reply.dataset,
+            "dataset_checksum": reply.dataset_checksum,
+            "store": reply.store,
+            "entities": self._entities(reply),
+        }
 
     def list_features(self) -> dict[str, dict]:
         """{entity: {"num_ids": n, "features": {name: {"dtype", "multi_valued", "num_embeddings"}}}}."""

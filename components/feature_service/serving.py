@@ -74,8 +74,12 @@ def add_server_args(parser, default_port: int, default_workers: int = 16) -> Non
     parser.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0 inside a pod)")
     parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
     parser.add_argument("--max-message-mb", type=int, default=256, help="max send/receive message size")
-    parser.add_argument("--max-workers", type=int, default=default_workers,
-                        help="handler threads: concurrent calls, including open streams")
+    parser.add_argument(
+        "--max-workers",
+        type=int,
+        default=default_workers,
+        help="handler threads: concurrent calls, including open streams",
+    )
     parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS")
     parser.add_argument("--tls-key", help="PEM private key")
     parser.add_argument("--auth-token", help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
@@ -220,9 +224,7 @@ class Server:
         service_names = list(register(self.grpc_server))
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc_server)
-        reflection.enable_server_reflection(
-            [*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME], self.grpc_server
-        )
+        reflection.enable_server_reflection([*service_names, HEALTH_SERVICE, reflection.SERVICE_NAME], self.grpc_server)
         address = f"{options.host}:{options.port}"
         if options.tls_cert:
             creds = grpc.ssl_server_credentials(

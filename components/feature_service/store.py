@@ -236,8 +236,13 @@ def user_history(store, users: np.ndarray, before_ts: np.ndarray, max_len: int) 
     rows = ranges(starts, lengths)
     out_offsets = np.zeros(len(users) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out_offsets[1:])
-    return {"offsets": out_offsets, "items": items[rows], "item_ids": item_ids[rows],
-            "timestamps": timestamps[rows], "actions": actions[rows]}
+    return {
+        "offsets": out_offsets,
+        "items": items[rows],
+        "item_ids": item_ids[rows],
+        "timestamps": timestamps[rows],
+        "actions": actions[rows],
+    }
 
 
 def redis_prefix(schema: StoreSchema) -> str:
@@ -290,8 +295,13 @@ def materialize(store: MemoryStore, redis_url: str, chunk: int = 4096, progress:
     bar.close()
     client.set(f"{prefix}:schema", store.schema.to_json())
     client.close()
-    return {"prefix": prefix, "keys": len(jobs) + 1, "fields": fields, "bytes": nbytes,
-            "seconds": round(time.perf_counter() - started, 3)}
+    return {
+        "prefix": prefix,
+        "keys": len(jobs) + 1,
+        "fields": fields,
+        "bytes": nbytes,
+        "seconds": round(time.perf_counter() - started, 3),
+    }
 
 
 class RedisStore:

@@ -17,16 +17,34 @@ from gemrec.components.trainer.run import run_training
 from gemrec.components.trainer.tracking import git_commit
 
 
-def run_quality_bench(dataset: Path, recipe: str, arms: list[str], overrides: list[str], tracking_uri: str | None,
-                      experiment: str, device: str, out: Path | None) -> str:
+def run_quality_bench(
+    dataset: Path,
+    recipe: str,
+    arms: list[str],
+    overrides: list[str],
+    tracking_uri: str | None,
+    experiment: str,
+    device: str,
+    out: Path | None,
+) -> str:
     results = {}
     with tempfile.TemporaryDirectory(prefix="gemrec-bench-") as tmp:
         for arm in arms:
             config = load_recipe(recipe, overrides, arch=arm)
             start = time.perf_counter()
-            summary = run_training(config, dataset=dataset, data_addr=None, run_dir=Path(tmp) / arm,
-                                   tracking_uri=tracking_uri, experiment=experiment, metrics_out=None,
-                                   resume=False, device=device, progress=True, log_model=False)
+            summary = run_training(
+                config,
+                dataset=dataset,
+                data_addr=None,
+                run_dir=Path(tmp) / arm,
+                tracking_uri=tracking_uri,
+                experiment=experiment,
+                metrics_out=None,
+                resume=False,
+                device=device,
+                progress=True,
+                log_model=False,
+            )
             summary["wall_seconds"] = time.perf_counter() - start
             results[arm] = summary
     first = results[arms[0]]
@@ -36,8 +54,13 @@ def run_quality_bench(dataset: Path, recipe: str, arms: list[str], overrides: li
         f"({first['eval_examples']} eval examples), commit {git_commit()[:10]}, {platform.node()}, "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
         "",
-        "| arm | " + " | ".join(f"NE {t}" for t in tasks) + " | " + " | ".join(f"AUC {t}" for t in tasks)
-        + " | " + " | ".join(f"calib {t}" for t in tasks) + " | QPS | wall s |",
+        "| arm | "
+        + " | ".join(f"NE {t}" for t in tasks)
+        + " | "
+        + " | ".join(f"AUC {t}" for t in tasks)
+        + " | "
+        + " | ".join(f"calib {t}" for t in tasks)
+        + " | QPS | wall s |",
         "|---" * (2 + 3 * len(tasks) + 1) + "|",
     ]
 
@@ -46,13 +69,21 @@ def run_quality_bench(dataset: Path, recipe: str, arms: list[str], overrides: li
 
     for arm in arms:
         r = results[arm]
-        lines.append(f"| {arm} | " + " | ".join(fmt(r["ne"][t]) for t in tasks) + " | "
-                     + " | ".join(fmt(r["auc"][t]) for t in tasks) + " | "
-                     + " | ".join(fmt(r["calibration"][t], 3) for t in tasks)
-                     + f" | {r['qps']:.0f} | {r['wall_seconds']:.0f} |")
+        lines.append(
+            f"| {arm} | "
+            + " | ".join(fmt(r["ne"][t]) for t in tasks)
+            + " | "
+            + " | ".join(fmt(r["auc"][t]) for t in tasks)
+            + " | "
+            + " | ".join(fmt(r["calibration"][t], 3) for t in tasks)
+            + f" | {r['qps']:.0f} | {r['wall_seconds']:.0f} |"
+        )
     blank = " | ".join("-" for _ in tasks)
-    lines.append("| base rate (train) | " + " | ".join(fmt(first["ne_train_base_rate"][t]) for t in tasks)
-                 + f" | {blank} | {blank} | - | - |")
+    lines.append(
+        "| base rate (train) | "
+        + " | ".join(fmt(first["ne_train_base_rate"][t]) for t in tasks)
+        + f" | {blank} | {blank} | - | - |"
+    )
     lines.append("| base rate (eval) | " + " | ".join("1.0000" for _ in tasks) + f" | {blank} | {blank} | - | - |")
     table = "\n".join(lines)
     if out is not None:

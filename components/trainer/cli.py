@@ -13,15 +13,18 @@ log = logging.getLogger(__name__)
 
 def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     p = groups["_top"].add_parser(
-        "train", help="train a model (alone or under torchrun)",
-        description="Train `gem` or `dlrm` on a dataset directory or a data service; logs to MLflow (rank 0).")
+        "train",
+        help="train a model (alone or under torchrun)",
+        description="Train `gem` or `dlrm` on a dataset directory or a data service; logs to MLflow (rank 0).",
+    )
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--dataset", type=Path, help="dataset directory (gemrec data prepare|synth)")
     source.add_argument("--data-addr", metavar="HOST:PORT", help="gRPC data service address")
     _add_common(p)
     p.add_argument("--metrics-out", type=Path, help="write the final metrics as JSON here (rank 0)")
-    p.add_argument("--run-dir", type=Path, help="checkpoints go to RUN_DIR/checkpoints "
-                   "(default runs/train/<recipe>-<model>)")
+    p.add_argument(
+        "--run-dir", type=Path, help="checkpoints go to RUN_DIR/checkpoints (default runs/train/<recipe>-<model>)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-log-model", action="store_true", help="do not log the model to MLflow")
@@ -29,8 +32,10 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
 
     if "bench" in groups:
         q = groups["bench"].add_parser(
-            "quality", help="gem vs dlrm vs base rate: NE per task, trained and evaluated in one run",
-            description="Train every arm on the same data and eval split; print a markdown table.")
+            "quality",
+            help="gem vs dlrm vs base rate: NE per task, trained and evaluated in one run",
+            description="Train every arm on the same data and eval split; print a markdown table.",
+        )
         q.add_argument("--dataset", type=Path, required=True, help="dataset directory")
         _add_common(q, default_recipe="movielens")
         q.add_argument("--arms", default="gem,dlrm", help="comma-separated model arms (default gem,dlrm)")
@@ -38,9 +43,11 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
         q.set_defaults(func=cmd_bench_quality)
 
         g = groups["bench"].add_parser(
-            "train", help="training QPS/MFU per layer + profiler table on synthetic production-shaped batches",
+            "train",
+            help="training QPS/MFU per layer + profiler table on synthetic production-shaped batches",
             description="The recipe's model on synthetic batches built as ModelInput (no torchrec, no data "
-                        "service): QPS, E2E and local MFU, per-layer table, profiler table (for the GPU).")
+            "service): QPS, E2E and local MFU, per-layer table, profiler table (for the GPU).",
+        )
         g.add_argument("--recipe", default="h200-bench", help="recipe name or .toml path (default h200-bench)")
         g.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE")
         g.add_argument("--out", type=Path, required=True, help="folder for gpu_bench.json, report.txt, profile.txt")
@@ -55,8 +62,14 @@ def _add_common(p: argparse.ArgumentParser, default_recipe: str | None = None) -
         p.add_argument("--recipe", default=default_recipe, help=f"recipe name or .toml path (default {default_recipe})")
     if default_recipe is None:
         p.add_argument("--model", choices=["gem", "dlrm"], help="override the recipe's model.arch")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override a recipe setting (repeatable), e.g. --set train.steps=50")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override a recipe setting (repeatable), e.g. --set train.steps=50",
+    )
     p.add_argument("--tracking-uri", help="MLflow store (default $MLFLOW_TRACKING_URI or sqlite:///mlruns.db)")
     p.add_argument("--experiment", default="gemrec", help="MLflow experiment name (default gemrec)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -71,10 +84,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     except RecipeError as err:
         raise CLIError(str(err)) from err
     run_dir = args.run_dir or Path("runs") / "train" / f"{config.recipe}-{config.arch}"
-    run_training(config, dataset=args.dataset, data_addr=args.data_addr, run_dir=run_dir,
-                 tracking_uri=args.tracking_uri, experiment=args.experiment, metrics_out=args.metrics_out,
-                 resume=args.resume, device=args.device, progress=not args.no_progress,
-                 log_model=not args.no_log_model)
+    run_training(
+        config,
+        dataset=args.dataset,
+        data_addr=args.data_addr,
+        run_dir=run_dir,
+        tracking_uri=args.tracking_uri,
+        experiment=args.experiment,
+        metrics_out=args.metrics_out,
+        resume=args.resume,
+        device=args.device,
+        progress=not args.no_progress,
+        log_model=not args.no_log_model,
+    )
     return 0
 
 
@@ -101,6 +123,9 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
     bad = [a for a in arms if a not in ("gem", "dlrm")]
     if bad or not arms:
         raise CLIError(f"--arms takes gem and/or dlrm, got {args.arms!r}")
-    print(run_quality_bench(args.dataset, args.recipe, arms, args.overrides, args.tracking_uri, args.experiment,
-                            args.device, args.out))
+    print(
+        run_quality_bench(
+            args.dataset, args.recipe, arms, args.overrides, args.tracking_uri, args.experiment, args.device, args.out
+        )
+    )
     return 0

@@ -110,8 +110,13 @@ class TrainConfig:
         return out
 
 
-SECTIONS = {"data": DataConfig, "optim": OptimConfig, "train": LoopConfig, "checkpoint": CheckpointConfig,
-            "bench": BenchConfig}
+SECTIONS = {
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "train": LoopConfig,
+    "checkpoint": CheckpointConfig,
+    "bench": BenchConfig,
+}
 
 
 def available_recipes() -> list[str]:
@@ -126,8 +131,10 @@ def recipe_path(name: str) -> Path:
     path = Path(name)
     if path.suffix == ".toml" and path.is_file():
         return path
-    raise RecipeError(f"unknown recipe {name!r}: built-in recipes are {', '.join(available_recipes())}, "
-                      "or pass a path to a .toml file")
+    raise RecipeError(
+        f"unknown recipe {name!r}: built-in recipes are {', '.join(available_recipes())}, "
+        "or pass a path to a .toml file"
+    )
 
 
 def _coerce(value: Any, template: Any, where: str) -> Any:
@@ -166,8 +173,10 @@ def _build_section(cls: type, values: dict[str, Any], section: str) -> Any:
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise RecipeError(f"unknown setting(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
-                          f"[{section}] takes {', '.join(sorted(known))}")
+        raise RecipeError(
+            f"unknown setting(s) {', '.join(f'{section}.{k}' for k in unknown)}; "
+            f"[{section}] takes {', '.join(sorted(known))}"
+        )
     kwargs = {k: _coerce(v, getattr(defaults, k), f"{section}.{k}") for k, v in values.items()}
     return cls(**kwargs)
 
@@ -194,8 +203,9 @@ def build_config(raw: dict[str, Any], recipe: str = "custom", overrides: list[st
         raw.setdefault(section, {})[key] = value
     unknown = sorted(set(raw) - set(SECTIONS) - {"model", "parallel"})
     if unknown:
-        raise RecipeError(f"unknown section(s) {', '.join(unknown)}; recipes take "
-                          f"{', '.join(['model', 'parallel', *SECTIONS])}")
+        raise RecipeError(
+            f"unknown section(s) {', '.join(unknown)}; recipes take {', '.join(['model', 'parallel', *SECTIONS])}"
+        )
     model = dict(raw.get("model", {}))
     model.setdefault("arch", "gem")
     if model["arch"] not in ("gem", "dlrm"):
@@ -227,8 +237,10 @@ def validate(config: TrainConfig) -> None:
             raise RecipeError(message)
     model = _model_config(config)
     if model.rotary and config.data.max_seq_len > model.rotary_max_positions:
-        raise RecipeError(f"data.max_seq_len {config.data.max_seq_len} exceeds model.rotary_max_positions "
-                          f"{model.rotary_max_positions}: raise model.rotary_max_positions or shorten the histories")
+        raise RecipeError(
+            f"data.max_seq_len {config.data.max_seq_len} exceeds model.rotary_max_positions "
+            f"{model.rotary_max_positions}: raise model.rotary_max_positions or shorten the histories"
+        )
     from gemrec.components.trainer.parallel.integration import ParallelConfigError, parallel_config
 
     try:  # also on one rank, where the table is not used: a typo there should not wait for a multi-GPU run

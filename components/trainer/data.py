@@ -87,8 +87,17 @@ class DatasetStream:
 
     kind = "dataset"
 
-    def __init__(self, dataset, batch_size: int, max_seq_len: int, seed: int, rank: int = 0, world_size: int = 1,
-                 prefetch: int = 2, split: str = TRAIN_SPLIT):
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        max_seq_len: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        prefetch: int = 2,
+        split: str = TRAIN_SPLIT,
+    ):
         self.dataset = dataset
         self.split = split
         self.batch_size = batch_size
@@ -101,8 +110,10 @@ class DatasetStream:
         self.global_batch = batch_size * world_size
         self.batches_per_epoch = self.num_examples // self.global_batch
         if self.batches_per_epoch == 0:
-            raise ValueError(f"split {split!r} has {self.num_examples} examples, fewer than one global batch "
-                             f"({batch_size} x {world_size} ranks)")
+            raise ValueError(
+                f"split {split!r} has {self.num_examples} examples, fewer than one global batch "
+                f"({batch_size} x {world_size} ranks)"
+            )
         self.position = 0
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
@@ -156,8 +167,16 @@ class RemoteStream:
 
     kind = "remote"
 
-    def __init__(self, address: str, batch_size: int, max_seq_len: int, seed: int, rank: int = 0,
-                 world_size: int = 1, token: str | None = None):
+    def __init__(
+        self,
+        address: str,
+        batch_size: int,
+        max_seq_len: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        token: str | None = None,
+    ):
         from gemrec.components.data_service.client import DataClient
 
         self.address = address
@@ -180,9 +199,19 @@ class RemoteStream:
         self.cursor = b""
 
     def _client(self, split: str, epoch: int, shuffle: bool, cursor: bytes = b"", batch_size: int | None = None):
-        return self._client_cls(self.address, split=split, rank=self.rank, world_size=self.world_size,
-                                batch_size=batch_size or self.batch_size, max_seq_len=self.max_seq_len,
-                                epoch=epoch, seed=self.seed, shuffle=shuffle, cursor=cursor, token=self.token)
+        return self._client_cls(
+            self.address,
+            split=split,
+            rank=self.rank,
+            world_size=self.world_size,
+            batch_size=batch_size or self.batch_size,
+            max_seq_len=self.max_seq_len,
+            epoch=epoch,
+            seed=self.seed,
+            shuffle=shuffle,
+            cursor=cursor,
+            token=self.token,
+        )
 
     def __iter__(self) -> Iterator[Batch]:
         while True:

@@ -74,8 +74,14 @@ def synthetic_lengths(bench, batch_size: int, max_seq_len: int, gen: torch.Gener
     return lengths.clamp(1, max_seq_len)
 
 
-def synthetic_batch(schema: FeatureSchema, bench, batch_size: int, max_seq_len: int, gen: torch.Generator,
-                    lengths: torch.Tensor | None = None):
+def synthetic_batch(
+    schema: FeatureSchema,
+    bench,
+    batch_size: int,
+    max_seq_len: int,
+    gen: torch.Generator,
+    lengths: torch.Tensor | None = None,
+):
     """(ModelInput on the host, labels) with the given history `lengths`, else drawn by `synthetic_lengths`."""
     if lengths is None:
         lengths = synthetic_lengths(bench, batch_size, max_seq_len, gen)
@@ -85,11 +91,16 @@ def synthetic_batch(schema: FeatureSchema, bench, batch_size: int, max_seq_len: 
     tokens = int(offsets[-1])
     per_key = {}
     for f in schema.sparse_features:
-        counts = (torch.randint(1, 5, (batch_size,), generator=gen) if f.multi_valued
-                  else torch.ones(batch_size, dtype=torch.long))
+        counts = (
+            torch.randint(1, 5, (batch_size,), generator=gen)
+            if f.multi_valued
+            else torch.ones(batch_size, dtype=torch.long)
+        )
         per_key[f.name] = (_ids(gen, int(counts.sum()), f.num_embeddings), counts)
-    seq_features = {name: (_ids(gen, tokens, schema.feature(name).num_embeddings), torch.ones(tokens, dtype=torch.long))
-                    for name in schema.seq_item_features}
+    seq_features = {
+        name: (_ids(gen, tokens, schema.feature(name).num_embeddings), torch.ones(tokens, dtype=torch.long))
+        for name in schema.seq_item_features
+    }
     now = 1_700_000_000
     inp = ModelInput(
         sparse_features=JaggedFeatures.from_dict(per_key, stride=batch_size),
@@ -154,8 +165,10 @@ def run(argv: list[str] | None = None) -> dict:
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
 
     gen = torch.Generator().manual_seed(config.train.seed)
-    host = [synthetic_batch(schema, bench, config.data.batch_size, config.data.max_seq_len, gen)
-            for _ in range(bench.distinct_batches)]
+    host = [
+        synthetic_batch(schema, bench, config.data.batch_size, config.data.max_seq_len, gen)
+        for _ in range(bench.distinct_batches)
+    ]
     flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
     batches = [(inp.to(device), labels.to(device)) for inp, labels in host]
     tokens = [inp.num_tokens for inp, _ in host]
@@ -190,17 +203,28 @@ def run(argv: list[str] | None = None) -> dict:
     step_flops = sum(flops[i] for i in idx)
     examples = config.data.batch_size * bench.steps
     peak = device_peak(device, bf16)
-    measured = (measure_matmul_ceiling(device, torch.bfloat16 if bf16 else torch.float32, n=8192, seconds=2.0)
-                if device.type == "cuda" else peak.flops)
+    measured = (
+        measure_matmul_ceiling(device, torch.bfloat16 if bf16 else torch.float32, n=8192, seconds=2.0)
+        if device.type == "cuda"
+        else peak.flops
+    )
     e2e = step_flops / seconds / peak.flops
 
     inp0, _ = batches[0]
-    local, layers = measure_local_mfu(model, model_flops(model, host[0][0]), lambda: model(inp0), peak.flops,
-                                      device, autocast, repeats=max(3, config.train.local_mfu_repeats))
+    local, layers = measure_local_mfu(
+        model,
+        model_flops(model, host[0][0]),
+        lambda: model(inp0),
+        peak.flops,
+        device,
+        autocast,
+        repeats=max(3, config.train.local_mfu_repeats),
+    )
     step_ms = 1000 * seconds / bench.steps
     host_syncs, sync_sites = count_host_syncs(step) if device.type == "cuda" else (0, [])
-    table, graphs_per_step = profile_steps(step, bench.profile_steps, device,
-                                           args.out / "trace.json.gz" if args.trace else None)
+    table, graphs_per_step = profile_steps(
+        step, bench.profile_steps, device, args.out / "trace.json.gz" if args.trace else None
+    )
     result = {
         "recipe": config.recipe,
         "device": peak.device,
@@ -225,8 +249,16 @@ def run(argv: list[str] | None = None) -> dict:
         "mfu_e2e_vs_measured": step_flops / seconds / measured,
         "mfu_local": local,
         "scaling_ratio": e2e / local if local else float("nan"),
-        "layers": [{"name": r.name, "tflop": r.flops / 1e12, "ms": 1000 * r.seconds, "mfu": r.mfu,
-                    "share_of_step": 1000 * r.seconds / step_ms} for r in layers],
+        "layers": [
+            {
+                "name": r.name,
+                "tflop": r.flops / 1e12,
+                "ms": 1000 * r.seconds,
+                "mfu": r.mfu,
+                "share_of_step": 1000 * r.seconds / step_ms,
+            }
+            for r in layers
+        ],
         "final_loss": float(losses[-1]),
         "host_syncs_per_step": host_syncs,
         "host_sync_sites": sync_sites,
@@ -237,8 +269,10 @@ def run(argv: list[str] | None = None) -> dict:
     (args.out / "profile.txt").write_text(table)
     lines = [f"{k}: {v}" for k, v in result.items() if k != "layers"]
     lines.append("layer | TFLOP | ms (fwd+bwd alone) | MFU | share of step")
-    lines += [f"{r['name']} | {r['tflop']:.3f} | {r['ms']:.2f} | {100 * r['mfu']:.1f}% | {100 * r['share_of_step']:.1f}%"
-              for r in result["layers"]]
+    lines += [
+        f"{r['name']} | {r['tflop']:.3f} | {r['ms']:.2f} | {100 * r['mfu']:.1f}% | {100 * r['share_of_step']:.1f}%"
+        for r in result["layers"]
+    ]
     report = "\n".join(lines)
     (args.out / "report.txt").write_text(report + "\n\n" + table)
     print(table)

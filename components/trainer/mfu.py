@@ -42,8 +42,12 @@ class Peak:
     measured_flops: float | None = None  # measured ceiling beside a datasheet number
 
     def as_dict(self) -> dict:
-        return {"device": self.device, "flops": self.flops, "source": self.source,
-                "measured_flops": self.measured_flops}
+        return {
+            "device": self.device,
+            "flops": self.flops,
+            "source": self.source,
+            "measured_flops": self.measured_flops,
+        }
 
 
 def measure_matmul_ceiling(device: torch.device, dtype: torch.dtype, n: int = 1024, seconds: float = 0.3) -> float:

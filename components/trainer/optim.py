@@ -98,12 +98,18 @@ class Optimizers:
         on_cuda = all(p.is_cuda for _, p in self.dense_named) and bool(self.dense_named)
         self.dense = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=config.dense_lr, betas=tuple(config.betas), eps=config.eps, fused=True if on_cuda else None,
+            lr=config.dense_lr,
+            betas=tuple(config.betas),
+            eps=config.eps,
+            fused=True if on_cuda else None,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.dense, self.lr_factor)
         self.set_sparse_lr(self.lr_factor(0))
-        log.info("optimizers: AdamW over %d dense tensors, in-backward sparse optimizer over %d tables",
-                 len(self.dense_named), len(self.sparse_params))
+        log.info(
+            "optimizers: AdamW over %d dense tensors, in-backward sparse optimizer over %d tables",
+            len(self.dense_named),
+            len(self.sparse_params),
+        )
 
     def lr_factor(self, step: int) -> float:
         """Linear warmup to 1, then cosine/linear decay to min_lr_ratio at the last step."""
@@ -147,8 +153,9 @@ class Optimizers:
     def state_dict(self) -> dict:
         dense_names = {id(p): n for n, p in self.dense_named}
         dense_state = {dense_names[id(p)]: dict(s) for p, s in self.dense.state.items()}
-        sparse_state = {name: dict(opt.state[self.sparse_params[name]])
-                        for name, opt in self.sparse_optimizers().items()}
+        sparse_state = {
+            name: dict(opt.state[self.sparse_params[name]]) for name, opt in self.sparse_optimizers().items()
+        }
         return {"dense": dense_state, "sparse": sparse_state, "scheduler": {"last_epoch": self.scheduler.last_epoch}}
 
     def load_state_dict(self, state: dict) -> None:

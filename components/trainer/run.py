@@ -29,10 +29,18 @@ def dataset_source(config: TrainConfig, dataset_dir: Path, rank: int, world_size
     from gemrec.components.trainer.data import EVAL_SPLIT, TRAIN_SPLIT, DatasetStream, eval_row_chunks
 
     ds = Dataset.open(dataset_dir)
-    stream = DatasetStream(ds, config.data.batch_size, config.data.max_seq_len, config.train.seed, rank,
-                           world_size, prefetch=config.data.prefetch)
-    chunks = eval_row_chunks(ds.num_examples(EVAL_SPLIT), config.data.eval_max_examples,
-                             config.data.eval_batch_size, rank, world_size)
+    stream = DatasetStream(
+        ds,
+        config.data.batch_size,
+        config.data.max_seq_len,
+        config.train.seed,
+        rank,
+        world_size,
+        prefetch=config.data.prefetch,
+    )
+    chunks = eval_row_chunks(
+        ds.num_examples(EVAL_SPLIT), config.data.eval_max_examples, config.data.eval_batch_size, rank, world_size
+    )
 
     def eval_batches():
         for rows in chunks:
@@ -54,11 +62,19 @@ def remote_source(config: TrainConfig, addr: str, rank: int, world_size: int):
     from gemrec.components.trainer.data import RemoteStream
 
     try:
-        stream = RemoteStream(addr, config.data.batch_size, config.data.max_seq_len, config.train.seed, rank,
-                              world_size, token=os.environ.get("GEMREC_AUTH_TOKEN"))
+        stream = RemoteStream(
+            addr,
+            config.data.batch_size,
+            config.data.max_seq_len,
+            config.train.seed,
+            rank,
+            world_size,
+            token=os.environ.get("GEMREC_AUTH_TOKEN"),
+        )
     except grpc.RpcError as err:
-        raise CLIError(f"--data-addr {addr}: the data service did not answer ({err.code().name}: "
-                       f"{err.details()})") from err
+        raise CLIError(
+            f"--data-addr {addr}: the data service did not answer ({err.code().name}: {err.details()})"
+        ) from err
     manifest = stream.manifest
 
     def eval_batches():
@@ -74,9 +90,20 @@ def remote_source(config: TrainConfig, addr: str, rank: int, world_size: int):
     return stream, eval_batches, manifest, info
 
 
-def run_training(config: TrainConfig, *, dataset: Path | None, data_addr: str | None, run_dir: Path,
-                 tracking_uri: str | None, experiment: str, metrics_out: Path | None, resume: bool,
-                 device: str = "auto", progress: bool = True, log_model: bool = True) -> dict:
+def run_training(
+    config: TrainConfig,
+    *,
+    dataset: Path | None,
+    data_addr: str | None,
+    run_dir: Path,
+    tracking_uri: str | None,
+    experiment: str,
+    metrics_out: Path | None,
+    resume: bool,
+    device: str = "auto",
+    progress: bool = True,
+    log_model: bool = True,
+) -> dict:
     """Train, evaluate and log; returns the summary (the --metrics-out content) on rank 0, {} elsewhere."""
     from gemrec.components.data_service.errors import DataError
     from gemrec.components.trainer.trainer import RunOptions, Trainer, TrainingError
@@ -95,16 +122,21 @@ def run_training(config: TrainConfig, *, dataset: Path | None, data_addr: str | 
     try:
         try:
             if dataset is not None:
-                stream, eval_batches, manifest, info = dataset_source(config, Path(dataset), ctx.rank,
-                                                                      ctx.world_size)
+                stream, eval_batches, manifest, info = dataset_source(config, Path(dataset), ctx.rank, ctx.world_size)
             else:
                 stream, eval_batches, manifest, info = remote_source(config, data_addr, ctx.rank, ctx.world_size)
             schema = FeatureSchema.from_manifest(manifest)
         except (DataError, ValueError, ConnectionError) as err:
             raise CLIError(f"{dataset or data_addr}: {err}") from err
-        options = RunOptions(run_dir=Path(run_dir), tracking_uri=resolve_tracking_uri(tracking_uri),
-                             experiment=experiment, metrics_out=metrics_out, resume=resume, progress=progress,
-                             log_model=log_model)
+        options = RunOptions(
+            run_dir=Path(run_dir),
+            tracking_uri=resolve_tracking_uri(tracking_uri),
+            experiment=experiment,
+            metrics_out=metrics_out,
+            resume=resume,
+            progress=progress,
+            log_model=log_model,
+        )
         try:
             trainer = Trainer(config, ctx, options, stream, eval_batches, schema, info)
         except (ValueError, TrainingError) as err:  # the model or the trainer rejects the config

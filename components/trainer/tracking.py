@@ -26,12 +26,12 @@ def resolve_tracking_uri(uri: str | None = None) -> str:
     """The store URI (flag, $MLFLOW_TRACKING_URI, default) with a relative SQLite path made absolute."""
     uri = uri or os.environ.get("MLFLOW_TRACKING_URI") or DEFAULT_TRACKING_URI
     if uri.startswith("sqlite:///") and not uri.startswith("sqlite:////"):
-        return "sqlite:///" + str(Path(uri[len("sqlite:///"):]).resolve())
+        return "sqlite:///" + str(Path(uri[len("sqlite:///") :]).resolve())
     return uri
 
 
 def sqlite_path(uri: str) -> Path | None:
-    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
 
 
 def artifact_root(uri: str) -> Path | None:
@@ -45,8 +45,9 @@ def git_commit() -> str:
     if os.environ.get("GEMREC_GIT_COMMIT"):
         return os.environ["GEMREC_GIT_COMMIT"]
     try:
-        out = subprocess.run(["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True)
+        out = subprocess.run(
+            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
+        )
         return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -55,8 +56,9 @@ def git_commit() -> str:
 class Tracker:
     """Logs to MLflow when `enabled` (rank 0); every method is a no-op on the other ranks."""
 
-    def __init__(self, enabled: bool, tracking_uri: str, experiment: str, run_name: str,
-                 resume_run_id: str | None = None):
+    def __init__(
+        self, enabled: bool, tracking_uri: str, experiment: str, run_name: str, resume_run_id: str | None = None
+    ):
         """`resume_run_id`: continue that run (a resumed training) when it exists in this store."""
         self.enabled = enabled
         self.run_id: str | None = None
@@ -76,18 +78,24 @@ class Tracker:
                 mlflow.get_run(resume_run_id)
                 self.resumed = True
             except mlflow.exceptions.MlflowException:
-                log.info("MLflow run %s of the checkpoint is not in %s: starting a new run", resume_run_id,
-                         tracking_uri)
-        self.run = (mlflow.start_run(run_id=resume_run_id) if self.resumed
-                    else mlflow.start_run(run_name=run_name))
+                log.info(
+                    "MLflow run %s of the checkpoint is not in %s: starting a new run", resume_run_id, tracking_uri
+                )
+        self.run = mlflow.start_run(run_id=resume_run_id) if self.resumed else mlflow.start_run(run_name=run_name)
         self.run_id = self.run.info.run_id
-        log.info("MLflow run %s%s in experiment %r at %s", self.run_id, " (resumed)" if self.resumed else "",
-                 experiment, tracking_uri)
+        log.info(
+            "MLflow run %s%s in experiment %r at %s",
+            self.run_id,
+            " (resumed)" if self.resumed else "",
+            experiment,
+            tracking_uri,
+        )
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.enabled:
-            self.mlflow.log_params({k: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v
-                                    for k, v in params.items()})
+            self.mlflow.log_params(
+                {k: json.dumps(v) if isinstance(v, (list, tuple, dict)) else v for k, v in params.items()}
+            )
 
     def set_tags(self, tags: dict[str, Any]) -> None:
         if self.enabled:
@@ -118,8 +126,12 @@ class Tracker:
         import mlflow.pytorch
         import torch
 
-        mlflow.pytorch.log_model(model, name=name, serialization_format="pickle",
-                                 pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"])
+        mlflow.pytorch.log_model(
+            model,
+            name=name,
+            serialization_format="pickle",
+            pip_requirements=[f"torch=={torch.__version__.split('+')[0]}"],
+        )
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "state_dict.pt"
             torch.save(model.state_dict(), path)

@@ -128,8 +128,16 @@ def finite_or_none(value):
 
 
 class Trainer:
-    def __init__(self, config: TrainConfig, ctx: DistContext, options: RunOptions, stream, eval_source,
-                 schema, dataset_info: dict):
+    def __init__(
+        self,
+        config: TrainConfig,
+        ctx: DistContext,
+        options: RunOptions,
+        stream,
+        eval_source,
+        schema,
+        dataset_info: dict,
+    ):
         """`stream` yields training `Batch`es and has `state()/load_state()`; `eval_source(rows_fn)` gives
         eval batches; `dataset_info` carries name, checksum and the training label base rates."""
         from gemrec.model import ModelConfig, build_model
@@ -159,8 +167,9 @@ class Trainer:
         self.total_steps = total_steps_for(config, dataset_info["batches_per_epoch"])
         self.optimizers = Optimizers(unwrap(self.train_model), config.optim, self.total_steps)
         self.bf16, self.autocast = autocast_for(config, self.device)
-        self.checkpoints = CheckpointManager(options.run_dir / "checkpoints", config.checkpoint.keep, ctx.rank,
-                                             ctx.barrier)
+        self.checkpoints = CheckpointManager(
+            options.run_dir / "checkpoints", config.checkpoint.keep, ctx.rank, ctx.barrier
+        )
         self.step = 0
         self.stream_state: dict | None = None  # the data stream's state after the last trained batch
         self.history: list[dict] = []
@@ -196,8 +205,10 @@ class Trainer:
         template["optim"] = self.optimizers.empty_state_template()
         meta = self.checkpoints.load(template, path)
         if meta.get("dataset_checksum") not in (None, self.dataset_info.get("checksum")):
-            raise TrainingError(f"checkpoint {path} was written for dataset {meta.get('dataset_checksum')}, "
-                                f"not {self.dataset_info.get('checksum')}")
+            raise TrainingError(
+                f"checkpoint {path} was written for dataset {meta.get('dataset_checksum')}, "
+                f"not {self.dataset_info.get('checksum')}"
+            )
         set_model_state_dict(self.train_model, template["model"])
         self.optimizers.load_state_dict(template["optim"])
         self.stream.load_state(template["data"][f"rank{self.ctx.rank}"])
@@ -212,8 +223,11 @@ class Trainer:
         return True
 
     def save_checkpoint(self) -> None:
-        meta = {"dataset_checksum": self.dataset_info.get("checksum"), "recipe": self.config.recipe,
-                "mlflow_run_id": self.tracker.run_id if self.tracker else None}
+        meta = {
+            "dataset_checksum": self.dataset_info.get("checksum"),
+            "recipe": self.config.recipe,
+            "mlflow_run_id": self.tracker.run_id if self.tracker else None,
+        }
         self.last_checkpoint = self.checkpoints.save(self.step, self.state(), meta)
 
     # -- loss and steps --------------------------------------------------------------------------------
@@ -230,8 +244,11 @@ class Trainer:
         if bad is None:
             return
         step, value = bad
-        where = (f"the last good checkpoint is {self.last_checkpoint} (resume from it with --resume)"
-                 if self.last_checkpoint else "no checkpoint was written before it")
+        where = (
+            f"the last good checkpoint is {self.last_checkpoint} (resume from it with --resume)"
+            if self.last_checkpoint
+            else "no checkpoint was written before it"
+        )
         raise TrainingError(f"loss is {value} at step {step}: training stopped; {where}")
 
     # -- evaluation ------------------------------------------------------------------------------------
@@ -253,8 +270,10 @@ class Trainer:
         finally:
             model.train()
         num_tasks = len(self.task_names)
-        local = (np.concatenate(labels) if labels else np.zeros((0, num_tasks), np.float32),
-                 np.concatenate(logits) if logits else np.zeros((0, num_tasks), np.float32))
+        local = (
+            np.concatenate(labels) if labels else np.zeros((0, num_tasks), np.float32),
+            np.concatenate(logits) if logits else np.zeros((0, num_tasks), np.float32),
+        )
         train_rates = self.dataset_info.get("train_base_rates") or self.observed_train_rates()  # collective
         gathered = self.ctx.gather_objects(local)
         if gathered is None:
@@ -307,8 +326,13 @@ class Trainer:
             self.checkpoints.clear()
         peak = device_peak(self.device, self.bf16)
         self.peak = peak
-        self.tracker = Tracker(ctx.is_main, self.options.tracking_uri, self.options.experiment,
-                               run_name=f"{cfg.recipe}-{cfg.arch}", resume_run_id=self.resumed_run_id)
+        self.tracker = Tracker(
+            ctx.is_main,
+            self.options.tracking_uri,
+            self.options.experiment,
+            run_name=f"{cfg.recipe}-{cfg.arch}",
+            resume_run_id=self.resumed_run_id,
+        )
         try:
             result = self._run(peak)
         except BaseException:
@@ -319,13 +343,27 @@ class Trainer:
 
     def _log_start(self, peak: Peak) -> None:
         tracker = self.tracker
-        tracker.log_params({**self.config.flat(), "world_size": self.ctx.world_size,
-                            "num_params": self.num_params, "total_steps": self.total_steps,
-                            "sparse_optimizer": self.sparse_kind})
-        tracker.set_tags({"git_commit": git_commit(), "dataset_checksum": self.dataset_info.get("checksum"),
-                          "dataset": self.dataset_info.get("name"), "device": peak.device,
-                          "world_size": self.ctx.world_size, "recipe": self.config.recipe,
-                          "arch": self.config.arch, "peak_flops": f"{peak.flops:.4g} ({peak.source})"})
+        tracker.log_params(
+            {
+                **self.config.flat(),
+                "world_size": self.ctx.world_size,
+                "num_params": self.num_params,
+                "total_steps": self.total_steps,
+                "sparse_optimizer": self.sparse_kind,
+            }
+        )
+        tracker.set_tags(
+            {
+                "git_commit": git_commit(),
+                "dataset_checksum": self.dataset_info.get("checksum"),
+                "dataset": self.dataset_info.get("name"),
+                "device": peak.device,
+                "world_size": self.ctx.world_size,
+                "recipe": self.config.recipe,
+                "arch": self.config.arch,
+                "peak_flops": f"{peak.flops:.4g} ({peak.source})",
+            }
+        )
         tracker.log_dict(self.config.to_dict(), "config/config.json")
         lengths = self.dataset_info.get("train_seq_lengths")
         if lengths is not None and self.tracker.enabled:
@@ -345,14 +383,30 @@ class Trainer:
             tracker.set_tags({f"resumed_at_step_{self.step}": str(self.last_checkpoint)})
         else:
             self._log_start(peak)
-        log.info("training %s (%s, %.2fM params) for %d steps from step %d on %s x%d; peak %.3g FLOP/s (%s)",
-                 cfg.recipe, cfg.arch, self.num_params / 1e6, self.total_steps, self.step, peak.device,
-                 ctx.world_size, peak.flops, peak.source)
+        log.info(
+            "training %s (%s, %.2fM params) for %d steps from step %d on %s x%d; peak %.3g FLOP/s (%s)",
+            cfg.recipe,
+            cfg.arch,
+            self.num_params / 1e6,
+            self.total_steps,
+            self.step,
+            peak.device,
+            ctx.world_size,
+            peak.flops,
+            peak.source,
+        )
         window = Window()
         totals = {"examples": 0, "tokens": 0, "flops": 0.0, "seconds": 0.0}
         last_inp = None
-        bar = tqdm(total=self.total_steps, initial=self.step, disable=not (ctx.is_main and self.options.progress),
-                   desc=f"train {cfg.arch}", unit="step", mininterval=1.0, dynamic_ncols=True)
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.step,
+            disable=not (ctx.is_main and self.options.progress),
+            desc=f"train {cfg.arch}",
+            unit="step",
+            mininterval=1.0,
+            dynamic_ncols=True,
+        )
         # (batch, host input, device input, stream state after it); pipelined when the tables are sharded
         batches = training_inputs(self.train_model, self.stream, self.device, to_model_input)
         self.train_model.train()
@@ -441,9 +495,14 @@ class Trainer:
                 flat[f"{key}_{name}"] = value
         self.eval_history.append(flat)
         self.tracker.log_metrics({f"eval/{k}": v for k, v in flat.items() if k != "step"}, step=self.step)
-        log.info("eval at step %d: %s", self.step, ", ".join(
-            f"{n}: NE {v['ne']:.4f} AUC {v['auc']:.4f} calib {v['calibration']:.3f}"
-            for n, v in result["tasks"].items()))
+        log.info(
+            "eval at step %d: %s",
+            self.step,
+            ", ".join(
+                f"{n}: NE {v['ne']:.4f} AUC {v['auc']:.4f} calib {v['calibration']:.3f}"
+                for n, v in result["tasks"].items()
+            ),
+        )
 
     def _finish(self, final_eval: dict | None, totals: dict, peak: Peak, last_inp) -> dict:
         from gemrec.model import model_flops
@@ -461,8 +520,15 @@ class Trainer:
 
                 model = build_model(ModelConfig.from_dict(cfg.model), self.schema).to(self.device)
             layer_flops = model_flops(model, last_inp)
-            local, layers = measure_local_mfu(model, layer_flops, lambda: model(last_inp), peak.flops, self.device,
-                                              self.autocast, cfg.train.local_mfu_repeats)
+            local, layers = measure_local_mfu(
+                model,
+                layer_flops,
+                lambda: model(last_inp),
+                peak.flops,
+                self.device,
+                self.autocast,
+                cfg.train.local_mfu_repeats,
+            )
         exported = self.export_model() if self.options.log_model else None
         if not ctx.is_main:
             return {}
@@ -495,16 +561,27 @@ class Trainer:
             "train_loss": self.history[-1]["loss"] if self.history else float("nan"),
             "train_seconds": seconds,
             "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-            "mlflow": {"tracking_uri": self.options.tracking_uri, "experiment": self.options.experiment,
-                       "run_id": self.tracker.run_id},
+            "mlflow": {
+                "tracking_uri": self.options.tracking_uri,
+                "experiment": self.options.experiment,
+                "run_id": self.tracker.run_id,
+            },
             "dataset": {"name": self.dataset_info.get("name"), "checksum": self.dataset_info.get("checksum")},
             "git_commit": git_commit(),
         }
         tracker = self.tracker
-        tracker.log_metrics({"final/qps": qps, "final/tokens_per_s": summary["tokens_per_s"], "final/mfu_e2e": e2e,
-                             "final/mfu_local": local, "final/scaling_ratio": summary["mfu"]["scaling_ratio"],
-                             **{f"final/ne_{n}": v for n, v in summary["ne"].items()},
-                             **{f"final/auc_{n}": v for n, v in summary["auc"].items()}}, step=self.step)
+        tracker.log_metrics(
+            {
+                "final/qps": qps,
+                "final/tokens_per_s": summary["tokens_per_s"],
+                "final/mfu_e2e": e2e,
+                "final/mfu_local": local,
+                "final/scaling_ratio": summary["mfu"]["scaling_ratio"],
+                **{f"final/ne_{n}": v for n, v in summary["ne"].items()},
+                **{f"final/auc_{n}": v for n, v in summary["auc"].items()},
+            },
+            step=self.step,
+        )
         if tracker.enabled:
             import matplotlib.pyplot as plt
 
@@ -519,8 +596,9 @@ class Trainer:
                 fig = plot_layer_mfu(layer_rows, local, e2e)
                 tracker.log_figure(fig, "plots/layer_mfu.png")
                 plt.close(fig)
-            tracker.log_dict({"layers": layer_rows, "local_mfu": local, "e2e_mfu": e2e, "peak": peak.as_dict()},
-                             "mfu/layers.json")
+            tracker.log_dict(
+                {"layers": layer_rows, "local_mfu": local, "e2e_mfu": e2e, "peak": peak.as_dict()}, "mfu/layers.json"
+            )
             tracker.log_dict(summary, "metrics/summary.json")
             if exported is not None:
                 tracker.log_model(exported)

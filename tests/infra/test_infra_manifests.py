@@ -57,8 +57,9 @@ def test_base_has_every_service_the_system_needs():
     for name in ("gemrec-postgres", "gemrec-minio"):
         assert ("StatefulSet", name) in objects and ("Service", name) in objects, name
     for name in ("gemrec-features", "gemrec-data"):  # the servers bind 127.0.0.1 unless told otherwise
-        service = next(d for p in base_files() for d in load_docs(p)
-                       if d["kind"] == "Deployment" and d["metadata"]["name"] == name)
+        service = next(
+            d for p in base_files() for d in load_docs(p) if d["kind"] == "Deployment" and d["metadata"]["name"] == name
+        )
         assert "--host=0.0.0.0" in service["spec"]["template"]["spec"]["containers"][0]["args"], name
     mlflow = next(d for p in base_files() for d in load_docs(p) if d["metadata"]["name"] == "gemrec-mlflow")
     args = " ".join(mlflow["spec"]["template"]["spec"]["containers"][0]["args"])

@@ -14,8 +14,11 @@ pytestmark = [
 LENGTHS = [0, 1, 37, 300, 129, 1000, 64]
 
 
-@pytest.fixture(autouse=True, params=[(False, False), (True, False), (False, True), (True, True)],
-                ids=["pointers", "tma", "one_launch", "one_launch_tma"])
+@pytest.fixture(
+    autouse=True,
+    params=[(False, False), (True, False), (False, True), (True, True)],
+    ids=["pointers", "tma", "one_launch", "one_launch_tma"],
+)
 def _default_tiles(request, monkeypatch):
     """The first candidate tile of each kernel (one compile per specialization keeps this quick), through pointer
     loads or the tensor-descriptor (TMA) candidates, with the backward in separate launches or in one
@@ -28,8 +31,11 @@ def _default_tiles(request, monkeypatch):
     monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "1" if one_launch else "0")
     for table in ("CONFIGS", "LARGE_HEAD_DIM_CONFIGS"):
         configs = getattr(kernels, table)
-        monkeypatch.setattr(kernels, table, {kind: sorted(c, key=lambda cfg: cfg.get("TMA", False) != tma)
-                                             for kind, c in configs.items()})
+        monkeypatch.setattr(
+            kernels,
+            table,
+            {kind: sorted(c, key=lambda cfg: cfg.get("TMA", False) != tma) for kind, c in configs.items()},
+        )
     for kernel in kernels._KERNELS.values():  # the chosen configs and compiled kernels of the other parameter
         monkeypatch.setattr(kernel, "best", {})
         monkeypatch.setattr(kernel, "compiled", {})
@@ -50,8 +56,9 @@ def rel_err(a, b):
     return float((a.double() - b).norm() / b.norm().clamp(min=1e-12))
 
 
-def check(op, q_lens, kv_lens, heads=2, head_dim=128, causal=False, activation="silu", normalize="kv_len",
-          bias=False, seed=0):
+def check(
+    op, q_lens, kv_lens, heads=2, head_dim=128, causal=False, activation="silu", normalize="kv_len", bias=False, seed=0
+):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shared_q = len(q_lens) == 1 and len(kv_lens) > 1
     q_off, kv_off = offsets_of(q_lens), offsets_of(kv_lens)
@@ -74,14 +81,25 @@ def check(op, q_lens, kv_lens, heads=2, head_dim=128, causal=False, activation="
         # the reference sees the same bf16-rounded inputs, upcast
         leaves = [t.bfloat16().to(dtype).requires_grad_() for t in (q, k, v)]
         b = {n: t.bfloat16().to(dtype).requires_grad_() for n, t in extra.items()}
-        rel = RelativeBias(position=b.get("pos"), time=b.get("time"), q_timestamps=q_ts, kv_timestamps=kv_ts,
-                           max_distance=512, time_log_base=2.0) if bias else None
+        rel = (
+            RelativeBias(
+                position=b.get("pos"),
+                time=b.get("time"),
+                q_timestamps=q_ts,
+                kv_timestamps=kv_ts,
+                max_distance=512,
+                time_log_base=2.0,
+            )
+            if bias
+            else None
+        )
         kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend)
         if op == "jfa":
             out = jagged_attention(*leaves, q_off, kv_off, max(q_lens), max(kv_lens), **kw)
         else:
-            out = gdpa(*leaves, q_off, kv_off, max(q_lens), max(kv_lens), activation=activation,
-                       normalize=normalize, **kw)
+            out = gdpa(
+                *leaves, q_off, kv_off, max(q_lens), max(kv_lens), activation=activation, normalize=normalize, **kw
+            )
         grads = torch.autograd.grad(out, leaves + list(b.values()), grad.bfloat16().to(dtype))
         return [out.detach(), *grads]
 
@@ -147,8 +165,7 @@ def test_compile_fullgraph_and_flops():
 
     lens = [5, 300, 77]
     off = offsets_of(lens)
-    q, k, v = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     fn = torch.compile(lambda q, k, v: jagged_attention(q, k, v, off, off, 300, 300, causal=True), fullgraph=True)
     out = fn(q, k, v)
     eager = jagged_attention(q, k, v, off, off, 300, 300, causal=True)
@@ -166,11 +183,21 @@ def _gluon_configs():
 
 
 @pytest.mark.parametrize("config", _gluon_configs(), ids=lambda c: f"bn{c['BLOCK_N']}s{c['num_stages']}")
-@pytest.mark.parametrize("op,causal,activation,head_dim,normalize", [
-    ("jfa", True, None, 128, None), ("jfa", False, None, 128, None), ("jfa", True, None, 64, None),
-    ("jfa", False, None, 64, None), ("gdpa", True, "silu", 128, "kv_len"), ("gdpa", False, "silu", 64, "none"),
-    ("gdpa", True, "gelu_tanh", 64, "max_len"), ("gdpa", False, "gelu", 128, "kv_len"),
-    ("gdpa", True, "relu2", 128, "none"), ("gdpa", False, "relu", 64, "max_len")])
+@pytest.mark.parametrize(
+    "op,causal,activation,head_dim,normalize",
+    [
+        ("jfa", True, None, 128, None),
+        ("jfa", False, None, 128, None),
+        ("jfa", True, None, 64, None),
+        ("jfa", False, None, 64, None),
+        ("gdpa", True, "silu", 128, "kv_len"),
+        ("gdpa", False, "silu", 64, "none"),
+        ("gdpa", True, "gelu_tanh", 64, "max_len"),
+        ("gdpa", False, "gelu", 128, "kv_len"),
+        ("gdpa", True, "relu2", 128, "none"),
+        ("gdpa", False, "relu", 64, "max_len"),
+    ],
+)
 def test_gluon_forward(config, op, causal, activation, head_dim, normalize, monkeypatch):
     """Each Gluon forward tile forced as the only candidate (once, in the tma fixture variant); the backward
     checks the softmax forward's logsumexp."""

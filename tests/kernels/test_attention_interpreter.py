@@ -15,8 +15,9 @@ from gemrec.kernels import triton_attention as kernels_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytestmark = pytest.mark.skipif(not kernels_module.INTERPRET,
-                                reason="triton was imported without TRITON_INTERPRET=1 (run in a subprocess)")
+pytestmark = pytest.mark.skipif(
+    not kernels_module.INTERPRET, reason="triton was imported without TRITON_INTERPRET=1 (run in a subprocess)"
+)
 HEADS, DIM = 2, 16
 
 
@@ -24,8 +25,18 @@ def offsets_of(lengths):
     return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
 
 
-def compare(q_lens, kv_lens, op="jfa", causal=False, normalize="kv_len", bias=False, dim=DIM,
-            dtype=torch.float32, seed=0, tol=2e-5):
+def compare(
+    q_lens,
+    kv_lens,
+    op="jfa",
+    causal=False,
+    normalize="kv_len",
+    bias=False,
+    dim=DIM,
+    dtype=torch.float32,
+    seed=0,
+    tol=2e-5,
+):
     gen = torch.Generator().manual_seed(seed)
     shared_q = len(q_lens) == 1 and len(kv_lens) > 1
     rows = q_lens[0] * len(kv_lens) if shared_q else sum(q_lens)
@@ -35,8 +46,11 @@ def compare(q_lens, kv_lens, op="jfa", causal=False, normalize="kv_len", bias=Fa
     max_q, max_kv = max(q_lens), max(kv_lens)
     extra = {}
     if bias:
-        extra = {"attn_bias": torch.randn(rows, HEADS, max_kv, generator=gen),
-                 "pos": torch.randn(HEADS, 8, generator=gen), "time": torch.randn(HEADS, 6, generator=gen)}
+        extra = {
+            "attn_bias": torch.randn(rows, HEADS, max_kv, generator=gen),
+            "pos": torch.randn(HEADS, 8, generator=gen),
+            "time": torch.randn(HEADS, 6, generator=gen),
+        }
     q_ts = torch.randint(0, 400, (rows,), generator=gen)
     kv_ts = torch.randint(0, 400, (k.shape[0],), generator=gen)
     grad = torch.randn(rows, HEADS, dim, generator=gen)
@@ -44,17 +58,38 @@ def compare(q_lens, kv_lens, op="jfa", causal=False, normalize="kv_len", bias=Fa
     def run(backend):
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         b = {n: t.to(dtype).requires_grad_() for n, t in extra.items()}
-        rel = RelativeBias(position=b["pos"], time=b["time"], q_timestamps=q_ts, kv_timestamps=kv_ts,
-                           max_distance=24, time_log_base=2.5) if bias else None
+        rel = (
+            RelativeBias(
+                position=b["pos"],
+                time=b["time"],
+                q_timestamps=q_ts,
+                kv_timestamps=kv_ts,
+                max_distance=24,
+                time_log_base=2.5,
+            )
+            if bias
+            else None
+        )
         kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend)
         if op == "jfa":
             out = jagged_attention(*leaves, offsets_of(q_lens), offsets_of(kv_lens), max_q, max_kv, **kw)
         else:
-            out = gdpa(*leaves, offsets_of(q_lens), offsets_of(kv_lens), max_q, max_kv, activation=op,
-                       normalize=normalize, **kw)
+            out = gdpa(
+                *leaves,
+                offsets_of(q_lens),
+                offsets_of(kv_lens),
+                max_q,
+                max_kv,
+                activation=op,
+                normalize=normalize,
+                **kw,
+            )
         inputs = leaves + list(b.values())
-        grads = torch.autograd.grad(out, inputs, grad.to(dtype), allow_unused=True) if out.numel() else [
-            torch.zeros_like(t) for t in inputs]
+        grads = (
+            torch.autograd.grad(out, inputs, grad.to(dtype), allow_unused=True)
+            if out.numel()
+            else [torch.zeros_like(t) for t in inputs]
+        )
         return [out.detach(), *grads]
 
     got, want = run("triton"), run("reference")
@@ -89,8 +124,9 @@ def test_self_attention_with_all_biases(op, causal, kernel_path):
     compare(EDGE, EDGE, op=op, causal=causal, bias=True, seed=int(causal))
 
 
-@pytest.mark.parametrize("op,normalize", [("gelu", "max_len"), ("gelu_tanh", "none"), ("relu", "kv_len"),
-                                          ("relu2", "max_len")])
+@pytest.mark.parametrize(
+    "op,normalize", [("gelu", "max_len"), ("gelu_tanh", "none"), ("relu", "kv_len"), ("relu2", "max_len")]
+)
 def test_activations(op, normalize, kernel_path):
     compare([7, 18], [7, 18], op=op, causal=True, normalize=normalize, seed=3)
     compare([5, 40], [9, 3], op=op, causal=True, normalize=normalize, seed=30)
@@ -131,8 +167,26 @@ def test_resident_side_choice_on_the_benchmark_shapes():
     def problem(q_rows, kv_rows, q_seqs, max_q, max_kv, dim=128):  # 32 key sequences; q_seqs 1: shared queries
         q = torch.empty(q_rows, 8, dim, device="meta")
         k = torch.empty(kv_rows, 8, dim, device="meta")
-        return kernels_module.Problem(q, k, k, torch.zeros(q_seqs + 1), torch.zeros(33), max_q, max_kv, 0, False, 0.1,
-                                      0, None, None, None, None, None, 128, 2.0)
+        return kernels_module.Problem(
+            q,
+            k,
+            k,
+            torch.zeros(q_seqs + 1),
+            torch.zeros(33),
+            max_q,
+            max_kv,
+            0,
+            False,
+            0.1,
+            0,
+            None,
+            None,
+            None,
+            None,
+            None,
+            128,
+            2.0,
+        )
 
     assert problem(65536, 1280, 32, 4096, 4096).resident() is None  # max lengths 4096 both ways
     assert problem(65536, 1280, 32, 4096, 64).resident() == "kv"  # C-cross: 64 keys x 128 dims
@@ -176,8 +230,9 @@ def test_all_sequences_empty():
     compare([0, 3], [2, 0], op="silu", causal=True)
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])  # kernel_path only selects a path
+@settings(
+    max_examples=6, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)  # kernel_path only selects a path
 @given(
     lens=st.lists(st.tuples(st.integers(0, 24), st.integers(0, 24)), min_size=1, max_size=3),
     op=st.sampled_from(["jfa", "silu", "gelu_tanh"]),
@@ -197,8 +252,11 @@ def test_custom_op_compiles_fullgraph_and_counts_flops():
     lens = [5, 0, 20, 1]
     off = offsets_of(lens)
     q, k, v = (torch.randn(sum(lens), HEADS, 32, requires_grad=True) for _ in range(3))
-    compiled = torch.compile(lambda q, k, v: gdpa(q, k, v, off, off, 20, 20, causal=True, backend="triton"),
-                             fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(
+        lambda q, k, v: gdpa(q, k, v, off, off, 20, 20, causal=True, backend="triton"),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     out = compiled(q, k, v)
     torch.testing.assert_close(out, gdpa(q, k, v, off, off, 20, 20, causal=True, backend="triton"))
     with FlopCounterMode(display=False) as counter:
@@ -212,22 +270,29 @@ def test_custom_op_compiles_fullgraph_and_counts_flops():
 def test_one_tensor_in_several_roles_under_compile():
     off = offsets_of([5, 0, 12])
     x = torch.randn(17, HEADS, DIM, requires_grad=True)
-    compiled = torch.compile(lambda x: jagged_attention(x, x, x, off, off, 12, 12, causal=True, backend="triton"),
-                             fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(
+        lambda x: jagged_attention(x, x, x, off, off, 12, 12, causal=True, backend="triton"),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     out = compiled(x)
     ref = jagged_attention(x, x, x, off, off, 12, 12, causal=True, backend="reference")
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     grad = torch.randn_like(out)
-    torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(ref, x, grad)[0],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(ref, x, grad)[0], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_compiled_op_does_not_recompile_for_new_tensors(monkeypatch):
     # The eager path's id()-based aliasing check once made dynamo guard on tensor identity: a recompile per call.
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     off = offsets_of([5, 0, 12])
-    compiled = torch.compile(lambda q, k, v: jagged_attention(q, k, v, off, off, 12, 12, causal=True,
-                                                              backend="triton"), fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(
+        lambda q, k, v: jagged_attention(q, k, v, off, off, 12, 12, causal=True, backend="triton"),
+        fullgraph=True,
+        backend="aot_eager",
+    )
     for _ in range(3):
         q, k, v = (torch.randn(17, HEADS, DIM, requires_grad=True) for _ in range(3))
         compiled(q, k, v).sum().backward()
@@ -258,9 +323,15 @@ def test_a_sequence_never_reads_its_neighbours_rows(op):
     q, k, v = (torch.randn(sum(lens), HEADS, DIM, generator=gen) for _ in range(3))
     k[21:], v[21:] = float("nan"), float("nan")
     kw = dict(causal=False, backend="triton")
-    out = (jagged_attention(q, k, v, off, off, 21, 21, **kw) if op == "jfa" else
-           gdpa(q, k, v, off, off, 21, 21, activation=op, **kw))
+    out = (
+        jagged_attention(q, k, v, off, off, 21, 21, **kw)
+        if op == "jfa"
+        else gdpa(q, k, v, off, off, 21, 21, activation=op, **kw)
+    )
     first = offsets_of(lens[:1])
-    ref = (jagged_attention(q[:21], k[:21], v[:21], first, first, 21, 21, backend="reference") if op == "jfa" else
-           gdpa(q[:21], k[:21], v[:21], first, first, 21, 21, activation=op, backend="reference"))
+    ref = (
+        jagged_attention(q[:21], k[:21], v[:21], first, first, 21, 21, backend="reference")
+        if op == "jfa"
+        else gdpa(q[:21], k[:21], v[:21], first, first, 21, 21, activation=op, backend="reference")
+    )
     torch.testing.assert_close(out[:21], ref, rtol=1e-5, atol=1e-5)

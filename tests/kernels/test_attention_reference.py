@@ -13,16 +13,33 @@ def offsets_of(lengths):
     return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
 
 
-def naive(q, k, v, q_lens, kv_lens, activation, causal, scale, normalize, attn_bias, pos, tim, q_ts, kv_ts,
-          max_distance, log_base, max_kv):
+def naive(
+    q,
+    k,
+    v,
+    q_lens,
+    kv_lens,
+    activation,
+    causal,
+    scale,
+    normalize,
+    attn_bias,
+    pos,
+    tim,
+    q_ts,
+    kv_ts,
+    max_distance,
+    log_base,
+    max_kv,
+):
     """One sequence at a time, scalar bucket math in float64: an independent statement of the semantics."""
     shared_q = len(q_lens) == 1 and len(kv_lens) > 1
     num_seqs = len(kv_lens) if shared_q else len(q_lens)
     outs, q0, k0, o0 = [], 0, 0, 0
     for b in range(num_seqs):
         lq, lk = (q_lens[0] if shared_q else q_lens[b]), kv_lens[b]
-        qs = q[0:lq] if shared_q else q[q0:q0 + lq]
-        ks, vs = k[k0:k0 + lk], v[k0:k0 + lk]
+        qs = q[0:lq] if shared_q else q[q0 : q0 + lq]
+        ks, vs = k[k0 : k0 + lk], v[k0 : k0 + lk]
         s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
         for i in range(lq):
             for j in range(lk):
@@ -31,8 +48,13 @@ def naive(q, k, v, q_lens, kv_lens, activation, causal, scale, normalize, attn_b
                     s[:, i, j] += attn_bias[o0 + i, :, j]
                 if pos is not None:
                     nb, exact = pos.shape[1], pos.shape[1] // 2
-                    bucket = rel if rel < exact else min(
-                        nb - 1, exact + int(math.log(rel / exact) / math.log(max_distance / exact) * (nb - exact)))
+                    bucket = (
+                        rel
+                        if rel < exact
+                        else min(
+                            nb - 1, exact + int(math.log(rel / exact) / math.log(max_distance / exact) * (nb - exact))
+                        )
+                    )
                     s[:, i, j] += pos[:, bucket]
                 if tim is not None:
                     dt = abs(int(q_ts[o0 + i]) - int(kv_ts[k0 + j]))
@@ -43,8 +65,7 @@ def naive(q, k, v, q_lens, kv_lens, activation, causal, scale, normalize, attn_b
         if activation == "softmax":
             w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
         else:
-            act = {"silu": torch.nn.functional.silu, "relu": torch.relu,
-                   "gelu": torch.nn.functional.gelu}[activation]
+            act = {"silu": torch.nn.functional.silu, "relu": torch.relu, "gelu": torch.nn.functional.gelu}[activation]
             w = act(s) * allowed
             w = w / (lk if normalize == "kv_len" else max_kv) if lk else w * 0
         outs.append(torch.einsum("hij,jhd->ihd", w, vs))
@@ -77,16 +98,34 @@ def test_reference_matches_naive(q_lens, kv_lens, op, causal):
     tim = torch.randn(heads, 5, generator=gen, dtype=torch.float64)
     q_ts = torch.randint(0, 500, (rows,), generator=gen)
     kv_ts = torch.randint(0, 500, (k.shape[0],), generator=gen)
-    rel = RelativeBias(position=pos, time=tim, q_timestamps=q_ts, kv_timestamps=kv_ts, max_distance=11,
-                       time_log_base=2.5)
+    rel = RelativeBias(
+        position=pos, time=tim, q_timestamps=q_ts, kv_timestamps=kv_ts, max_distance=11, time_log_base=2.5
+    )
     args = (q, k, v, offsets_of(q_lens), offsets_of(kv_lens), max(q_lens), max_kv)
     kw = dict(causal=causal, scale=0.3, attn_bias=attn_bias, rel_bias=rel, backend="reference")
     if op == "jfa":
         got = jagged_attention(*args, **kw)
     else:
         got = gdpa(*args, activation=op, normalize="kv_len", **kw)
-    want = naive(q, k, v, q_lens, kv_lens, "softmax" if op == "jfa" else op, causal, 0.3, "kv_len", attn_bias,
-                 pos, tim, q_ts, kv_ts, 11, 2.5, max_kv)
+    want = naive(
+        q,
+        k,
+        v,
+        q_lens,
+        kv_lens,
+        "softmax" if op == "jfa" else op,
+        causal,
+        0.3,
+        "kv_len",
+        attn_bias,
+        pos,
+        tim,
+        q_ts,
+        kv_ts,
+        11,
+        2.5,
+        max_kv,
+    )
     assert got.shape == (rows, heads, dim)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
 
@@ -96,7 +135,8 @@ def test_attention_pairs_counts_real_pairs():
     brute_causal = sum(sum(1 for i in range(a) for j in range(b) if j <= i + b - a) for a, b in zip(q_lens, kv_lens))
     assert attention_pairs(offsets_of(q_lens), offsets_of(kv_lens), causal=True) == brute_causal
     assert attention_pairs(offsets_of(q_lens), offsets_of(kv_lens), causal=False) == sum(
-        a * b for a, b in zip(q_lens, kv_lens))
+        a * b for a, b in zip(q_lens, kv_lens)
+    )
     assert attention_pairs(offsets_of([3]), offsets_of([4, 0, 2]), causal=False) == 3 * 6  # shared q
 
 

@@ -30,15 +30,20 @@ def jfa_causal_fused_dq():  # long keys: dQ folded into the dK/dV kernel
 def gdpa_cross_short_keys_fp16():  # long queries over a few keys: the separate dQ kernel
     q = tensors(900, 4, 64, torch.float16)[0]
     k, v = tensors(60, 4, 64, torch.float16, seed=1)[1:]
-    gdpa(q, k, v, offsets_of([400, 500]), offsets_of([20, 40]), 500, 40, activation="gelu_tanh",
-         backend="triton").sum().backward()
+    gdpa(
+        q, k, v, offsets_of([400, 500]), offsets_of([20, 40]), 500, 40, activation="gelu_tanh", backend="triton"
+    ).sum().backward()
 
 
 def jfa_with_biases_head_dim_256():
     q, k, v = tensors(300, 2, 256, torch.bfloat16)
     off = offsets_of([100, 200])
-    rel = RelativeBias(position=torch.zeros(2, 32, requires_grad=True), time=torch.zeros(2, 16, requires_grad=True),
-                       q_timestamps=torch.arange(300), kv_timestamps=torch.arange(300))
+    rel = RelativeBias(
+        position=torch.zeros(2, 32, requires_grad=True),
+        time=torch.zeros(2, 16, requires_grad=True),
+        q_timestamps=torch.arange(300),
+        kv_timestamps=torch.arange(300),
+    )
     jagged_attention(q, k, v, off, off, 200, 200, causal=True, rel_bias=rel, backend="triton").sum().backward()
 
 
@@ -46,26 +51,46 @@ def pma_shared_seeds_with_attn_bias():
     q = tensors(16, 2, 64, torch.bfloat16)[0]
     k, v = tensors(500, 2, 64, torch.bfloat16, seed=2)[1:]
     bias = torch.zeros(3 * 16, 2, 300, requires_grad=True)
-    gdpa(q, k, v, offsets_of([16]), offsets_of([100, 100, 300]), 16, 300, activation="relu2", attn_bias=bias,
-         normalize="max_len", backend="triton").sum().backward()
+    gdpa(
+        q,
+        k,
+        v,
+        offsets_of([16]),
+        offsets_of([100, 100, 300]),
+        16,
+        300,
+        activation="relu2",
+        attn_bias=bias,
+        normalize="max_len",
+        backend="triton",
+    ).sum().backward()
 
 
 RESIDENT_OFF = {"GEMREC_KERNEL_RESIDENT": "0"}
 ONE_LAUNCH = {"GEMREC_KERNEL_ONE_LAUNCH": "1", **RESIDENT_OFF}
 
 
-@pytest.mark.parametrize("call,env,kinds", [
-    (jfa_causal_fused_dq, {}, ["fwd", "delta", "dkdv"]),
-    (gdpa_cross_short_keys_fp16, {}, ["fwd_rkv", "bwd_rkv"]),  # keys resident: the whole backward in one kernel
-    (gdpa_cross_short_keys_fp16, RESIDENT_OFF, ["fwd", "dkdv", "dq"]),
-    (jfa_with_biases_head_dim_256, {}, ["fwd", "delta", "dkdv", "dq"]),
-    (pma_shared_seeds_with_attn_bias, {}, ["fwd", "bwd_rq"]),  # seeds resident
-    (pma_shared_seeds_with_attn_bias, RESIDENT_OFF, ["fwd", "dkdv", "dq"]),
-    (jfa_causal_fused_dq, ONE_LAUNCH, ["fwd", "bwd1"]),  # the whole fwd+bwd in two launches, biases included
-    (gdpa_cross_short_keys_fp16, ONE_LAUNCH, ["fwd", "bwd1"]),
-    (pma_shared_seeds_with_attn_bias, ONE_LAUNCH, ["fwd", "bwd1"]),
-], ids=lambda x: x.__name__ if callable(x) else ("-".join(f"{k[14:].lower()}={v}" for k, v in x.items()) or "default")
-    if isinstance(x, dict) else None)
+@pytest.mark.parametrize(
+    "call,env,kinds",
+    [
+        (jfa_causal_fused_dq, {}, ["fwd", "delta", "dkdv"]),
+        (gdpa_cross_short_keys_fp16, {}, ["fwd_rkv", "bwd_rkv"]),  # keys resident: the whole backward in one kernel
+        (gdpa_cross_short_keys_fp16, RESIDENT_OFF, ["fwd", "dkdv", "dq"]),
+        (jfa_with_biases_head_dim_256, {}, ["fwd", "delta", "dkdv", "dq"]),
+        (pma_shared_seeds_with_attn_bias, {}, ["fwd", "bwd_rq"]),  # seeds resident
+        (pma_shared_seeds_with_attn_bias, RESIDENT_OFF, ["fwd", "dkdv", "dq"]),
+        (jfa_causal_fused_dq, ONE_LAUNCH, ["fwd", "bwd1"]),  # the whole fwd+bwd in two launches, biases included
+        (gdpa_cross_short_keys_fp16, ONE_LAUNCH, ["fwd", "bwd1"]),
+        (pma_shared_seeds_with_attn_bias, ONE_LAUNCH, ["fwd", "bwd1"]),
+    ],
+    ids=lambda x: (
+        x.__name__
+        if callable(x)
+        else ("-".join(f"{k[14:].lower()}={v}" for k, v in x.items()) or "default")
+        if isinstance(x, dict)
+        else None
+    ),
+)
 def test_every_launched_kernel_compiles_for_sm90(call, env, kinds, monkeypatch):
     from gemrec.kernels.aot import compile_launch, record_launches
 
@@ -93,7 +118,9 @@ def test_launches_are_restored_and_resources_read():
     usage = resource_usage(compiled)
     assert 16 <= usage["registers"] <= 255 and usage["stack_bytes"] >= 0 and usage["shared_bytes"] > 0
     sass = sass_counts(compiled)  # the softmax forward: exp2 on the MUFU unit, fp32 math, addresses
-    assert sass["total"] > sass["fp32"] + sass["int"] + sass["mufu"] and min(sass["fp32"], sass["int"], sass["mufu"]) > 0
+    assert (
+        sass["total"] > sass["fp32"] + sass["int"] + sass["mufu"] and min(sass["fp32"], sass["int"], sass["mufu"]) > 0
+    )
 
 
 def test_launch_specialized_like_the_gpu_launcher():
@@ -128,9 +155,21 @@ def test_gluon_forward_compiles_for_sm90_with_async_wgmma(call):
         assert 4 * sass.count("WARPGROUP.DEPBAR") < sass.count("HGMMA."), config
 
 
-@pytest.mark.parametrize("change", [
-    {"HAS_AB": True}, {"HAS_POS": True}, {"HAS_TIME": True}, {"HEAD_DIM": 96}, {"HEAD_DIM": 256},
-    {"FAST": False}, {"dtype": torch.float32}, {"tma": False}, {"env": "0"}, {"kind": "dkdv"}])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"HAS_AB": True},
+        {"HAS_POS": True},
+        {"HAS_TIME": True},
+        {"HEAD_DIM": 96},
+        {"HEAD_DIM": 256},
+        {"FAST": False},
+        {"dtype": torch.float32},
+        {"tma": False},
+        {"env": "0"},
+        {"kind": "dkdv"},
+    ],
+)
 def test_gluon_candidates_only_where_covered(change, monkeypatch):
     consts = {"MODE": 0, "HAS_AB": False, "HAS_POS": False, "HAS_TIME": False, "HEAD_DIM": 128, "FAST": True}
     args = {"kind": "fwd", "dtype": torch.bfloat16, "tma": True}

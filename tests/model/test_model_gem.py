@@ -114,9 +114,7 @@ def test_loss_weights_tasks():
     out = ModelOutput(logits=torch.tensor([[0.0, 2.0]]), aux_loss=torch.tensor(0.5))
     labels = torch.tensor([[1.0, 0.0]])
     bce = torch.nn.functional.binary_cross_entropy_with_logits
-    want = (
-        2 * bce(torch.tensor(0.0), torch.tensor(1.0)) + 0.5 * bce(torch.tensor(2.0), torch.tensor(0.0)) + 0.5
-    )
+    want = 2 * bce(torch.tensor(0.0), torch.tensor(1.0)) + 0.5 * bce(torch.tensor(2.0), torch.tensor(0.0)) + 0.5
     torch.testing.assert_close(loss(out, labels, [2.0, 0.5]), want)
 
 

@@ -112,16 +112,39 @@ def pipeline_run(tmp_path_factory, movielens_raw):
     ui_port = _free_port()
     started = time.monotonic()
     result = subprocess.run(
-        [gemrec_cli(), "pipeline", "run", "--recipe", "tiny", "--data", str(movielens_raw), "--runs",
-         str(work / "runs"), "--tracking-uri", store, "--ui-port", str(ui_port)],
-        cwd=work, capture_output=True, text=True, timeout=600,
+        [
+            gemrec_cli(),
+            "pipeline",
+            "run",
+            "--recipe",
+            "tiny",
+            "--data",
+            str(movielens_raw),
+            "--runs",
+            str(work / "runs"),
+            "--tracking-uri",
+            store,
+            "--ui-port",
+            str(ui_port),
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     seconds = time.monotonic() - started
     run_dirs = sorted((work / "runs").glob("*-tiny"))
     summary_path = run_dirs[-1] / "summary.json" if run_dirs else None
     summary = json.loads(summary_path.read_text()) if summary_path and summary_path.is_file() else None
-    return {"result": result, "work": work, "store": store, "ui_port": ui_port, "seconds": seconds,
-            "run_dir": run_dirs[-1] if run_dirs else None, "summary": summary}
+    return {
+        "result": result,
+        "work": work,
+        "store": store,
+        "ui_port": ui_port,
+        "seconds": seconds,
+        "run_dir": run_dirs[-1] if run_dirs else None,
+        "summary": summary,
+    }
 
 
 @pytest.fixture(scope="session")

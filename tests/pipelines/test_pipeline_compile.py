@@ -52,8 +52,9 @@ def test_dag_runs_the_steps_in_order(compiled):
     conditions = [t for t in tasks.values() if "triggerPolicy" in t]
     assert {t["triggerPolicy"]["condition"].count("num_nodes") for t in conditions} == {1}
     # Typed artifacts between the steps.
-    artifacts = {name: c_spec.get("outputDefinitions", {}).get("artifacts", {})
-                 for name, c_spec in spec["components"].items()}
+    artifacts = {
+        name: c_spec.get("outputDefinitions", {}).get("artifacts", {}) for name, c_spec in spec["components"].items()
+    }
     assert artifacts["comp-ingest"]["dataset"]["artifactType"]["schemaTitle"] == "system.Dataset"
     assert artifacts["comp-train"]["model"]["artifactType"]["schemaTitle"] == "system.Model"
     assert artifacts["comp-train"]["metrics"]["artifactType"]["schemaTitle"] == "system.Metrics"

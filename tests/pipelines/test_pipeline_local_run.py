@@ -28,8 +28,15 @@ def test_run_prints_progress_and_the_summary_table(run):
     assert "[gemrec] starting feature service on 127.0.0.1:" in out
     assert "[gemrec] training with torchrun --nproc_per_node 1" in out
     summary = run["summary"]
-    for label in ("NE (eval, like)", "AUC (eval, like)", "QPS (train examples/s)", "MFU (end to end)",
-                  "MLflow run id", "MLflow UI", "gemrec-tiny v1 (new champion)"):
+    for label in (
+        "NE (eval, like)",
+        "AUC (eval, like)",
+        "QPS (train examples/s)",
+        "MFU (end to end)",
+        "MLflow run id",
+        "MLflow UI",
+        "gemrec-tiny v1 (new champion)",
+    ):
         assert label in out, label
     assert summary["run_id"] in out
     assert f"http://127.0.0.1:{run['ui_port']}" in out
@@ -109,9 +116,23 @@ def test_failed_train_step_stops_services_and_marks_outputs(run, tmp_path, gemre
     recipe = tmp_path / "broken.toml"
     recipe.write_text("[train]\ntask_weights = {nope = 2.0}\n")  # a label only the trainer can check
     result = subprocess.run(
-        [gemrec_script, "pipeline", "run", "--recipe", str(recipe), "--data", str(dataset_dir), "--runs",
-         str(tmp_path / "runs"), "--tracking-uri", f"sqlite:///{tmp_path}/mlruns.db"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
+        [
+            gemrec_script,
+            "pipeline",
+            "run",
+            "--recipe",
+            str(recipe),
+            "--data",
+            str(dataset_dir),
+            "--runs",
+            str(tmp_path / "runs"),
+            "--tracking-uri",
+            f"sqlite:///{tmp_path}/mlruns.db",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 2, result.stderr[-3000:]
     last = result.stderr.strip().splitlines()[-1]
@@ -129,7 +150,10 @@ def test_failed_train_step_stops_services_and_marks_outputs(run, tmp_path, gemre
     "args, message",
     [
         (["--recipe", "no-such-recipe"], "unknown recipe 'no-such-recipe': built-in recipes are"),
-        (["--recipe", "tiny", "--data", "/nonexistent/ml-latest-small"], "data path /nonexistent/ml-latest-small does not exist"),
+        (
+            ["--recipe", "tiny", "--data", "/nonexistent/ml-latest-small"],
+            "data path /nonexistent/ml-latest-small does not exist",
+        ),
         (["--recipe", "tiny", "--nproc", "0"], "--nproc must be at least 1"),
     ],
 )
@@ -147,8 +171,20 @@ def test_a_port_in_use_is_refused(movielens_raw, tmp_path, capsys):
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        code = main(["pipeline", "run", "--recipe", "tiny", "--data", str(movielens_raw), "--feature-port", str(port),
-                     "--runs", str(tmp_path / "runs")])
+        code = main(
+            [
+                "pipeline",
+                "run",
+                "--recipe",
+                "tiny",
+                "--data",
+                str(movielens_raw),
+                "--feature-port",
+                str(port),
+                "--runs",
+                str(tmp_path / "runs"),
+            ]
+        )
     err = capsys.readouterr().err
     assert code == 2 and f"port {port} on 127.0.0.1 is already in use (wanted by the feature service)" in err
 
@@ -167,8 +203,22 @@ def test_materialize_into_a_real_redis(run, tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    server = subprocess.Popen([redis_server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                               "--appendonly", "no", "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [
+            redis_server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     try:
         client = redis.Redis(port=port)
         deadline = time.monotonic() + 20

@@ -17,9 +17,17 @@ REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--window-size=1500,1100"]
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--window-size=1500,1100",
+]
 
 
 def descendants(pid: int) -> list[int]:
@@ -53,8 +61,13 @@ def ui(pipeline_run, gemrec_script):
     assert pipeline_run["result"].returncode == 0, pipeline_run["result"].stderr[-3000:]
     port = pipeline_run["ui_port"]
     log = open(pipeline_run["work"] / "ui.log", "w")
-    process = subprocess.Popen([gemrec_script, "ui", "--port", str(port), "--tracking-uri", pipeline_run["store"]],
-                               cwd=pipeline_run["work"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    process = subprocess.Popen(
+        [gemrec_script, "ui", "--port", str(port), "--tracking-uri", pipeline_run["store"]],
+        cwd=pipeline_run["work"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -161,6 +174,7 @@ def test_model_page_shows_the_champion(ui, browser, pipeline_run):
     from selenium.webdriver.common.by import By
 
     browser.get(f"{ui}/#/models/gemrec-tiny")
+
     def champion_shown(driver) -> str | None:
         text = driver.find_element(By.TAG_NAME, "body").text
         return text if "champion" in text and "Version 1" in text else None

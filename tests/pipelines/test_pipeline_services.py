@@ -77,11 +77,15 @@ def test_sigterm_to_the_step_runs_the_cleanup(tmp_path):
 
 def test_a_service_that_dies_at_start_fails_fast_with_its_log(tmp_path):
     started = time.monotonic()
-    with pytest.raises(ServiceError, match=r"(?s)the feature service exited with code 3 .*dataset is broken"), \
-            ProcessGroup() as group:
-        process = group.start("feature service", [sys.executable, "-c",
-                                                  "import sys; print('dataset is broken'); sys.exit(3)"],
-                              tmp_path / "features.log")
+    with (
+        pytest.raises(ServiceError, match=r"(?s)the feature service exited with code 3 .*dataset is broken"),
+        ProcessGroup() as group,
+    ):
+        process = group.start(
+            "feature service",
+            [sys.executable, "-c", "import sys; print('dataset is broken'); sys.exit(3)"],
+            tmp_path / "features.log",
+        )
         wait_serving(process, "127.0.0.1:1", timeout_s=60)
     assert time.monotonic() - started < 30
 
@@ -91,17 +95,21 @@ def test_a_port_in_use_is_named():
         sock.bind(("127.0.0.1", 0))
         sock.listen()
         port = sock.getsockname()[1]
-        with pytest.raises(ServiceError, match=f"port {port} on 127.0.0.1 is already in use \\(wanted by the data service\\)"):
+        with pytest.raises(
+            ServiceError, match=f"port {port} on 127.0.0.1 is already in use \\(wanted by the data service\\)"
+        ):
             claim_port(port, "data service")
     assert claim_port(0, "data service") > 0
 
 
 def test_progress_bars_become_throttled_lines(tmp_path, capfd):
     """A child's carriage-return progress bar reaches the console as a few lines, all of it reaches the log."""
-    code = ("import sys, time\n"
-            "for i in range(40):\n"
-            "    sys.stderr.write(f'\\rstep {i}/40'); sys.stderr.flush(); time.sleep(0.02)\n"
-            "print('\\neval NE 0.83', flush=True)\n")
+    code = (
+        "import sys, time\n"
+        "for i in range(40):\n"
+        "    sys.stderr.write(f'\\rstep {i}/40'); sys.stderr.flush(); time.sleep(0.02)\n"
+        "print('\\neval NE 0.83', flush=True)\n"
+    )
     with ProcessGroup() as group:
         process = group.start("trainer", [sys.executable, "-c", code], tmp_path / "trainer.log", echo=True)
         assert process.stream(progress_every_s=0.3) == 0
@@ -116,10 +124,12 @@ def test_the_trainer_error_line_is_found_under_torchrun_prefixes(tmp_path):
     from gemrec.pipelines.steps import last_error
 
     log = tmp_path / "trainer.log"
-    log.write_text("[rank1]: Traceback (most recent call last):\n"
-                   "[rank1]:   File \"x.py\", line 1, in <module>\n"
-                   "[rank1]: ValueError: batch of 0 examples\n"
-                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n")
+    log.write_text(
+        "[rank1]: Traceback (most recent call last):\n"
+        '[rank1]:   File "x.py", line 1, in <module>\n'
+        "[rank1]: ValueError: batch of 0 examples\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    )
     assert last_error(log) == "[rank1]: ValueError: batch of 0 examples"
     log.write_text("gemrec train: error: data.batch_size must be > 0\nValueError: later noise\n")
     assert last_error(log) == "gemrec train: error: data.batch_size must be > 0"
@@ -129,11 +139,21 @@ def test_the_trainer_error_line_is_found_under_torchrun_prefixes(tmp_path):
 def test_train_step_refuses_a_broken_recipe_before_starting_services(tmp_path):
     from gemrec.pipelines import steps
 
-    for text, problem in (("[data]\nbatch_size = 0\n", "data.batch_size must be > 0"),
-                          ("[model]\nd_model = 30\nnum_heads = 4\n", "d_model 30 is not divisible by num_heads 4")):
+    for text, problem in (
+        ("[data]\nbatch_size = 0\n", "data.batch_size must be > 0"),
+        ("[model]\nd_model = 30\nnum_heads = 4\n", "d_model 30 is not divisible by num_heads 4"),
+    ):
         recipe = tmp_path / "broken.toml"
         recipe.write_text(text)
         with pytest.raises(steps.StepError, match=rf"recipe '.*broken.toml': .*{problem}"):
-            steps.train_local(str(tmp_path), str(recipe), 1, f"sqlite:///{tmp_path}/mlruns.db", "e",
-                              str(tmp_path / "run"), {}, str(tmp_path / "metrics.json"))
+            steps.train_local(
+                str(tmp_path),
+                str(recipe),
+                1,
+                f"sqlite:///{tmp_path}/mlruns.db",
+                "e",
+                str(tmp_path / "run"),
+                {},
+                str(tmp_path / "metrics.json"),
+            )
         assert not (tmp_path / "run").exists()  # no service was started, no log written

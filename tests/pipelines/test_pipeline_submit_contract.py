@@ -7,10 +7,14 @@ from gemrec.cli import main
 def kfp_api(endpoint):
     endpoint.route("GET", "/apis/v2beta1/healthz", lambda r: (200, {"multi_user": False, "tag_name": "2.5.0"}))
     endpoint.route("GET", "/apis/v2beta1/experiments", lambda r: (200, {}))
-    endpoint.route("POST", "/apis/v2beta1/experiments",
-                   lambda r: (200, {"experiment_id": "exp-1", "display_name": r["body"]["display_name"]}))
-    endpoint.route("POST", "/apis/v2beta1/runs",
-                   lambda r: (200, {"run_id": "run-42", "experiment_id": r["body"]["experiment_id"]}))
+    endpoint.route(
+        "POST",
+        "/apis/v2beta1/experiments",
+        lambda r: (200, {"experiment_id": "exp-1", "display_name": r["body"]["display_name"]}),
+    )
+    endpoint.route(
+        "POST", "/apis/v2beta1/runs", lambda r: (200, {"run_id": "run-42", "experiment_id": r["body"]["experiment_id"]})
+    )
 
 
 def submit(endpoint, capsys, *extra):
@@ -21,8 +25,9 @@ def submit(endpoint, capsys, *extra):
 
 def test_submit_creates_experiment_and_run_with_the_compiled_pipeline(recording_endpoint, capsys):
     kfp_api(recording_endpoint)
-    code, out, err = submit(recording_endpoint, capsys, "--experiment", "nightly",
-                            "--arguments", '{"num_nodes": 2, "recipe": "movielens"}')
+    code, out, err = submit(
+        recording_endpoint, capsys, "--experiment", "nightly", "--arguments", '{"num_nodes": 2, "recipe": "movielens"}'
+    )
     assert code == 0, err
     assert "submitted run run-42" in out
     sent = {(r["method"], r["path"].split("?")[0]): r for r in recording_endpoint.requests}
@@ -40,8 +45,9 @@ def test_submit_creates_experiment_and_run_with_the_compiled_pipeline(recording_
 
 def test_submit_reports_a_server_error_in_one_line(recording_endpoint, capsys):
     kfp_api(recording_endpoint)
-    recording_endpoint.routes.insert(0, ("POST", "/apis/v2beta1/runs",
-                                         lambda r: (400, {"error": "invalid pipeline spec", "code": 3})))
+    recording_endpoint.routes.insert(
+        0, ("POST", "/apis/v2beta1/runs", lambda r: (400, {"error": "invalid pipeline spec", "code": 3}))
+    )
     code, out, err = submit(recording_endpoint, capsys)
     assert code == 2
     assert "submitting to" in err and "400" in err

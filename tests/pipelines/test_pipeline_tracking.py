@@ -44,8 +44,9 @@ def train_run(uri: str, experiment: str, with_model: bool = True) -> str:
     with mlflow.start_run() as run:
         mlflow.log_metric("ne", 0.9)
         if with_model:
-            mlflow.pytorch.log_model(torch.nn.Linear(2, 1), name="model", pip_requirements=["torch"],
-                                     serialization_format="pickle")
+            mlflow.pytorch.log_model(
+                torch.nn.Linear(2, 1), name="model", pip_requirements=["torch"], serialization_format="pickle"
+            )
         return run.info.run_id
 
 

@@ -13,10 +13,18 @@ PATH = "/apis/trainer.kubeflow.org/v1alpha1/namespaces/team-a/trainjobs"
 
 
 def spec(**overrides) -> trainjob.TrainJobSpec:
-    values = dict(name=trainjob.job_name("gemrec-train-2026-11-30-12-00-00-123456"), image="ghcr.io/gemrec/gemrec-cuda:0.1.0",
-                  recipe="h200-bench", data_addr="gemrec-data.gemrec:50052", feature_addr="gemrec-features.gemrec:50051",
-                  tracking_uri="http://gemrec-mlflow.gemrec:5000", experiment="gemrec-train", num_nodes=2,
-                  nproc_per_node=8, gpus_per_node=8)
+    values = dict(
+        name=trainjob.job_name("gemrec-train-2026-11-30-12-00-00-123456"),
+        image="ghcr.io/gemrec/gemrec-cuda:0.1.0",
+        recipe="h200-bench",
+        data_addr="gemrec-data.gemrec:50052",
+        feature_addr="gemrec-features.gemrec:50051",
+        tracking_uri="http://gemrec-mlflow.gemrec:5000",
+        experiment="gemrec-train",
+        num_nodes=2,
+        nproc_per_node=8,
+        gpus_per_node=8,
+    )
     values.update(overrides)
     return trainjob.TrainJobSpec(**values)
 

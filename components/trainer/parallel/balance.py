@@ -23,8 +23,20 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-COMM_MARKERS = ("nccl", "gloo", "c10d::", "all_reduce", "allreduce", "all_gather", "allgather", "reduce_scatter",
-                "all_to_all", "alltoall", "broadcast", "record_param_comms")
+COMM_MARKERS = (
+    "nccl",
+    "gloo",
+    "c10d::",
+    "all_reduce",
+    "allreduce",
+    "all_gather",
+    "allgather",
+    "reduce_scatter",
+    "all_to_all",
+    "alltoall",
+    "broadcast",
+    "record_param_comms",
+)
 
 
 def is_communication(name: str) -> bool:
@@ -102,8 +114,9 @@ def communication_breakdown(events, top: int = 12) -> dict[str, list[dict]]:
         row["count"] += 1
         row["ms"] += 1000 * (hi - lo)
         row["exposed_ms"] += 1000 * exposed
-        single.append({"name": name, "start_ms": 1000 * (lo - origin), "ms": 1000 * (hi - lo),
-                       "exposed_ms": 1000 * exposed})
+        single.append(
+            {"name": name, "start_ms": 1000 * (lo - origin), "ms": 1000 * (hi - lo), "exposed_ms": 1000 * exposed}
+        )
     return {
         "by_name": sorted(by_name.values(), key=lambda r: -r["exposed_ms"]),
         "most_exposed": sorted(single, key=lambda r: -r["exposed_ms"])[:top],
@@ -181,8 +194,10 @@ class RankBalance:
         steps = max(self._steps, 1)
         profiled = self._profiled or [{"comm_s": 0.0, "compute_s": self._wall / steps, "exposed_comm_s": 0.0}]
         local = torch.tensor(
-            [self._wall / steps, *(sum(p[k] for p in profiled) / len(profiled)
-                                   for k in ("compute_s", "comm_s", "exposed_comm_s"))],
+            [
+                self._wall / steps,
+                *(sum(p[k] for p in profiled) / len(profiled) for k in ("compute_s", "comm_s", "exposed_comm_s")),
+            ],
             dtype=torch.float64,
         )
         self._wall, self._steps, self._profiled = 0.0, 0, []

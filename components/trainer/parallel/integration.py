@@ -19,13 +19,15 @@ def parallel_config(values: dict[str, Any]) -> ParallelConfig:
     unknown = sorted(set(values) - known)
     if unknown:
         raise ParallelConfigError(
-            f"unknown setting(s) {', '.join(f'parallel.{k}' for k in unknown)}; [parallel] takes {', '.join(sorted(known))}"
+            f"unknown setting(s) {', '.join(f'parallel.{k}' for k in unknown)}; "
+            f"[parallel] takes {', '.join(sorted(known))}"
         )
     return ParallelConfig(**values)
 
 
-def parallelize_for_training(model: nn.Module, world_size: int, device: torch.device,
-                             values: dict[str, Any]) -> nn.Module:
+def parallelize_for_training(
+    model: nn.Module, world_size: int, device: torch.device, values: dict[str, Any]
+) -> nn.Module:
     """`parallelize` with the layout of the recipe's `[parallel]` table (defaults: FSDP over all ranks, tables
     sharded by the planner over all ranks)."""
     config = parallel_config(values)
@@ -62,7 +64,9 @@ def training_inputs(train_model: nn.Module, stream, device: torch.device, to_mod
         batch, host, state = item
         return batch, host, host.to(device, non_blocking=True), state
 
-    model = getattr(train_model, "module", train_model) if type(train_model).__name__ == "DMPCollection" else train_model
+    model = (
+        getattr(train_model, "module", train_model) if type(train_model).__name__ == "DMPCollection" else train_model
+    )
     tables = sharding.sharded_embedding_modules(model) if _has_torchrec() else []
     if not tables or not hasattr(model, "embeddings"):
         yield from (move(item) for item in with_state())

@@ -41,9 +41,12 @@ class ParallelizeReport:
     sparse_2d: bool = False
 
     def as_params(self) -> dict[str, str]:
-        params = {"parallel.layout": self.layout, "parallel.fsdp_blocks": str(len(self.fsdp_blocks)),
-                  "parallel.expert_parallel_layers": str(len(self.expert_parallel)),
-                  "parallel.sparse_2d": str(self.sparse_2d)}
+        params = {
+            "parallel.layout": self.layout,
+            "parallel.fsdp_blocks": str(len(self.fsdp_blocks)),
+            "parallel.expert_parallel_layers": str(len(self.expert_parallel)),
+            "parallel.sparse_2d": str(self.sparse_2d),
+        }
         params.update({f"parallel.table.{k}": v for k, v in self.embedding_plan.items()})
         return params
 
@@ -139,8 +142,12 @@ def parallelize(
         # FSDP unit; compiling them too fuses their elementwise work and cuts kernel launches.
         in_blocks = {id(m) for _, block in blocks for m in block.modules()}
         for name, child in root.named_children():
-            if (not isinstance(child, nn.ModuleList) and id(child) not in skip and id(child) not in in_blocks
-                    and any(True for _ in child.parameters())):
+            if (
+                not isinstance(child, nn.ModuleList)
+                and id(child) not in skip
+                and id(child) not in in_blocks
+                and any(True for _ in child.parameters())
+            ):
                 child.compile()
                 report.compiled_root_modules.append(name)
 
@@ -152,8 +159,12 @@ def parallelize(
     dense_mesh = parallel_dims.dense_mesh
     for _, moe in moe_layers:
         if parallel_dims.ep_enabled:
-            fully_shard(moe.experts, mesh=parallel_dims.expert_mesh, mp_policy=mp,
-                        reshard_after_forward=config.reshard_after_forward)
+            fully_shard(
+                moe.experts,
+                mesh=parallel_dims.expert_mesh,
+                mp_policy=mp,
+                reshard_after_forward=config.reshard_after_forward,
+            )
             # Each expert's gradient already sums the tokens of all `ep` ranks (all-to-all backward): dividing
             # by every data-parallel rank, not only the expert mesh's, gives the global-batch mean.
             moe.experts.set_gradient_divide_factor(float(parallel_dims.world_size))
@@ -173,8 +184,13 @@ def parallelize(
         for current, nxt in zip(group, group[1:]):
             current.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([current])
-    log.info("parallelized: %s; %d FSDP blocks, EP on %d MoE layers, tables: %s",
-             report.layout, len(blocks), len(report.expert_parallel), report.embedding_plan or "unsharded")
+    log.info(
+        "parallelized: %s; %d FSDP blocks, EP on %d MoE layers, tables: %s",
+        report.layout,
+        len(blocks),
+        len(report.expert_parallel),
+        report.embedding_plan or "unsharded",
+    )
     return train_model, report
 
 

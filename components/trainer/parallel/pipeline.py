@@ -111,8 +111,9 @@ class SparseDistPipeline:
         with torch.cuda.stream(self._copy_stream):
             return move(batch)
 
-    def __call__(self, batches: Iterable, move: Callable | None = None,
-                 lookup_input: Callable = lambda item: item) -> Iterator:
+    def __call__(
+        self, batches: Iterable, move: Callable | None = None, lookup_input: Callable = lambda item: item
+    ) -> Iterator:
         """Yield the batches moved to the device (`move(item)`, default `item.to(device)`); when batch i is
         yielded, batch i+1 is already moved and its embedding input all-to-all is in flight.
         `lookup_input(moved_item)` is what `lookup_call` takes (the model input inside a larger item)."""

@@ -26,8 +26,9 @@ import torch
 import torch.distributed as dist
 
 
-def balanced_batches(schema, bench, batch_size: int, max_seq_len: int, rank: int, world: int,
-                     linear_weight: float) -> list:
+def balanced_batches(
+    schema, bench, batch_size: int, max_seq_len: int, rank: int, world: int, linear_weight: float
+) -> list:
     """This rank's `bench.distinct_batches` batches, as the data service serves them: each step draws one global
     batch of `world x batch_size` history lengths (the same on every rank), splits it by cost
     (`gemrec.components.data_service.balance.partition` with `linear_weight`), and the rank draws its examples'
@@ -41,8 +42,11 @@ def balanced_batches(schema, bench, batch_size: int, max_seq_len: int, rank: int
     for _ in range(bench.distinct_batches):
         lengths = synthetic_lengths(bench, world * batch_size, max_seq_len, lengths_gen)
         rows = partition(lengths.numpy(), world, linear_weight).rows[rank]
-        batches.append(synthetic_batch(schema, bench, batch_size, max_seq_len, features_gen,
-                                       lengths=lengths[torch.from_numpy(rows)]))
+        batches.append(
+            synthetic_batch(
+                schema, bench, batch_size, max_seq_len, features_gen, lengths=lengths[torch.from_numpy(rows)]
+            )
+        )
     return batches
 
 
@@ -63,13 +67,22 @@ def run(argv: list[str]) -> dict:
     parser.add_argument("--ep", type=int, default=1)
     parser.add_argument("--dp-replicate", type=int, default=1)
     parser.add_argument("--param-dtype", default="", help="FSDP2 all-gather dtype, e.g. bfloat16 ('' = fp32)")
-    parser.add_argument("--reduce-dtype", default="", help="FSDP2 reduce-scatter dtype ('' = float32 with "
-                        "--param-dtype, else the parameters' dtype)")
+    parser.add_argument(
+        "--reduce-dtype",
+        default="",
+        help="FSDP2 reduce-scatter dtype ('' = float32 with --param-dtype, else the parameters' dtype)",
+    )
     parser.add_argument("--compile", action="store_true", help="torch.compile per block (parallelize's compile)")
-    parser.add_argument("--no-reshard-after-forward", action="store_true",
-                        help="FSDP2 keeps gathered parameters from forward to backward (ZeRO-2 style)")
-    parser.add_argument("--trace", action="store_true",
-                        help="write the profiled step's Chrome trace per rank and its per-collective breakdown")
+    parser.add_argument(
+        "--no-reshard-after-forward",
+        action="store_true",
+        help="FSDP2 keeps gathered parameters from forward to backward (ZeRO-2 style)",
+    )
+    parser.add_argument(
+        "--trace",
+        action="store_true",
+        help="write the profiled step's Chrome trace per rank and its per-collective breakdown",
+    )
     args = parser.parse_args(argv)
 
     launched = "WORLD_SIZE" in os.environ  # under torchrun: parallelize, also on 1 rank (same code path)
@@ -94,16 +107,22 @@ def run(argv: list[str]) -> dict:
     train_model = model
     reduce_dtype = args.reduce_dtype or ("float32" if args.param_dtype else "")
     if launched:
-        pconfig = ParallelConfig(dp_replicate=args.dp_replicate, ep=args.ep, param_dtype=args.param_dtype,
-                                 compile=args.compile, reshard_after_forward=not args.no_reshard_after_forward,
-                                 reduce_dtype=reduce_dtype)
+        pconfig = ParallelConfig(
+            dp_replicate=args.dp_replicate,
+            ep=args.ep,
+            param_dtype=args.param_dtype,
+            compile=args.compile,
+            reshard_after_forward=not args.no_reshard_after_forward,
+            reduce_dtype=reduce_dtype,
+        )
         train_model, report = parallelize(model, ParallelDims.from_config(pconfig, world), pconfig, device)
         layout = report.layout
     optimizers = Optimizers(train_model, config.optim, bench.warmup_steps + bench.steps + 1)
     bf16 = config.train.precision == "bf16" or (cuda and config.train.precision == "auto")
 
-    host = balanced_batches(schema, bench, config.data.batch_size, config.data.max_seq_len, rank, world,
-                            balance_linear_weight(config))
+    host = balanced_batches(
+        schema, bench, config.data.batch_size, config.data.max_seq_len, rank, world, balance_linear_weight(config)
+    )
     flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
     batches = [(inp.to(device), labels.to(device)) for inp, labels in host]
     # The step before the timed window is profiled.
@@ -138,8 +157,11 @@ def run(argv: list[str]) -> dict:
     barrier()
     seconds = time.perf_counter() - start
     local_flops = sum(flops[(first + k) % len(flops)] for k in range(bench.steps))
-    totals = torch.tensor([local_flops, float(config.data.batch_size * bench.steps)], dtype=torch.float64,
-                          device=device if cuda else "cpu")
+    totals = torch.tensor(
+        [local_flops, float(config.data.batch_size * bench.steps)],
+        dtype=torch.float64,
+        device=device if cuda else "cpu",
+    )
     if launched:
         dist.all_reduce(totals)
     peak = device_peak(device, bf16)
@@ -169,11 +191,17 @@ def run(argv: list[str]) -> dict:
     }
     if rank == 0:
         args.out.mkdir(parents=True, exist_ok=True)
-        name = (f"scaling_w{world}" + ("_fsdp" if launched else "_plain") + (f"_ep{args.ep}" if args.ep > 1 else "")
-                + (f"_rep{args.dp_replicate}" if args.dp_replicate > 1 else "")
-                + (f"_{args.param_dtype}" if args.param_dtype and launched else "")
-                + (f"_rs-{args.reduce_dtype}" if args.reduce_dtype and launched else "")
-                + ("_compiled" if args.compile else "") + ("_zero2" if args.no_reshard_after_forward else "") + ".json")
+        name = (
+            f"scaling_w{world}"
+            + ("_fsdp" if launched else "_plain")
+            + (f"_ep{args.ep}" if args.ep > 1 else "")
+            + (f"_rep{args.dp_replicate}" if args.dp_replicate > 1 else "")
+            + (f"_{args.param_dtype}" if args.param_dtype and launched else "")
+            + (f"_rs-{args.reduce_dtype}" if args.reduce_dtype and launched else "")
+            + ("_compiled" if args.compile else "")
+            + ("_zero2" if args.no_reshard_after_forward else "")
+            + ".json"
+        )
         (args.out / name).write_text(json.dumps(result, indent=2))
         print(json.dumps(result, indent=2))
     if launched:
@@ -183,17 +211,25 @@ def run(argv: list[str]) -> dict:
 
 def report(paths: list[Path]) -> str:
     """Markdown table of several runs; scaling ratio against the 1-GPU run of the same kind (compile, FSDP dtype)."""
-    runs = sorted((json.loads(p.read_text()) for p in paths),
-                  key=lambda r: (r.get("compile", False), r["world_size"], r["ep"], r["fsdp_param_dtype"]))
+    runs = sorted(
+        (json.loads(p.read_text()) for p in paths),
+        key=lambda r: (r.get("compile", False), r["world_size"], r["ep"], r["fsdp_param_dtype"]),
+    )
 
     def base_for(run):
         ones = [r for r in runs if r["world_size"] == 1]
-        same = [r for r in ones if r.get("compile", False) == run.get("compile", False)
-                and r["fsdp_param_dtype"] == run["fsdp_param_dtype"]]
+        same = [
+            r
+            for r in ones
+            if r.get("compile", False) == run.get("compile", False) and r["fsdp_param_dtype"] == run["fsdp_param_dtype"]
+        ]
         return (same or [None])[0]
 
-    lines = ["| GPUs | layout | compile | FSDP params / reduce | QPS | step ms | E2E MFU | scaling ratio "
-             "| rank imbalance | exposed comm ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| GPUs | layout | compile | FSDP params / reduce | QPS | step ms | E2E MFU | scaling ratio "
+        "| rank imbalance | exposed comm ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in runs:
         base = base_for(r)
         ratio = r["mfu_e2e"] / base["mfu_e2e"] if base else float("nan")

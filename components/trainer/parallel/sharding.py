@@ -82,9 +82,7 @@ def plan_embedding_sharding(
         compute_device=device.type,
         local_world_size=local_world_size or world,
     )
-    planner = EmbeddingShardingPlanner(
-        topology=topology, constraints=constraints, batch_size=batch_size, debug=False
-    )
+    planner = EmbeddingShardingPlanner(topology=topology, constraints=constraints, batch_size=batch_size, debug=False)
     return planner.collective_plan(model, embedding_sharders(), group)
 
 
@@ -174,8 +172,9 @@ def shard_embedding_tables(
     keys = {name: list(model.get_submodule(name)._embedding_names) for name in names}
     weights = {name: model.get_submodule(name).state_dict() for name in names}
     plan = plan_embedding_sharding(model, group, device, config.sharding_types)
-    shard_modules(model, env=ShardingEnv.from_process_group(group), device=device, plan=plan,
-                  sharders=embedding_sharders())
+    shard_modules(
+        model, env=ShardingEnv.from_process_group(group), device=device, plan=plan, sharders=embedding_sharders()
+    )
     for name in names:
         load_full_weights(model.get_submodule(name), weights[name])
         _add_hooks(model.get_submodule(name), keys[name], group)
@@ -197,8 +196,9 @@ def shard_embedding_tables_2d(
     weights = {name: model.get_submodule(name).state_dict() for name in names}
     sparse_mesh: DeviceMesh = parallel_dims.sparse_mesh
     shard_group = sparse_mesh.get_group("sparse_shard")
-    plan = plan_embedding_sharding(model, dist.group.WORLD, device, config.sharding_types,
-                                   shard_world_size=parallel_dims.sparse_shard)
+    plan = plan_embedding_sharding(
+        model, dist.group.WORLD, device, config.sharding_types, shard_world_size=parallel_dims.sparse_shard
+    )
     dmp = DMPCollection(
         module=model,
         device=device,

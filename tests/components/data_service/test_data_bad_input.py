@@ -14,8 +14,19 @@ def prepare(tmp_path, events_text=GOOD, *labels, name="events.csv", extra=()):
     if events_text is not None:
         path.write_text(events_text)
     out = tmp_path / "out"
-    code = main(["data", "prepare", "events", "--events", str(path), "--out", str(out),
-                 *[arg for label in (labels or ("click",)) for arg in ("--label", label)], *extra])
+    code = main(
+        [
+            "data",
+            "prepare",
+            "events",
+            "--events",
+            str(path),
+            "--out",
+            str(out),
+            *[arg for label in (labels or ("click",)) for arg in ("--label", label)],
+            *extra,
+        ]
+    )
     return code, out
 
 
@@ -40,8 +51,9 @@ def test_missing_column(tmp_path, capsys):
 
 def test_unparsable_timestamp(tmp_path, capsys):
     code, out = prepare(tmp_path, GOOD + "u2,i3,yesterday-ish,pv,0\n")
-    expect_error(capsys, tmp_path, code, out, "events.csv", "column 'timestamp'", "row 3 (line 5)", "unparsable",
-                 "yesterday-ish")
+    expect_error(
+        capsys, tmp_path, code, out, "events.csv", "column 'timestamp'", "row 3 (line 5)", "unparsable", "yesterday-ish"
+    )
 
 
 @pytest.mark.parametrize("value, problem", [("", "missing value"), ("2", "must be 0 or 1"), ("yes", "must be 0 or 1")])

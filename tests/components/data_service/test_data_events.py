@@ -7,18 +7,33 @@ from gemrec.components.data_service.builder import SplitConfig, stable_hash
 from gemrec.components.data_service.dataset import Dataset
 from gemrec.components.data_service.events import prepare_events
 
-EVENTS = pd.DataFrame({
-    "user_id": ["alice", "alice", "bob", "alice", "bob", "alice", "carol", "alice"],
-    "item_id": ["sku-1", "sku-2", "sku-1", "sku-3", "sku-2", "sku-2", "sku-9", "sku-3"],
-    "timestamp": ["2024-01-01 10:00:00", "2024-01-01 10:05:00", "2024-01-03 08:00:00", "2024-01-01 10:05:00",
-                  "2024-01-02 08:00:00", "2024-01-05 12:00:00", "2024-01-04 00:00:00", "2024-01-01 10:05:00"],
-    "behavior": ["pv", "cart", "pv", "buy", "buy", "pv", "pv", "buy"],
-    "rating": [3.0, 4.5, 2.0, 3.5, 5.0, 4.0, 1.0, 3.5],
-    "dwell": [10.0, np.nan, 5.0, 40.0, 20.0, 8.0, 1.0, 40.0],
-    "device": ["ios", "ios", "web", "ios", "web", "android", "web", "ios"],
-})
-ITEMS = pd.DataFrame({"item_id": ["sku-1", "sku-2", "sku-3", "sku-4"], "genres": ["a|b", "b", "", "c|a"],
-                      "price": [1.0, 2.0, np.nan, 4.0]})
+EVENTS = pd.DataFrame(
+    {
+        "user_id": ["alice", "alice", "bob", "alice", "bob", "alice", "carol", "alice"],
+        "item_id": ["sku-1", "sku-2", "sku-1", "sku-3", "sku-2", "sku-2", "sku-9", "sku-3"],
+        "timestamp": [
+            "2024-01-01 10:00:00",
+            "2024-01-01 10:05:00",
+            "2024-01-03 08:00:00",
+            "2024-01-01 10:05:00",
+            "2024-01-02 08:00:00",
+            "2024-01-05 12:00:00",
+            "2024-01-04 00:00:00",
+            "2024-01-01 10:05:00",
+        ],
+        "behavior": ["pv", "cart", "pv", "buy", "buy", "pv", "pv", "buy"],
+        "rating": [3.0, 4.5, 2.0, 3.5, 5.0, 4.0, 1.0, 3.5],
+        "dwell": [10.0, np.nan, 5.0, 40.0, 20.0, 8.0, 1.0, 40.0],
+        "device": ["ios", "ios", "web", "ios", "web", "android", "web", "ios"],
+    }
+)
+ITEMS = pd.DataFrame(
+    {
+        "item_id": ["sku-1", "sku-2", "sku-3", "sku-4"],
+        "genres": ["a|b", "b", "", "c|a"],
+        "price": [1.0, 2.0, np.nan, 4.0],
+    }
+)
 USERS = pd.DataFrame({"user_id": ["alice", "bob"], "country": ["de", "fr"]})
 
 
@@ -30,10 +45,17 @@ def build(tmp_path, events_name="events.csv", **kwargs):
         EVENTS.to_parquet(events)
     ITEMS.to_csv(tmp_path / "items.csv", index=False)
     USERS.to_csv(tmp_path / "users.csv", index=False)
-    return prepare_events(tmp_path / f"out-{events_name}", events, ["buy=behavior==buy", "like=rating>=4"],
-                          items=tmp_path / "items.csv", users=tmp_path / "users.csv", context=["device"],
-                          split=SplitConfig(cutoff=int(pd.Timestamp("2024-01-04", tz="UTC").timestamp())),
-                          progress=False, **kwargs)
+    return prepare_events(
+        tmp_path / f"out-{events_name}",
+        events,
+        ["buy=behavior==buy", "like=rating>=4"],
+        items=tmp_path / "items.csv",
+        users=tmp_path / "users.csv",
+        context=["device"],
+        split=SplitConfig(cutoff=int(pd.Timestamp("2024-01-04", tz="UTC").timestamp())),
+        progress=False,
+        **kwargs,
+    )
 
 
 def test_labels_actions_side_tables_and_counts(tmp_path):
@@ -55,16 +77,29 @@ def test_labels_actions_side_tables_and_counts(tmp_path):
     users = pq.read_table(ds.path / "vocab" / "users.parquet").column("raw_id").to_pylist()
     items = pq.read_table(ds.path / "vocab" / "items.parquet").column("raw_id").to_pylist()
     offsets = b.seq_offsets.numpy()
-    rows = [(users[int(b.user_ids[i])], items[int(b.item_ids[i])], int(offsets[i + 1] - offsets[i]),
-             b.labels[i].tolist()) for i in range(5)]
-    assert rows == [("alice", "sku-1", 0, [0.0, 0.0]), ("alice", "sku-2", 1, [0.0, 1.0]),
-                    ("alice", "sku-3", 1, [1.0, 0.0]), ("bob", "sku-2", 0, [1.0, 1.0]), ("bob", "sku-1", 1, [0.0, 0.0])]
+    rows = [
+        (users[int(b.user_ids[i])], items[int(b.item_ids[i])], int(offsets[i + 1] - offsets[i]), b.labels[i].tolist())
+        for i in range(5)
+    ]
+    assert rows == [
+        ("alice", "sku-1", 0, [0.0, 0.0]),
+        ("alice", "sku-2", 1, [0.0, 1.0]),
+        ("alice", "sku-3", 1, [1.0, 0.0]),
+        ("bob", "sku-2", 0, [1.0, 1.0]),
+        ("bob", "sku-1", 1, [0.0, 0.0]),
+    ]
     genres = pq.read_table(ds.path / "vocab" / "features" / "item_genres.parquet").column("value").to_pylist()
     sku1 = ds.lookup("item", np.array([items.index("sku-1"), items.index("sku-9")]), ["item_genres", "item_price"])
     assert [genres[v] for v in sku1["item_genres"][0]] == ["a", "b"] and sku1["item_genres"][1].tolist() == [2, 0]
     assert sku1["item_price"][0].tolist() == [1.0, 0.0]
     devices = pq.read_table(ds.path / "vocab" / "features" / "ctx_device.parquet").column("value").to_pylist()
-    assert [devices[v] for v in b.sparse_features["ctx_device"].values().tolist()] == ["ios", "ios", "ios", "web", "web"]
+    assert [devices[v] for v in b.sparse_features["ctx_device"].values().tolist()] == [
+        "ios",
+        "ios",
+        "ios",
+        "web",
+        "web",
+    ]
 
 
 def test_parquet_input_gives_the_same_dataset(tmp_path):
@@ -76,8 +111,13 @@ def test_parquet_input_gives_the_same_dataset(tmp_path):
 def test_huge_id_spaces_are_hashed(tmp_path):
     ds = Dataset.open(build(tmp_path, hash_over=2))
     features = {f["name"]: f for f in ds.manifest["sparse_features"]}
-    assert features["item_id"] == {"name": "item_id", "source": "item", "num_embeddings": 2, "multi_valued": False,
-                                   "hashed": True}
+    assert features["item_id"] == {
+        "name": "item_id",
+        "source": "item",
+        "num_embeddings": 2,
+        "multi_valued": False,
+        "hashed": True,
+    }
     assert features["user_id"]["hashed"] and features["item_genres"]["hashed"]
     vocab = pq.read_table(ds.path / "vocab" / "items.parquet").to_pandas()
     expected = stable_hash(vocab["raw_id"].to_numpy(dtype=object)) % np.uint64(2)

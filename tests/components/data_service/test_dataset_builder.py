@@ -10,18 +10,27 @@ event = st.tuples(st.integers(0, 4), st.integers(0, 5), st.integers(0, 12), st.i
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(events=st.lists(event, min_size=1, max_size=40), max_seq_len=st.integers(0, 6),
-       eval_fraction=st.sampled_from([0.0, 0.3]))
+@given(
+    events=st.lists(event, min_size=1, max_size=40),
+    max_seq_len=st.integers(0, 6),
+    eval_fraction=st.sampled_from([0.0, 0.3]),
+)
 def test_histories_match_a_naive_reference(tmp_path_factory, events, max_seq_len, eval_fraction):
     users, items, stamps, clicks = (np.array(column) for column in zip(*events))
     stamps = stamps + 1_000  # any int64 epoch works
-    log = EventLog(users=users, items=items, timestamps=stamps, labels={"click": clicks},
-                   actions={"click": clicks.astype(np.float32), "row": np.arange(len(events), dtype=np.float32)})
+    log = EventLog(
+        users=users,
+        items=items,
+        timestamps=stamps,
+        labels={"click": clicks},
+        actions={"click": clicks.astype(np.float32), "row": np.arange(len(events), dtype=np.float32)},
+    )
     split = SplitConfig(eval_fraction=eval_fraction, by="events")
     if eval_fraction and np.all(stamps >= split.cutoff_for(stamps)):
         return  # every event would be eval: the builder refuses an empty train split (tested elsewhere)
-    ds = Dataset.open(build_dataset(tmp_path_factory.mktemp("b") / "ds", name="t", events=log, split=split,
-                                    progress=False))
+    ds = Dataset.open(
+        build_dataset(tmp_path_factory.mktemp("b") / "ds", name="t", events=log, split=split, progress=False)
+    )
 
     # Reference: the last input row of each (user, item, timestamp) wins; timelines sorted by (ts, item).
     kept = {}
@@ -34,8 +43,11 @@ def test_histories_match_a_naive_reference(tmp_path_factory, events, max_seq_len
         unsorted += u in last_seen and t < last_seen[u]
         last_seen[u] = t
     m = ds.manifest
-    assert m["counts"] == {"input_events": len(events), "duplicates_dropped": len(events) - len(kept),
-                           "unsorted_input_rows": unsorted}
+    assert m["counts"] == {
+        "input_events": len(events),
+        "duplicates_dropped": len(events) - len(kept),
+        "unsorted_input_rows": unsorted,
+    }
     cutoff = m["split"]["cutoff"]
     seen = 0
     for split_name in ds.splits:
@@ -50,6 +62,6 @@ def test_histories_match_a_naive_reference(tmp_path_factory, events, max_seq_len
             target = int(b.timestamps[k])
             assert (target >= cutoff) == (split_name == "eval")
             history = [r for t, _, r, _ in timeline[user] if t < target][-max_seq_len:] if max_seq_len else []
-            assert rows[offsets[k]:offsets[k + 1]].tolist() == history
+            assert rows[offsets[k] : offsets[k + 1]].tolist() == history
         seen += n
     assert seen == len(kept)

@@ -79,12 +79,16 @@ def test_item_features_match_movies_csv(ds, movielens_dataset, movielens_raw):
 
 def _reference_history(ratings: pd.DataFrame, user_raw: int, ts: int, max_len: int) -> pd.DataFrame:
     rows = ratings[(ratings.userId == user_raw) & (ratings.timestamp < ts)]
-    return rows.iloc[max(0, len(rows) - max_len):]
+    return rows.iloc[max(0, len(rows) - max_len) :]
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(split=st.sampled_from(["train", "eval"]), seed=st.integers(0, 2**31), batch=st.integers(1, 12),
-       max_seq_len=st.sampled_from([0, 1, 3, 50, 4096]))
+@given(
+    split=st.sampled_from(["train", "eval"]),
+    seed=st.integers(0, 2**31),
+    batch=st.integers(1, 12),
+    max_seq_len=st.sampled_from([0, 1, 3, 50, 4096]),
+)
 def test_no_history_event_at_or_after_the_target(ds, ratings, movielens_dataset, split, seed, batch, max_seq_len):
     users = pq.read_table(movielens_dataset / "vocab" / "users.parquet").column("raw_id").to_pylist()
     items = pq.read_table(movielens_dataset / "vocab" / "items.parquet").column("raw_id").to_pylist()
@@ -94,10 +98,10 @@ def test_no_history_event_at_or_after_the_target(ds, ratings, movielens_dataset,
     assert b.batch_size == batch and offsets[-1] == b.num_tokens
     for i in range(batch):
         target = int(b.timestamps[i])
-        seq_ts = b.seq_timestamps[offsets[i]:offsets[i + 1]].numpy()
+        seq_ts = b.seq_timestamps[offsets[i] : offsets[i + 1]].numpy()
         assert (seq_ts < target).all()
         expected = _reference_history(ratings, int(users[int(b.user_ids[i])]), target, max_seq_len)
-        got_items = [int(items[j]) for j in b.seq_item_ids[offsets[i]:offsets[i + 1]].tolist()]
+        got_items = [int(items[j]) for j in b.seq_item_ids[offsets[i] : offsets[i + 1]].tolist()]
         assert got_items == expected["movieId"].tolist()
         assert (seq_ts == expected["timestamp"].to_numpy()).all()
 

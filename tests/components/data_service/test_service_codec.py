@@ -8,8 +8,17 @@ from gemrec.components.data_service.dataset import Dataset
 from gemrec.components.feature_service.wire import from_array
 from gemrec.proto.gemrec.v1 import data_pb2
 
-TENSORS = ("user_ids", "item_ids", "timestamps", "labels", "dense_features", "seq_offsets", "seq_item_ids",
-           "seq_timestamps", "seq_actions")
+TENSORS = (
+    "user_ids",
+    "item_ids",
+    "timestamps",
+    "labels",
+    "dense_features",
+    "seq_offsets",
+    "seq_item_ids",
+    "seq_timestamps",
+    "seq_actions",
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,8 +29,16 @@ def ds(synth_dataset):
 @pytest.mark.parametrize("rows", [np.arange(0, 400, 3), np.array([5]), np.array([], dtype=np.int64)])
 def test_serialized_batch_parses_to_the_same_arrays(ds, rows):
     batch = ds.collate("train", rows, 300)
-    fields = dict(cursor=b"\x00cursor\xff", epoch=3, step=2**40, num_steps=7, cost_imbalance=1.25,
-                  tokens_imbalance=1.0, sq_tokens_imbalance=2.5, naive_cost_imbalance=3.0)
+    fields = dict(
+        cursor=b"\x00cursor\xff",
+        epoch=3,
+        step=2**40,
+        num_steps=7,
+        cost_imbalance=1.25,
+        tokens_imbalance=1.0,
+        sq_tokens_imbalance=2.5,
+        naive_cost_imbalance=3.0,
+    )
     message = data_pb2.BatchMessage.FromString(serialize_batch(batch, **fields))
     for name in TENSORS:
         want = getattr(batch, name).numpy()

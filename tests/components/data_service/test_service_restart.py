@@ -25,8 +25,19 @@ def _free_port() -> int:
 
 def _start(dataset, port: int, log) -> subprocess.Popen:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gemrec.cli", "serve", "data", "--dataset", str(dataset), "--port", str(port),
-         "--grace-s", "5"],
+        [
+            sys.executable,
+            "-m",
+            "gemrec.cli",
+            "serve",
+            "data",
+            "--dataset",
+            str(dataset),
+            "--port",
+            str(port),
+            "--grace-s",
+            "5",
+        ],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -62,8 +73,19 @@ def test_server_dies_mid_stream_and_client_resumes_exactly(movielens_dataset, sp
         procs.append(_start(movielens_dataset, port, log))
 
     seen: Counter = Counter()
-    client = DataClient(f"127.0.0.1:{port}", SPLIT, rank=0, world_size=1, batch_size=200, max_seq_len=128,
-                        epoch=0, seed=4, prefetch=1, max_retries=40, max_backoff_s=1.0)
+    client = DataClient(
+        f"127.0.0.1:{port}",
+        SPLIT,
+        rank=0,
+        world_size=1,
+        batch_size=200,
+        max_seq_len=128,
+        epoch=0,
+        seed=4,
+        prefetch=1,
+        max_retries=40,
+        max_backoff_s=1.0,
+    )
     try:
         for i, batch in enumerate(client):
             seen.update(_keys(batch))

@@ -52,8 +52,17 @@ def split_keys(ds):
 
 
 def assert_same_batch(got, want):
-    for name in ("user_ids", "item_ids", "timestamps", "labels", "dense_features", "seq_offsets", "seq_item_ids",
-                 "seq_timestamps", "seq_actions"):
+    for name in (
+        "user_ids",
+        "item_ids",
+        "timestamps",
+        "labels",
+        "dense_features",
+        "seq_offsets",
+        "seq_item_ids",
+        "seq_timestamps",
+        "seq_actions",
+    ):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     for name in ("sparse_features", "seq_item_features"):
         a, b = getattr(got, name), getattr(want, name)
@@ -117,7 +126,9 @@ def test_restart_from_saved_cursor_is_exact(address):
 
 
 def test_features_from_the_feature_service_give_the_same_batches(ds, movielens_dataset, address):
-    feature_server = Server(ServerOptions(port=0), register_features(FeatureServiceCore(MemoryStore(movielens_dataset))))
+    feature_server = Server(
+        ServerOptions(port=0), register_features(FeatureServiceCore(MemoryStore(movielens_dataset)))
+    )
     features = FeatureClient(f"127.0.0.1:{feature_server.port}")
     remote = DataLoaderCore(ds, features)
     server = Server(ServerOptions(port=0), register(remote))
@@ -199,10 +210,19 @@ def test_bad_requests_get_status_codes(stream_stub, fields, code, message):
     seed=st.integers(-(2**63), 2**63 - 1),
     cursor=st.binary(max_size=80),
 )
-def test_fuzzed_requests_never_break_the_server(stream_stub, split, rank, world_size, batch_size, max_seq_len,
-                                                epoch, seed, cursor):
-    fields = dict(split=split, rank=rank, world_size=world_size, batch_size=batch_size, max_seq_len=max_seq_len,
-                  epoch=epoch, seed=seed, cursor=cursor)
+def test_fuzzed_requests_never_break_the_server(
+    stream_stub, split, rank, world_size, batch_size, max_seq_len, epoch, seed, cursor
+):
+    fields = dict(
+        split=split,
+        rank=rank,
+        world_size=world_size,
+        batch_size=batch_size,
+        max_seq_len=max_seq_len,
+        epoch=epoch,
+        seed=seed,
+        cursor=cursor,
+    )
     try:
         _first(stream_stub, **fields)
     except grpc.RpcError as err:
@@ -239,8 +259,9 @@ def test_graceful_stop_ends_streams_and_client_resumes_on_a_new_server(ds, split
         servers[-1].stop()
         servers.append(start())
 
-    client = DataClient(f"127.0.0.1:{free_port}", SPLIT, batch_size=500, max_seq_len=16, seed=2, prefetch=1,
-                        max_backoff_s=0.5)
+    client = DataClient(
+        f"127.0.0.1:{free_port}", SPLIT, batch_size=500, max_seq_len=16, seed=2, prefetch=1, max_backoff_s=0.5
+    )
     seen, swapper = Counter(), threading.Thread(target=replace_server)
     try:
         for i, batch in enumerate(client):

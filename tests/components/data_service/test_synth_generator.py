@@ -73,8 +73,12 @@ def test_history_item_features_match_the_item_table(synth_dataset):
     ds = Dataset.open(synth_dataset)
     rows = np.arange(3, ds.num_examples("eval"), 97)
     b = ds.collate("eval", rows, 300)
-    items = np.concatenate([ds.user_history(int(u), int(t), 300)["items"]
-                            for u, t in zip(ds._split("eval").user[rows], b.timestamps.tolist())])
+    items = np.concatenate(
+        [
+            ds.user_history(int(u), int(t), 300)["items"]
+            for u, t in zip(ds._split("eval").user[rows], b.timestamps.tolist())
+        ]
+    )
     assert len(items) == b.num_tokens
     expected = ds.lookup("item", items, ["item_tags", "item_category"])
     for name in ("item_tags", "item_category"):

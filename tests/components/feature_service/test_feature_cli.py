@@ -22,11 +22,15 @@ def test_materialize_then_redis_store_serves(movielens_dataset, redis_url, capsy
         (["serve", "features", "--dataset", "{ml}", "--tls-cert", "x.pem"], "--tls-cert and --tls-key go together"),
         (["serve", "features", "--dataset", "{ml}", "--tls-cert", "x.pem", "--tls-key", "y.pem"], "TLS file not found"),
         (["serve", "features", "--dataset", "{ml}", "--port", "70000"], "--port must be in"),
-        (["serve", "features", "--dataset", "{ml}", "--store", "redis", "--redis-url", "redis://127.0.0.1:1/0"],
-         "cannot use redis"),
+        (
+            ["serve", "features", "--dataset", "{ml}", "--store", "redis", "--redis-url", "redis://127.0.0.1:1/0"],
+            "cannot use redis",
+        ),
         (["serve", "data", "--dataset", "{empty}"], "not a complete dataset"),
-        (["serve", "data", "--dataset", "{ml}", "--features", "127.0.0.1:1", "--features-timeout-s", "0.5"],
-         "is not reachable"),
+        (
+            ["serve", "data", "--dataset", "{ml}", "--features", "127.0.0.1:1", "--features-timeout-s", "0.5"],
+            "is not reachable",
+        ),
     ],
 )
 def test_bad_arguments_exit_2_naming_the_problem(movielens_dataset, tmp_path, capsys, argv, message):

@@ -83,10 +83,22 @@ def test_user_history_is_jagged(server, memory):
     ("request_", "code", "message"),
     [
         (features_pb2.GetFeaturesRequest(entity="movie", ids=_ids(1)), grpc.StatusCode.NOT_FOUND, "movie"),
-        (features_pb2.GetFeaturesRequest(entity="item", ids=_ids(1), names=["nope"]), grpc.StatusCode.NOT_FOUND, "nope"),
+        (
+            features_pb2.GetFeaturesRequest(entity="item", ids=_ids(1), names=["nope"]),
+            grpc.StatusCode.NOT_FOUND,
+            "nope",
+        ),
         (features_pb2.GetFeaturesRequest(entity="item", ids=_ids(99999)), grpc.StatusCode.NOT_FOUND, "99999"),
-        (features_pb2.GetFeaturesRequest(entity="item", ids=b"\x01\x02\x03"), grpc.StatusCode.INVALID_ARGUMENT, "multiple of 8"),
-        (features_pb2.GetFeaturesRequest(entity="item", ids=_ids(*range(1001))), grpc.StatusCode.RESOURCE_EXHAUSTED, "limit is 1000"),
+        (
+            features_pb2.GetFeaturesRequest(entity="item", ids=b"\x01\x02\x03"),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "multiple of 8",
+        ),
+        (
+            features_pb2.GetFeaturesRequest(entity="item", ids=_ids(*range(1001))),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "limit is 1000",
+        ),
         (features_pb2.GetFeaturesRequest(entity="item", ids=b"\0" * (2 << 20)), grpc.StatusCode.RESOURCE_EXHAUSTED, ""),
     ],
 )
@@ -147,7 +159,10 @@ def test_bearer_token_over_tls(memory, tls_files):
         with open_channel(address, tls_ca=cert) as channel:
             wait_healthy(channel, timeout_s=10)  # health checks need no token
         for token in ("", "wrong"):
-            with FeatureClient(address, tls_ca=cert, token=token, retries=0) as client, pytest.raises(grpc.RpcError) as err:
+            with (
+                FeatureClient(address, tls_ca=cert, token=token, retries=0) as client,
+                pytest.raises(grpc.RpcError) as err,
+            ):
                 client.lookup("item", [1])
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED and "token" in err.value.details()
         with FeatureClient(address, tls_ca=cert, token=TOKEN) as client:

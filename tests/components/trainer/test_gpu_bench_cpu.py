@@ -6,8 +6,18 @@ import numpy as np
 import torch
 from gemrec.components.trainer.gpu_bench import run
 
-SMALL = ["--set", "bench.steps=2", "--set", "bench.warmup_steps=1", "--set", "data.batch_size=8",
-         "--set", "bench.num_users=100", "--set", "bench.num_items=100"]
+SMALL = [
+    "--set",
+    "bench.steps=2",
+    "--set",
+    "bench.warmup_steps=1",
+    "--set",
+    "data.batch_size=8",
+    "--set",
+    "bench.num_users=100",
+    "--set",
+    "bench.num_items=100",
+]
 
 
 def test_gpu_bench_reports_mfu_layers_and_profile_on_cpu(tmp_path):
@@ -36,9 +46,11 @@ def test_scaling_bench_splits_one_global_batch_by_attention_cost():
     assert all(len(x) == batch for x in lengths)
     assert sorted(torch.cat(lengths).tolist()) == sorted(pool.tolist())  # every example served, once
     costs = [float(example_cost(x.numpy(), 512.0).sum()) for x in lengths]
-    naive = [float(example_cost(pool[r * batch:(r + 1) * batch].numpy(), 512.0).sum()) for r in range(world)]
+    naive = [float(example_cost(pool[r * batch : (r + 1) * batch].numpy(), 512.0).sum()) for r in range(world)]
     assert imbalance(np.array(costs)) < min(1.05, imbalance(np.array(naive)))
     # One rank: the global batch is the rank's batch, lengths in their drawn order.
     (single, _), _ = balanced_batches(schema, config.bench, batch, max_len, 0, 1, 512.0)
-    assert single.seq_lengths().tolist() == synthetic_lengths(config.bench, batch, max_len,
-                                                              torch.Generator().manual_seed(1000)).tolist()
+    assert (
+        single.seq_lengths().tolist()
+        == synthetic_lengths(config.bench, batch, max_len, torch.Generator().manual_seed(1000)).tolist()
+    )

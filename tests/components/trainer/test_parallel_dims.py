@@ -89,8 +89,9 @@ def test_fsdp_blocks_are_the_outermost_module_list_elements():
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(3, 4)
-            self.tower = nn.ModuleList([nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)])),
-                                        nn.Identity(), nn.Linear(4, 4)])
+            self.tower = nn.ModuleList(
+                [nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4)])), nn.Identity(), nn.Linear(4, 4)]
+            )
             self.head = nn.Module()
             self.head.towers = nn.ModuleList([nn.Linear(4, 1)])
 
@@ -127,17 +128,28 @@ def test_communication_breakdown_names_the_exposed_collectives():
     from types import SimpleNamespace
 
     def kernel(name, start_us, end_us):
-        return SimpleNamespace(name=name, device_type=torch.autograd.DeviceType.CUDA,
-                               time_range=SimpleNamespace(start=start_us, end=end_us))
+        return SimpleNamespace(
+            name=name,
+            device_type=torch.autograd.DeviceType.CUDA,
+            time_range=SimpleNamespace(start=start_us, end=end_us),
+        )
 
-    events = [kernel("gemm", 0, 1000), kernel("ncclDevKernel_AllGather", 500, 1200),
-              kernel("gemm", 1100, 2000), kernel("ncclDevKernel_AllReduce", 2000, 5000),
-              kernel("ncclDevKernel_AllGather", 1500, 1900)]
+    events = [
+        kernel("gemm", 0, 1000),
+        kernel("ncclDevKernel_AllGather", 500, 1200),
+        kernel("gemm", 1100, 2000),
+        kernel("ncclDevKernel_AllReduce", 2000, 5000),
+        kernel("ncclDevKernel_AllGather", 1500, 1900),
+    ]
     result = communication_breakdown(events)
     by_name = {r["name"]: r for r in result["by_name"]}
     assert by_name["ncclDevKernel_AllGather"]["count"] == 2
     assert by_name["ncclDevKernel_AllGather"]["exposed_ms"] == pytest.approx(0.1)  # 1000..1100
     assert by_name["ncclDevKernel_AllReduce"]["exposed_ms"] == pytest.approx(3.0)
     assert result["by_name"][0]["name"] == "ncclDevKernel_AllReduce"
-    assert result["most_exposed"][0] == {"name": "ncclDevKernel_AllReduce", "start_ms": pytest.approx(2.0),
-                                         "ms": pytest.approx(3.0), "exposed_ms": pytest.approx(3.0)}
+    assert result["most_exposed"][0] == {
+        "name": "ncclDevKernel_AllReduce",
+        "start_ms": pytest.approx(2.0),
+        "ms": pytest.approx(3.0),
+        "exposed_ms": pytest.approx(3.0),
+    }

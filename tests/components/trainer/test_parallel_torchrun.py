@@ -3,8 +3,8 @@
 Two torchrun launches (start-up dominates on CI): 4 ranks (HSDP 2x2, HSDP + EP, FSDP + EP with experts also
 FSDP-sharded, EP exactness, DCP save), then 2 ranks (FSDP 1x2, replicate-only 2x1, EP 2 with activation
 checkpointing, ZeRO-2 with bf16 all-gathers and reductions, rank-balance metrics,
-the sparse/dense pipeline, the real GEM model with torchrec-sharded or replicated tables, the four embedding sharding plans against the
-unsharded collection, DCP resume of the 4-rank checkpoint).
+the sparse/dense pipeline, the real GEM model with torchrec-sharded or replicated tables, the four embedding
+sharding plans against the unsharded collection, DCP resume of the 4-rank checkpoint).
 
 Tolerances: loss trajectories over 6 steps (SGD on the dense part, which unlike Adam is not scale-invariant, and
 fused SGD on the tables) match the single-process run within 1e-5 absolute, and every dense gradient of the first
@@ -32,8 +32,17 @@ GRAD_TOL = 1e-5
 def torchrun(nproc: int, out: Path, checks: list[str], port: int) -> dict[str, list[dict]]:
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={port}", str(WORKER), str(out), *checks]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        str(WORKER),
+        str(out),
+        *checks,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = {}
@@ -57,10 +66,26 @@ def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("parallel")
     four = torchrun(4, base / "four", ["train:2x2x1", "train:2x2x2", "train:1x4x2", "ep", "dcp_save"], port())
     two = torchrun(
-        2, base / "two",
-        ["train:1x2x1", "train:2x1x1", "train:1x2x2+ac", "train:1x2x1+compile", "train:1x2x1+zero2bf16", "ep", "metrics", "pipeline", "gem:torchrec", "gem:torch", "sparse2d_cpu",
-         "sharding:table_wise", "sharding:column_wise",
-         "sharding:row_wise", "sharding:planner", f"dcp_load:{base / 'four' / 'ckpt'}"],
+        2,
+        base / "two",
+        [
+            "train:1x2x1",
+            "train:2x1x1",
+            "train:1x2x2+ac",
+            "train:1x2x1+compile",
+            "train:1x2x1+zero2bf16",
+            "ep",
+            "metrics",
+            "pipeline",
+            "gem:torchrec",
+            "gem:torch",
+            "sparse2d_cpu",
+            "sharding:table_wise",
+            "sharding:column_wise",
+            "sharding:row_wise",
+            "sharding:planner",
+            f"dcp_load:{base / 'four' / 'ckpt'}",
+        ],
         port(),
     )
     return {**{f"4/{k}": v for k, v in four.items()}, **{f"2/{k}": v for k, v in two.items()}}
@@ -68,8 +93,15 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "run",
-    ["2/train:1x2x1", "2/train:2x1x1", "2/train:1x2x2+ac", "2/train:1x2x1+compile", "4/train:2x2x1", "4/train:2x2x2",
-     "4/train:1x4x2"],
+    [
+        "2/train:1x2x1",
+        "2/train:2x1x1",
+        "2/train:1x2x2+ac",
+        "2/train:1x2x1+compile",
+        "4/train:2x2x1",
+        "4/train:2x2x2",
+        "4/train:1x4x2",
+    ],
 )
 def test_loss_trajectory_matches_single_process(runs, run):
     for result in runs[run]:

@@ -29,9 +29,23 @@ def _env(tracking_uri: str) -> dict:
 
 
 def _train_cmd(dataset: Path, run_dir: Path, metrics: Path, *extra: str) -> list[str]:
-    return [GEMREC, "train", "--dataset", str(dataset), "--recipe", "tiny",
-            "--run-dir", str(run_dir), "--metrics-out", str(metrics), "--no-progress", "--no-log-model",
-            "--set", f"train.steps={STEPS}", *extra]
+    return [
+        GEMREC,
+        "train",
+        "--dataset",
+        str(dataset),
+        "--recipe",
+        "tiny",
+        "--run-dir",
+        str(run_dir),
+        "--metrics-out",
+        str(metrics),
+        "--no-progress",
+        "--no-log-model",
+        "--set",
+        f"train.steps={STEPS}",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +59,17 @@ def test_train_logs_everything_to_mlflow_and_metrics_json(movielens_dataset, tmp
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     metrics_out = tmp_path / "metrics.json"
     config = load_recipe("tiny")
-    summary = run_training(config, dataset=movielens_dataset, data_addr=None, run_dir=tmp_path / "run",
-                           tracking_uri=uri, experiment="trainer-test", metrics_out=metrics_out, resume=False,
-                           progress=False)
+    summary = run_training(
+        config,
+        dataset=movielens_dataset,
+        data_addr=None,
+        run_dir=tmp_path / "run",
+        tracking_uri=uri,
+        experiment="trainer-test",
+        metrics_out=metrics_out,
+        resume=False,
+        progress=False,
+    )
     written = json.loads(metrics_out.read_text())
     assert written["tasks"] == ["like", "love"]
     for task in written["tasks"]:
@@ -66,28 +88,47 @@ def test_train_logs_everything_to_mlflow_and_metrics_json(movielens_dataset, tmp
     assert run.data.params["model.arch"] == "gem" and run.data.params["train.steps"] == str(config.train.steps)
     assert run.data.tags["dataset_checksum"] == written["dataset"]["checksum"]
     assert re.fullmatch(r"[0-9a-f]{40}|unknown", run.data.tags["git_commit"]) and run.data.tags["device"]
-    for key in ("train/loss", "train/ne_like", "train/qps", "train/mfu", "eval/ne_like", "eval/auc_love",
-                "eval/calibration_like", "final/mfu_local", "final/scaling_ratio"):
+    for key in (
+        "train/loss",
+        "train/ne_like",
+        "train/qps",
+        "train/mfu",
+        "eval/ne_like",
+        "eval/auc_love",
+        "eval/calibration_like",
+        "final/mfu_local",
+        "final/scaling_ratio",
+    ):
         assert key in run.data.metrics, key
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in history] == list(range(10, config.train.steps + 1, 10))
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert artifacts == {"plots/loss_ne_curves.png", "plots/layer_mfu.png", "plots/seq_length_hist.png"}
     assert client.list_artifacts(run.info.run_id, "config")[0].path == "config/config.json"
-    model_dir = mlflow.artifacts.download_artifacts(run_id=run.info.run_id, artifact_path="model",
-                                                    tracking_uri=uri, dst_path=str(tmp_path / "model"))
+    model_dir = mlflow.artifacts.download_artifacts(
+        run_id=run.info.run_id, artifact_path="model", tracking_uri=uri, dst_path=str(tmp_path / "model")
+    )
     assert (Path(model_dir) / "MLmodel").exists()
 
 
 def test_sigkill_then_resume_matches_uninterrupted_run(movielens_dataset, tmp_path, tracking_uri):
     env = _env(tracking_uri)
-    full = subprocess.run(_train_cmd(movielens_dataset, tmp_path / "full", tmp_path / "full.json"), env=env,
-                          capture_output=True, text=True, timeout=300)
+    full = subprocess.run(
+        _train_cmd(movielens_dataset, tmp_path / "full", tmp_path / "full.json"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert full.returncode == 0, full.stderr[-3000:]
 
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(_train_cmd(movielens_dataset, run_dir, tmp_path / "killed.json"), env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        _train_cmd(movielens_dataset, run_dir, tmp_path / "killed.json"),
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     manager = CheckpointManager(run_dir / "checkpoints", keep=2)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
@@ -101,8 +142,13 @@ def test_sigkill_then_resume_matches_uninterrupted_run(movielens_dataset, tmp_pa
     assert killed_at is not None and killed_at.name < f"step_{STEPS:08d}", "the run finished before the kill"
     assert not (tmp_path / "killed.json").exists()
 
-    resumed = subprocess.run(_train_cmd(movielens_dataset, run_dir, tmp_path / "killed.json", "--resume"), env=env,
-                             capture_output=True, text=True, timeout=300)
+    resumed = subprocess.run(
+        _train_cmd(movielens_dataset, run_dir, tmp_path / "killed.json", "--resume"),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {killed_at}" in resumed.stderr
     a = json.loads((tmp_path / "full.json").read_text())
@@ -116,9 +162,22 @@ def test_sigkill_then_resume_matches_uninterrupted_run(movielens_dataset, tmp_pa
     good = CheckpointManager(full_dir, keep=2).latest()
     assert good.name == f"step_{STEPS:08d}"
     before = {p.name: p.read_bytes() for p in good.iterdir()}
-    nan = subprocess.run(_train_cmd(movielens_dataset, tmp_path / "full", tmp_path / "nan.json", "--resume",
-                                    "--set", f"train.steps={STEPS + 20}", "--set", "optim.dense_lr=1e30"),
-                         env=env, capture_output=True, text=True, timeout=300)
+    nan = subprocess.run(
+        _train_cmd(
+            movielens_dataset,
+            tmp_path / "full",
+            tmp_path / "nan.json",
+            "--resume",
+            "--set",
+            f"train.steps={STEPS + 20}",
+            "--set",
+            "optim.dense_lr=1e30",
+        ),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert nan.returncode == 2, nan.stderr[-3000:]
     match = re.search(r"loss is (nan|inf|-inf) at step (\d+)", nan.stderr)
     assert match, nan.stderr[-3000:]
@@ -133,10 +192,28 @@ def test_torchrun_two_ranks_logs_once(movielens_dataset, tmp_path):
     import mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", GEMREC,
-           "train", "--dataset", str(movielens_dataset), "--recipe", "tiny", "--run-dir", str(tmp_path / "run"),
-           "--metrics-out", str(tmp_path / "metrics.json"), "--no-progress",
-           "--experiment", "ddp", "--set", "train.steps=6"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        GEMREC,
+        "train",
+        "--dataset",
+        str(movielens_dataset),
+        "--recipe",
+        "tiny",
+        "--run-dir",
+        str(tmp_path / "run"),
+        "--metrics-out",
+        str(tmp_path / "metrics.json"),
+        "--no-progress",
+        "--experiment",
+        "ddp",
+        "--set",
+        "train.steps=6",
+    ]
     env = _env(uri)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     errors = [line for line in done.stderr.splitlines() if "rank1" in line or "Error" in line]
@@ -145,14 +222,15 @@ def test_torchrun_two_ranks_logs_once(movielens_dataset, tmp_path):
     assert metrics["world_size"] == 2 and metrics["steps"] == 6
     runs = mlflow.MlflowClient(uri).search_runs([mlflow.MlflowClient(uri).get_experiment_by_name("ddp").experiment_id])
     assert len(runs) == 1 and runs[0].data.params["world_size"] == "2"
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == ["step_00000005",
-                                                                                        "step_00000006"]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == [
+        "step_00000005",
+        "step_00000006",
+    ]
     assert done.stderr.count("training tiny (gem") == 1  # rank 0 speaks for the run
     # The model is gathered from the sharded one (a collective) and logged once, by rank 0.
     client = mlflow.MlflowClient(uri)
     models = client.search_logged_models([runs[0].info.experiment_id])
-    assert [(m.name, m.source_run_id, str(m.status)) for m in models] == [
-        ("model", runs[0].info.run_id, "READY")]
+    assert [(m.name, m.source_run_id, str(m.status)) for m in models] == [("model", runs[0].info.run_id, "READY")]
 
 
 def test_cli_errors_name_the_problem(tmp_path, capsys, movielens_dataset):
@@ -160,7 +238,10 @@ def test_cli_errors_name_the_problem(tmp_path, capsys, movielens_dataset):
     assert "missing: no such directory" in capsys.readouterr().err
     assert gemrec_main(["train", "--dataset", str(movielens_dataset), "--recipe", "nope"]) == 2
     assert "unknown recipe 'nope'" in capsys.readouterr().err
-    assert gemrec_main(["train", "--dataset", str(movielens_dataset), "--recipe", "tiny", "--set", "data.batch_size=0"]) == 2
+    assert (
+        gemrec_main(["train", "--dataset", str(movielens_dataset), "--recipe", "tiny", "--set", "data.batch_size=0"])
+        == 2
+    )
     assert "data.batch_size must be > 0" in capsys.readouterr().err
     assert gemrec_main(["train", "--dataset", str(tmp_path), "--recipe", "tiny"]) == 2
     assert "not a complete dataset" in capsys.readouterr().err
@@ -174,21 +255,48 @@ def test_train_from_the_data_service(movielens_dataset, tmp_path, tracking_uri):
     server = Server(ServerOptions(port=0), register(DataLoaderCore(Dataset.open(movielens_dataset))))
     try:
         config = load_recipe("tiny", ["train.steps=6", "checkpoint.every=3", "data.eval_max_examples=256"])
-        summary = run_training(config, dataset=None, data_addr=f"127.0.0.1:{server.port}", run_dir=tmp_path / "run",
-                               tracking_uri=tracking_uri, experiment="remote", metrics_out=None, resume=False,
-                               progress=False, log_model=False)
+        summary = run_training(
+            config,
+            dataset=None,
+            data_addr=f"127.0.0.1:{server.port}",
+            run_dir=tmp_path / "run",
+            tracking_uri=tracking_uri,
+            experiment="remote",
+            metrics_out=None,
+            resume=False,
+            progress=False,
+            log_model=False,
+        )
         assert summary["steps"] == 6 and summary["eval_examples"] >= 256
         assert set(summary["ne"]) == {"like", "love"}
         # Resume from the step-3 checkpoint: the stream continues from the saved cursor.
         manager = CheckpointManager(tmp_path / "run" / "checkpoints", keep=2)
         assert manager.latest().name == "step_00000006"
         config = load_recipe("tiny", ["train.steps=9", "checkpoint.every=3", "data.eval_max_examples=256"])
-        resumed = run_training(config, dataset=None, data_addr=f"127.0.0.1:{server.port}", run_dir=tmp_path / "run",
-                               tracking_uri=tracking_uri, experiment="remote", metrics_out=None, resume=True,
-                               progress=False, log_model=False)
+        resumed = run_training(
+            config,
+            dataset=None,
+            data_addr=f"127.0.0.1:{server.port}",
+            run_dir=tmp_path / "run",
+            tracking_uri=tracking_uri,
+            experiment="remote",
+            metrics_out=None,
+            resume=True,
+            progress=False,
+            log_model=False,
+        )
         assert resumed["steps"] == 9
     finally:
         server.stop(0)
     with pytest.raises(CLIError, match="did not answer"):
-        run_training(load_recipe("tiny"), dataset=None, data_addr=f"127.0.0.1:{server.port}", run_dir=tmp_path / "x",
-                     tracking_uri=tracking_uri, experiment="remote", metrics_out=None, resume=False, progress=False)
+        run_training(
+            load_recipe("tiny"),
+            dataset=None,
+            data_addr=f"127.0.0.1:{server.port}",
+            run_dir=tmp_path / "x",
+            tracking_uri=tracking_uri,
+            experiment="remote",
+            metrics_out=None,
+            resume=False,
+            progress=False,
+        )

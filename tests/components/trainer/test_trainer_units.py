@@ -84,7 +84,7 @@ def _toy_model():
 
 
 def test_lr_schedule_and_fused_sparse_optimizer():
-    config = load_recipe("tiny", ["optim.warmup_steps=4", "optim.min_lr_ratio=0.1", "optim.decay=\"cosine\""]).optim
+    config = load_recipe("tiny", ["optim.warmup_steps=4", "optim.min_lr_ratio=0.1", 'optim.decay="cosine"']).optim
     model = _toy_model()
     apply_sparse_optimizer(model, config)
     opts = Optimizers(model, config, total_steps=20)
@@ -112,7 +112,9 @@ def test_checkpoint_is_atomic_and_restores_state(tmp_path):
     assert manager.latest().name == "step_00000010"
     template = {"w": torch.zeros(4), "cursor": {"position": 0}}
     meta = manager.load(template)
-    assert meta["step"] == 10 and template["cursor"]["position"] == 7 and torch.equal(template["w"], torch.arange(4.0) * 2)
+    assert (
+        meta["step"] == 10 and template["cursor"]["position"] == 7 and torch.equal(template["w"], torch.arange(4.0) * 2)
+    )
     manager.save(15, state)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000010", "step_00000015"]
 
@@ -132,8 +134,9 @@ def test_local_mfu_measures_each_layer_without_touching_the_model():
     ids = torch.tensor([1, 2, 3])
     before = {k: v.clone() for k, v in model.state_dict().items()}
     flops = {"dense": (2 * 3 * 4, 4 * 3 * 4), "table": (0, 0)}
-    local, rows = measure_local_mfu(model, flops, lambda: model["dense"](model["table"](ids)), 1e9,
-                                    torch.device("cpu"), repeats=2)
+    local, rows = measure_local_mfu(
+        model, flops, lambda: model["dense"](model["table"](ids)), 1e9, torch.device("cpu"), repeats=2
+    )
     assert [r.name for r in rows] == ["dense"] and rows[0].seconds > 0
     assert local == pytest.approx(rows[0].mfu)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())

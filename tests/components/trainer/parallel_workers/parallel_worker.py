@@ -52,8 +52,10 @@ class ToyRec(nn.Module):
     def __init__(self, d: int = 32, blocks: int = 3):
         super().__init__()
         self.ebc = EmbeddingBagCollection(
-            tables=[EmbeddingBagConfig(name=f"t_{n}", num_embeddings=r, embedding_dim=e, feature_names=[f"f_{n}"])
-                    for n, r, e in TABLES]
+            tables=[
+                EmbeddingBagConfig(name=f"t_{n}", num_embeddings=r, embedding_dim=e, feature_names=[f"f_{n}"])
+                for n, r, e in TABLES
+            ]
         )
         self.proj = nn.Linear(sum(e for _, _, e in TABLES) + 2, d)
         self.blocks = nn.ModuleList(Block(d, moe=i == 1) for i in range(blocks))
@@ -68,10 +70,19 @@ class ToyRec(nn.Module):
 
 def make_batch(seed: int, batch: int):
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.cat([torch.ones(batch, dtype=torch.long), torch.ones(batch, dtype=torch.long),
-                         torch.randint(0, 4, (batch,), generator=g)])
-    values = torch.cat([torch.randint(0, r, (int(n),), generator=g) for (_, r, _), n in
-                        zip(TABLES, lengths.view(len(TABLES), batch).sum(1))])
+    lengths = torch.cat(
+        [
+            torch.ones(batch, dtype=torch.long),
+            torch.ones(batch, dtype=torch.long),
+            torch.randint(0, 4, (batch,), generator=g),
+        ]
+    )
+    values = torch.cat(
+        [
+            torch.randint(0, r, (int(n),), generator=g)
+            for (_, r, _), n in zip(TABLES, lengths.view(len(TABLES), batch).sum(1))
+        ]
+    )
     kjt = KeyedJaggedTensor(keys=KEYS, values=values, lengths=lengths)
     dense = torch.randn(batch, 2, generator=g)
     labels = (torch.rand(batch, generator=g) < 0.3).float()
@@ -87,7 +98,7 @@ def split_kjt(kjt: KeyedJaggedTensor, parts: int, index: int) -> KeyedJaggedTens
     for key in KEYS:
         jt = by_key[key]
         offsets = jt.offsets()
-        values.append(jt.values()[offsets[lo]:offsets[hi]])
+        values.append(jt.values()[offsets[lo] : offsets[hi]])
         lengths.append(jt.lengths()[lo:hi])
     return KeyedJaggedTensor(keys=KEYS, values=torch.cat(values), lengths=torch.cat(lengths))
 
@@ -109,12 +120,16 @@ def dense_params(model: nn.Module) -> list[nn.Parameter]:
 def full_grads(model: nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
-            for n, p in model.named_parameters() if p.grad is not None}
+    return {
+        n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
 
 
-def train_losses(model: nn.Module, batches, rank: int, world: int, steps: int, first_grads: dict | None = None,
-                 bf16: bool = False):
+def train_losses(
+    model: nn.Module, batches, rank: int, world: int, steps: int, first_grads: dict | None = None, bf16: bool = False
+):
     """Mean global-batch loss per step; each rank trains on its contiguous slice of the global batch. The dense
     gradients of the first step go into `first_grads`. `bf16`: forward under bf16 autocast, as the trainer
     runs FSDP2 mixed precision."""
@@ -156,17 +171,29 @@ def check_train(mesh: str, rank: int, world: int) -> dict:
     attach_sparse_sgd(model)
     dims = ParallelDims(world, dp_replicate=rep, dp_shard=shard, ep=ep)
     mixed = option == "zero2bf16"  # the layout measured on the H200: ZeRO-2, bf16 all-gathers and reductions
-    config = ParallelConfig(dp_replicate=rep, dp_shard=shard, ep=ep,
-                            activation_checkpoint="full" if option == "ac" else "none", compile=option == "compile",
-                            reshard_after_forward=not mixed, param_dtype="bfloat16" if mixed else None,
-                            reduce_dtype="bfloat16" if mixed else None)
+    config = ParallelConfig(
+        dp_replicate=rep,
+        dp_shard=shard,
+        ep=ep,
+        activation_checkpoint="full" if option == "ac" else "none",
+        compile=option == "compile",
+        reshard_after_forward=not mixed,
+        param_dtype="bfloat16" if mixed else None,
+        reduce_dtype="bfloat16" if mixed else None,
+    )
     model, report = parallelize(model, dims, config, CPU)
     losses = train_losses(model, batches, rank, world, steps, grads, bf16=mixed)
     # Relative error of every dense gradient of step 1 (a wrong average shows as 0.5 or 2 here).
     grad_err = {n: ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in ref_grads.items()}
-    return {"ref": ref_losses, "dist": losses, "grad_err": grad_err, "plan": report.embedding_plan,
-            "blocks": report.fsdp_blocks, "ep_layers": report.expert_parallel,
-            "compiled_root": report.compiled_root_modules}
+    return {
+        "ref": ref_losses,
+        "dist": losses,
+        "grad_err": grad_err,
+        "plan": report.embedding_plan,
+        "blocks": report.fsdp_blocks,
+        "ep_layers": report.expert_parallel,
+        "compiled_root": report.compiled_root_modules,
+    }
 
 
 def check_sharding(sharding_type: str, rank: int, world: int) -> dict:
@@ -193,8 +220,12 @@ def check_sharding(sharding_type: str, rank: int, world: int) -> dict:
     (reference(kjt).values() * weights).sum().div(world).backward()
     after = sharded_host.ebc(local).values()
     update_err = (after - reference(local).values()).abs().max().item()
-    return {"lookup_err": lookup_err, "update_err": update_err, "plan": report.embedding_plan,
-            "changed": (after - out.detach()).abs().max().item()}
+    return {
+        "lookup_err": lookup_err,
+        "update_err": update_err,
+        "plan": report.embedding_plan,
+        "changed": (after - out.detach()).abs().max().item(),
+    }
 
 
 def check_ep(rank: int, world: int) -> dict:
@@ -209,10 +240,16 @@ def check_ep(rank: int, world: int) -> dict:
     y.square().sum().backward()
     ys = [reference(x)[0] for x in xs]
     sum(t.square().sum() for t in ys).backward()
-    grad_err = max((getattr(moe.experts, n).grad.full_tensor() - getattr(reference.experts, n).grad).abs().max().item()
-                   for n in ("w1", "w2", "w3"))
-    return {"out_err": (y - ys[rank]).abs().max().item(), "bitwise": bool(torch.equal(y, ys[rank])),
-            "grad_err": grad_err, "local_experts": moe.experts.w1.to_local().shape[0]}
+    grad_err = max(
+        (getattr(moe.experts, n).grad.full_tensor() - getattr(reference.experts, n).grad).abs().max().item()
+        for n in ("w1", "w2", "w3")
+    )
+    return {
+        "out_err": (y - ys[rank]).abs().max().item(),
+        "bitwise": bool(torch.equal(y, ys[rank])),
+        "grad_err": grad_err,
+        "local_experts": moe.experts.w1.to_local().shape[0],
+    }
 
 
 def check_metrics(rank: int, world: int) -> dict:
@@ -255,8 +292,16 @@ def check_gem(backend: str, rank: int, world: int) -> dict:
     from gemrec.model.synthetic import random_input
 
     schema = FeatureSchema.from_manifest(GEM_MANIFEST)
-    config = ModelConfig(embedding_dim=8, d_model=16, num_heads=2, moe_hidden=16, head_hidden=16, pma_seeds=2,
-                         moe_num_experts=2 * world, embedding_backend=backend)
+    config = ModelConfig(
+        embedding_dim=8,
+        d_model=16,
+        num_heads=2,
+        moe_hidden=16,
+        head_hidden=16,
+        pma_seeds=2,
+        moe_num_experts=2 * world,
+        embedding_backend=backend,
+    )
 
     def build_gem():
         torch.manual_seed(0)
@@ -267,8 +312,10 @@ def check_gem(backend: str, rank: int, world: int) -> dict:
 
     steps = 4
     inputs = [[random_input(schema, 6, 8, seed=100 * s + r) for r in range(world)] for s in range(steps)]
-    labels = [[(torch.rand(6, 2, generator=torch.Generator().manual_seed(7 * s + r)) < 0.4).float()
-               for r in range(world)] for s in range(steps)]
+    labels = [
+        [(torch.rand(6, 2, generator=torch.Generator().manual_seed(7 * s + r)) < 0.4).float() for r in range(world)]
+        for s in range(steps)
+    ]
 
     def bce(model, inp, y):
         return F.binary_cross_entropy_with_logits(model(inp).logits, y)
@@ -295,8 +342,14 @@ def check_gem(backend: str, rank: int, world: int) -> dict:
         value = loss.detach().clone()
         dist.all_reduce(value)
         losses.append(value.item() / world)
-    return {"ref": ref_losses, "dist": losses, "plan": report.embedding_plan, "blocks": report.fsdp_blocks,
-            "ep_layers": report.expert_parallel, "tokens": [inputs[s][rank].num_tokens for s in range(steps)]}
+    return {
+        "ref": ref_losses,
+        "dist": losses,
+        "plan": report.embedding_plan,
+        "blocks": report.fsdp_blocks,
+        "ep_layers": report.expert_parallel,
+        "tokens": [inputs[s][rank].num_tokens for s in range(steps)],
+    }
 
 
 def check_pipeline(rank: int, world: int) -> dict:
@@ -371,8 +424,11 @@ def full_state(state: dict) -> dict:
 def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-    return {"model": model.state_dict(), "dense_optim": get_optimizer_state_dict(model, optimizer),
-            "sparse_optim": fused_optimizer(model).state_dict()}
+    return {
+        "model": model.state_dict(),
+        "dense_optim": get_optimizer_state_dict(model, optimizer),
+        "sparse_optim": fused_optimizer(model).state_dict(),
+    }
 
 
 def parallel_toy(world: int, mesh: str, rank: int):
