@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from gemrec.components.feature_service.serving import open_channel, wait_healthy
+from gemrec.components.common.grpc_channel import open_channel, wait_healthy
 
 
 def _free_port() -> int:

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
+from gemrec.components.common import jagged
 from tqdm import tqdm
 
 from .errors import DataError
@@ -146,25 +147,6 @@ def _vocabulary(event_ids: np.ndarray, side: SideTable | None) -> tuple[np.ndarr
     return np.asarray(uniques), codes[: len(event_ids)], side_rows
 
 
-def gather_jagged(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(values, lengths) of the selected rows of a jagged array; rows < 0 give empty rows."""
-    rows = np.asarray(rows, dtype=np.int64)
-    valid = rows >= 0
-    safe = np.where(valid, rows, 0)
-    starts = offsets[safe]
-    lengths = np.where(valid, offsets[safe + 1] - starts, 0)
-    return values[jagged_ranges(starts, lengths)], lengths
-
-
-def jagged_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(start, start + length) over rows, without a Python loop."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    return np.repeat(starts - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
-
-
 def _list_array(values: np.ndarray, offsets: np.ndarray) -> pa.Array:
     return pa.ListArray.from_arrays(
         pa.array(offsets.astype(np.int32) if offsets[-1] < 2**31 else offsets), pa.array(values.astype(np.int64))
@@ -216,7 +198,7 @@ def _side_columns(
                 f"{side.source}: feature {feature.name} has {len(feature.offsets) - 1} rows, "
                 f"expected {len(side.raw_ids)}"
             )
-        values, lengths = gather_jagged(feature.values, feature.offsets, side_rows)
+        values, lengths = jagged.gather(feature.values, feature.offsets, side_rows)
         offsets = np.zeros(num_entities + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         columns[feature.name] = _list_array(values, offsets)

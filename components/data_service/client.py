@@ -21,7 +21,7 @@ import threading
 from collections.abc import Iterator
 
 import grpc
-from gemrec.components.feature_service.serving import call_metadata, open_channel
+from gemrec.components.common.grpc_channel import call_metadata, open_channel
 from gemrec.proto.gemrec.v1 import data_pb2
 
 from .batch import Batch

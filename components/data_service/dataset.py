@@ -15,9 +15,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
+from gemrec.components.common import jagged
 
 from .batch import Batch
-from .builder import jagged_ranges, read_manifest
+from .builder import read_manifest
 from .errors import DataError
 
 ENTITIES = ("user", "item")
@@ -61,7 +62,7 @@ class _Jagged:
         if self.single:
             return self.values[ids], np.ones(len(ids), dtype=np.int64)
         lengths = self.lengths[ids]
-        return self.values[jagged_ranges(self.offsets[ids], lengths)], lengths
+        return self.values[jagged.ranges(self.offsets[ids], lengths)], lengths
 
 
 @dataclass
@@ -140,7 +141,7 @@ class Dataset:
             self._per_event[name] = _Jagged(values, offsets, lengths, False)
         per_event = self._per_event[name]
         starts = per_event.offsets[begin]
-        return per_event.values[jagged_ranges(starts, per_event.offsets[end] - starts)], feature.lengths[seq_items]
+        return per_event.values[jagged.ranges(starts, per_event.offsets[end] - starts)], feature.lengths[seq_items]
 
     @classmethod
     def open(cls, path: str | Path) -> Dataset:
@@ -217,7 +218,7 @@ class Dataset:
         lengths = np.minimum(full_lengths, max_seq_len)
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        tokens = jagged_ranges(hist_end - lengths, lengths)
+        tokens = jagged.ranges(hist_end - lengths, lengths)
         seq_items = self._event_item[tokens]
         target_items = self._event_item[event]
         item_embedding = self._side["item"].embedding_id

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from gemrec.components.feature_service.serving import add_server_args
+from gemrec.components.common.grpc_server import add_server_args
 
 DATA_PORT = 50052
 
 
 def serve_data(args) -> int:
     from gemrec.cli import CLIError
-    from gemrec.components.feature_service.serving import Server, options_from_args
+    from gemrec.components.common.grpc_server import Server, options_from_args
 
     from .dataset import Dataset
     from .errors import DataError

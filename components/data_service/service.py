@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-from gemrec.components.feature_service.serving import (
+from gemrec.components.common.grpc_server import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
@@ -257,7 +257,7 @@ class DataLoaderServicer:
 
 
 def register(core: DataLoaderCore):
-    """A `register` callback for `serving.Server`. Batches are serialized in the collate threads, so the
+    """A `register` callback for `grpc_server.Server`. Batches are serialized in the collate threads, so the
     stream handler sends bytes as they are."""
 
     def add(server) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .serving import add_server_args
+from gemrec.components.common.grpc_server import add_server_args
 
 FEATURES_PORT = 50051
 
@@ -37,8 +37,9 @@ def _store(args):
 
 
 def serve_features(args) -> int:
+    from gemrec.components.common.grpc_server import Server, options_from_args
+
     from .service import FeatureServiceCore, register
-    from .serving import Server, options_from_args
 
     options = options_from_args(args)
     core = FeatureServiceCore(_store(args), max_ids=args.max_ids)

@@ -14,9 +14,9 @@ import time
 
 import grpc
 import numpy as np
+from gemrec.components.common.grpc_channel import call_metadata, open_channel
 from gemrec.proto.gemrec.v1 import features_pb2, features_pb2_grpc
 
-from .serving import call_metadata, open_channel
 from .wire import from_array
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)

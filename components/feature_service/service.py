@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import numpy as np
+from gemrec.components.common.grpc_server import InvalidArgument, ResourceExhausted, ServiceError, abort_on
 from gemrec.proto.gemrec.v1 import features_pb2, features_pb2_grpc
 
-from .serving import InvalidArgument, ResourceExhausted, ServiceError, abort_on
 from .wire import ids_from_bytes, to_array
 
 SERVICE_NAME = features_pb2.DESCRIPTOR.services_by_name["FeatureService"].full_name
@@ -98,7 +98,7 @@ class FeatureServicer(features_pb2_grpc.FeatureServiceServicer):
 
 
 def register(core: FeatureServiceCore):
-    """A `register` callback for `serving.Server`."""
+    """A `register` callback for `grpc_server.Server`."""
 
     def add(server) -> list[str]:
         features_pb2_grpc.add_FeatureServiceServicer_to_server(FeatureServicer(core), server)

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-from .serving import InvalidArgument, NotFound
+from gemrec.components.common import jagged
+from gemrec.components.common.grpc_server import InvalidArgument, NotFound
 
 ENTITIES = ("user", "item")
 LENGTH_DTYPE = np.int64
@@ -108,22 +108,6 @@ def _column_to_jagged(column: pa.ChunkedArray) -> tuple[FeatureInfo | None, np.n
     return FeatureInfo("", dtype, multi), values.astype(dtype, copy=False), offsets
 
 
-def ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenation of arange(start, start + length) over rows, without a Python loop."""
-    total = int(lengths.sum())
-    if total == 0:
-        return np.zeros(0, dtype=np.int64)
-    ends = np.cumsum(lengths)
-    return np.repeat(starts - (ends - lengths), lengths) + np.arange(total, dtype=np.int64)
-
-
-def gather_jagged(values: np.ndarray, offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(values, lengths) of the given rows of a jagged array, in row order."""
-    starts = offsets[rows]
-    lengths = (offsets[rows + 1] - starts).astype(LENGTH_DTYPE)
-    return values[ranges(starts, lengths)], lengths
-
-
 def cut_histories(
     offsets: np.ndarray, timestamps: np.ndarray, before_ts: np.ndarray, max_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -208,14 +192,14 @@ class MemoryStore:
     def lookup(self, entity: str, ids: np.ndarray, names: list[str] | None = None) -> dict:
         ids = np.asarray(ids, dtype=np.int64)
         _, names = self.schema.resolve(entity, ids, names)
-        return {n: gather_jagged(*self.columns[entity][n], ids) for n in names}
+        return {n: jagged.gather(*self.columns[entity][n], ids) for n in names}
 
     def timelines(self, users: np.ndarray) -> tuple[np.ndarray, ...]:
         """(offsets, items, item_ids, timestamps, actions) of the users' whole timelines, concatenated."""
         t = self._timelines
         starts = t.offsets[users]
         lengths = t.offsets[users + 1] - starts
-        rows = ranges(starts, lengths)
+        rows = jagged.ranges(starts, lengths)
         offsets = np.zeros(len(users) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         return offsets, t.items[rows], t.item_ids[rows], t.timestamps[rows], t.actions[rows]
@@ -233,7 +217,7 @@ def user_history(store, users: np.ndarray, before_ts: np.ndarray, max_len: int) 
     )
     offsets, items, item_ids, timestamps, actions = store.timelines(users)
     starts, lengths = cut_histories(offsets, timestamps, before_ts, max_len)
-    rows = ranges(starts, lengths)
+    rows = jagged.ranges(starts, lengths)
     out_offsets = np.zeros(len(users) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out_offsets[1:])
     return {

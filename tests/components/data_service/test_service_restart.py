@@ -10,9 +10,9 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from gemrec.components.common.grpc_channel import open_channel, wait_healthy
 from gemrec.components.data_service.client import DataClient
 from gemrec.components.data_service.dataset import Dataset
-from gemrec.components.feature_service.serving import open_channel, wait_healthy
 
 SPLIT = "eval"
 

@@ -8,6 +8,8 @@ import grpc
 import numpy as np
 import pytest
 import torch
+from gemrec.components.common.grpc_channel import open_channel
+from gemrec.components.common.grpc_server import Server, ServerOptions
 from gemrec.components.data_service.balance import rank_sizes
 from gemrec.components.data_service.client import DataClient
 from gemrec.components.data_service.dataset import Dataset
@@ -15,7 +17,6 @@ from gemrec.components.data_service.service import DataLoaderCore, StreamRequest
 from gemrec.components.feature_service.client import FeatureClient
 from gemrec.components.feature_service.service import FeatureServiceCore
 from gemrec.components.feature_service.service import register as register_features
-from gemrec.components.feature_service.serving import Server, ServerOptions, open_channel
 from gemrec.components.feature_service.store import MemoryStore
 from gemrec.proto.gemrec.v1 import data_pb2
 from hypothesis import HealthCheck, given, settings

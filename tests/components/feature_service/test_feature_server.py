@@ -6,9 +6,10 @@ import logging
 import grpc
 import numpy as np
 import pytest
+from gemrec.components.common.grpc_channel import open_channel, wait_healthy
+from gemrec.components.common.grpc_server import Server, ServerOptions
 from gemrec.components.feature_service.client import FeatureClient
 from gemrec.components.feature_service.service import SERVICE_NAME, FeatureServiceCore, register
-from gemrec.components.feature_service.serving import Server, ServerOptions, open_channel, wait_healthy
 from gemrec.components.feature_service.store import MemoryStore, RedisStore, materialize
 from gemrec.proto.gemrec.v1 import features_pb2, features_pb2_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc

@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
+from gemrec.components.common.grpc_server import InvalidArgument, NotFound
 from gemrec.components.data_service.dataset import Dataset
-from gemrec.components.feature_service.serving import InvalidArgument, NotFound
 from gemrec.components.feature_service.store import MemoryStore, RedisStore, cut_histories, materialize
 
 

@@ -248,9 +248,9 @@ def test_cli_errors_name_the_problem(tmp_path, capsys, movielens_dataset):
 
 
 def test_train_from_the_data_service(movielens_dataset, tmp_path, tracking_uri):
+    from gemrec.components.common.grpc_server import Server, ServerOptions
     from gemrec.components.data_service.dataset import Dataset
     from gemrec.components.data_service.service import DataLoaderCore, register
-    from gemrec.components.feature_service.serving import Server, ServerOptions
 
     server = Server(ServerOptions(port=0), register(DataLoaderCore(Dataset.open(movielens_dataset))))
     try:

@@ -1,8 +1,8 @@
-"""gRPC plumbing shared by the feature and data services.
+"""gRPC server plumbing shared by the feature and data services.
 
-Servers: health checking, reflection, message-size limits, optional TLS, a bearer-token check, one JSON
-log line per call, and graceful shutdown on SIGTERM. Clients: channels with the same limits and TLS,
-plus the token as call metadata.
+Health checking, reflection, message-size limits, optional TLS, a bearer-token check, one JSON log line
+per call, and graceful shutdown on SIGTERM. Core classes raise `ServiceError`s; `abort_on` maps them to
+status codes. The client side (channels, token metadata) is `grpc_channel`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-TOKEN_ENV = "GEMREC_AUTH_TOKEN"
+from .grpc_channel import TOKEN_ENV
+
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 log = logging.getLogger("gemrec.serve")
 
@@ -271,44 +272,3 @@ class Server:
         while not requested.wait(0.5):
             pass
         self.stop()
-
-
-def channel_options(max_message_mb: int = 256) -> list[tuple[str, int]]:
-    limit = max_message_mb * 1024 * 1024
-    return [
-        ("grpc.max_send_message_length", limit),
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.initial_reconnect_backoff_ms", 100),
-        ("grpc.min_reconnect_backoff_ms", 100),
-        ("grpc.max_reconnect_backoff_ms", 2000),
-    ]
-
-
-def open_channel(address: str, tls_ca: str | None = None, max_message_mb: int = 256) -> grpc.Channel:
-    """A channel to `address` (host:port); TLS when `tls_ca` (PEM file of the trusted CA/cert) is given."""
-    options = channel_options(max_message_mb)
-    if tls_ca:
-        creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca).read_bytes())
-        return grpc.secure_channel(address, creds, options=options)
-    return grpc.insecure_channel(address, options=options)
-
-
-def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    token = token if token is not None else os.environ.get(TOKEN_ENV)
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-def wait_healthy(channel: grpc.Channel, service: str = "", timeout_s: float = 30.0) -> None:
-    """Block until the server reports SERVING for `service` (raises TimeoutError)."""
-    stub = health_pb2_grpc.HealthStub(channel)
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1.0)
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-        except grpc.RpcError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"server not healthy after {timeout_s:.0f} s")
-        time.sleep(0.05)
