@@ -87,11 +87,38 @@ class EventLog:
 
 @dataclass
 class SplitConfig:
-    """Global temporal split: examples at or after the cutoff are `eval`, the rest `train`."""
+    """Global temporal split: examples at or after the cutoff are `eval`, the rest `train`.
+
+    `by="leave_one_out"` (the sequential-recommendation papers' protocol) splits per user instead: the
+    user's last event is `test`, the second-to-last `valid`, the rest `train`; users with fewer than 3
+    events keep all their events in `train`.
+    """
 
     eval_fraction: float = 0.1
     by: str = "time"  # "time": the last fraction of the time range; "events": the last fraction of events
     cutoff: int | None = None  # explicit cutoff timestamp (overrides the fraction)
+
+    def masks(self, user: np.ndarray, timestamps: np.ndarray, timeline_ends: np.ndarray) -> dict[str, np.ndarray]:
+        """Split name -> mask over the events (sorted by user, then time); `timeline_ends[u]` is one past
+        user u's last event row."""
+        if self.by == "leave_one_out":
+            rows = np.arange(len(user), dtype=np.int64)
+            from_end = timeline_ends[user] - 1 - rows
+            long_enough = np.bincount(user, minlength=len(timeline_ends))[user] >= 3
+            test = long_enough & (from_end == 0)
+            valid = long_enough & (from_end == 1)
+            return {"train": ~(test | valid), "valid": valid, "test": test}
+        is_eval = timestamps >= self.cutoff_for(timestamps)
+        return {"train": ~is_eval, "eval": is_eval}
+
+    def describe(self, timestamps: np.ndarray) -> dict:
+        if self.by == "leave_one_out":
+            return {"by": "leave_one_out"}
+        return {
+            "by": self.by if self.cutoff is None else "cutoff",
+            "eval_fraction": self.eval_fraction,
+            "cutoff": self.cutoff_for(timestamps),
+        }
 
     def cutoff_for(self, timestamps: np.ndarray) -> int:
         if self.cutoff is not None:
@@ -106,7 +133,7 @@ class SplitConfig:
         if self.by == "events":
             ordered = np.sort(timestamps)
             return int(ordered[min(len(ordered) - 1, int(len(ordered) * (1.0 - self.eval_fraction)))])
-        raise DataError(f"unknown split mode {self.by!r}; use 'time' or 'events'")
+        raise DataError(f"unknown split mode {self.by!r}; use 'time', 'events' or 'leave_one_out'")
 
 
 def stable_hash(raw_ids: np.ndarray) -> np.ndarray:
@@ -239,18 +266,23 @@ def build_dataset(
     split: SplitConfig | None = None,
     seq_item_features: list[str] | None = None,
     hash_buckets: dict[str, int] | None = None,
+    max_history: int | None = None,
     input_checksums: dict[str, str] | None = None,
     extra: dict | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
-    """Write the dataset directory `out` and return it. See the module docstring."""
+    """Write the dataset directory `out` and return it. See the module docstring.
+
+    `max_history`: keep only the most recent `max_history` events of every example's history (None: all)."""
     out = Path(out)
     occupied = out.exists() and (not out.is_dir() or any(out.iterdir()))
     if occupied and not overwrite:
         raise DataError(f"{out}: already exists (pass --overwrite to replace it)")
     split = split or SplitConfig()
     hash_buckets = hash_buckets or {}
+    if max_history is not None and max_history < 1:
+        raise DataError(f"max_history must be >= 1, got {max_history}")
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
@@ -259,7 +291,7 @@ def build_dataset(
     try:
         (tmp / "examples").mkdir(parents=True)
         (tmp / "vocab").mkdir()
-        manifest = _build(tmp, name, events, items, users, split, seq_item_features, hash_buckets, steps)
+        manifest = _build(tmp, name, events, items, users, split, seq_item_features, hash_buckets, max_history, steps)
         manifest["checksums"] = dict(sorted((input_checksums or {}).items()))
         manifest.update(extra or {})
         manifest["prepare_seconds"] = round(time.perf_counter() - started, 3)
@@ -288,6 +320,7 @@ def _build(
     split: SplitConfig,
     seq_item_features: list[str] | None,
     hash_buckets: dict[str, int],
+    max_history: int | None,
     steps: tqdm,
 ) -> dict:
     num_input = len(events.timestamps)
@@ -331,10 +364,12 @@ def _build(
     # History of event i: the user's events before the first event at the same (user, timestamp).
     hist_end = np.maximum.accumulate(np.where(new_moment, rows, 0))
     hist_start = timeline_starts[user]
-    cutoff = split.cutoff_for(timestamps)
-    is_eval = timestamps >= cutoff
-    if not np.any(~is_eval):
-        raise DataError(f"the train split is empty (cutoff {cutoff}); lower the eval fraction")
+    if max_history is not None:
+        hist_start = np.maximum(hist_start, hist_end - max_history)
+    split_masks = split.masks(user, timestamps, timeline_starts + timeline_lengths)
+    split_info = split.describe(timestamps)
+    if not np.any(split_masks["train"]):
+        raise DataError(f"the train split is empty ({split_info}); lower the eval fraction")
     labels = {}
     for label, values in events.labels.items():
         values = np.asarray(values)[keep]
@@ -375,7 +410,7 @@ def _build(
 
     steps.set_postfix_str("write examples")
     splits, label_rates, history_lengths = {}, {}, []
-    for split_name, mask in (("train", ~is_eval), ("eval", is_eval)):
+    for split_name, mask in split_masks.items():
         idx = np.flatnonzero(mask)
         table = {
             "user": user[idx],
@@ -476,11 +511,8 @@ def _build(
         "dense_features": list(dense_sources),
         "dense_feature_sources": dense_sources,
         "splits": splits,
-        "split": {
-            "by": split.by if split.cutoff is None else "cutoff",
-            "eval_fraction": split.eval_fraction,
-            "cutoff": cutoff,
-        },
+        "split": split_info,
+        "max_history": max_history,
         "label_rates": label_rates,
         "max_seq_len": _length_stats(all_lengths),
         "timeline_length": _length_stats(timeline_lengths),

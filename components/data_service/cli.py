@@ -86,6 +86,15 @@ def _prepare_events(args) -> int:
     return 0
 
 
+def _prepare_s3rec(args) -> int:
+    from .s3rec import prepare_s3rec
+
+    max_history = None if args.max_history == 0 else args.max_history
+    out = prepare_s3rec(args.out, args.raw, args.name, max_history=max_history, overwrite=args.overwrite)
+    _print_summary(out)
+    return 0
+
+
 SYNTH_OPTIONS = [
     ("--events", int, "events to generate"),
     ("--seed", int, "random seed; the same seed gives the same bytes"),
@@ -180,6 +189,21 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     events.add_argument("--out", type=Path, required=True, help="output dataset folder")
     _split_args(events)
     events.set_defaults(func=_run(_prepare_events))
+
+    s3rec = sources.add_parser(
+        "s3rec", help="S3-Rec's Amazon sequences (Beauty, Sports_and_Outdoors): leave-one-out split"
+    )
+    s3rec.add_argument("--raw", type=Path, required=True, help="folder with NAME.txt and NAME_item2attributes.json")
+    s3rec.add_argument("--name", required=True, help="data set name: the file stem, e.g. Beauty")
+    s3rec.add_argument(
+        "--max-history",
+        type=int,
+        default=50,
+        help="most recent items kept in each history (default 50, the papers' protocol; 0: all)",
+    )
+    s3rec.add_argument("--out", type=Path, required=True, help="output dataset folder")
+    s3rec.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
+    s3rec.set_defaults(func=_run(_prepare_s3rec))
 
     synth = data.add_parser("synth", help="seeded synthetic dataset with planted sequence signals (docs/data.md)")
     synth.add_argument("--out", type=Path, required=True, help="output dataset folder")

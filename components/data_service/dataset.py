@@ -34,7 +34,9 @@ class FeatureSource(Protocol):
 
 
 @dataclass
-class _Split:
+class Examples:
+    """The example index of one split: arrays over its examples (see docs/contracts.md)."""
+
     user: np.ndarray
     event: np.ndarray
     hist_start: np.ndarray
@@ -122,7 +124,7 @@ class Dataset:
         self._timeline_start = _column(timelines, "start", np.int64)
         self._timeline_length = _column(timelines, "length", np.int64)
         self._side = {entity: self._load_side(entity) for entity in ENTITIES}
-        self._splits: dict[str, _Split] = {}
+        self._splits: dict[str, Examples] = {}
         self._history_norm = float(np.log1p(max(1, int(self._timeline_length.max(initial=0)))))
         self._per_event: dict[str, _Jagged] = {}
 
@@ -172,7 +174,7 @@ class Dataset:
             raise DataError(f"{self.path}: no split {split!r} (have {self.splits})")
         return int(self.manifest["splits"][split]["num_examples"])
 
-    def _split(self, split: str) -> _Split:
+    def _split(self, split: str) -> Examples:
         if split not in self._splits:
             self.num_examples(split)
             table = _read(self.path / "examples" / f"{split}.parquet")
@@ -181,13 +183,26 @@ class Dataset:
                 if self.label_names
                 else np.zeros((table.num_rows, 0), dtype=np.float32)
             )
-            self._splits[split] = _Split(
+            self._splits[split] = Examples(
                 *(_column(table, c, np.int64) for c in ("user", "event", "hist_start", "hist_end", "timestamp")),
                 labels=np.ascontiguousarray(labels),
             )
         return self._splits[split]
 
-    def _rows(self, split: str, rows) -> tuple[_Split, np.ndarray]:
+    def examples(self, split: str) -> Examples:
+        """The example index of `split`, in file order."""
+        return self._split(split)
+
+    @property
+    def event_items(self) -> np.ndarray:
+        """The dense item index of every event row of events.parquet."""
+        return self._event_item
+
+    def timelines(self) -> tuple[np.ndarray, np.ndarray]:
+        """(first event row, number of events) of every user's timeline, by dense user index."""
+        return self._timeline_start, self._timeline_length
+
+    def _rows(self, split: str, rows) -> tuple[Examples, np.ndarray]:
         data = self._split(split)
         rows = np.asarray(rows, dtype=np.int64).reshape(-1)
         if len(rows) and (rows.min() < 0 or rows.max() >= len(data.event)):
