@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from gemrec.components.feature_service.wire import DTYPES
 
-from .batch import Batch
+from .batch import Batch, keyed_jagged
 
 _TORCH_DTYPES = {
     "int64": torch.int64,
@@ -205,8 +205,6 @@ def _tensor(buf: memoryview) -> torch.Tensor:
 
 
 def _kjt(buf: memoryview):
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
     keys, parts, stride = [], {}, 0
     for field, value in _fields(buf):
         if field == 1:
@@ -216,9 +214,7 @@ def _kjt(buf: memoryview):
         elif field == 4:
             stride = _int64(value)
     empty = torch.zeros(0, dtype=torch.int64)
-    return KeyedJaggedTensor(
-        keys=keys, values=parts.get(2, empty), lengths=parts.get(3, empty), stride=stride or None, weights=parts.get(5)
-    )
+    return keyed_jagged(keys, parts.get(2, empty), parts.get(3, empty), stride or None, parts.get(5))
 
 
 _BATCH_TENSORS = {

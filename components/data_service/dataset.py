@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 import torch
 from gemrec.components.common import jagged
 
-from .batch import Batch
+from .batch import Batch, keyed_jagged
 from .builder import read_manifest
 from .errors import DataError
 
@@ -86,14 +86,12 @@ def _read(path: Path, columns: list[str] | None = None) -> pa.Table:
 
 
 def _as_kjt(keys: list[str], parts: list[tuple[np.ndarray, np.ndarray]]):
-    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-
     values = np.concatenate([v for v, _ in parts]) if parts else np.zeros(0, dtype=np.int64)
     lengths = np.concatenate([n for _, n in parts]) if parts else np.zeros(0, dtype=np.int64)
-    return KeyedJaggedTensor(
-        keys=keys,
-        values=torch.from_numpy(values.astype(np.int64, copy=False)),
-        lengths=torch.from_numpy(lengths.astype(np.int64, copy=False)),
+    return keyed_jagged(
+        keys,
+        torch.from_numpy(values.astype(np.int64, copy=False)),
+        torch.from_numpy(lengths.astype(np.int64, copy=False)),
     )
 
 

@@ -15,22 +15,28 @@ import threading
 from collections.abc import Callable, Iterator
 
 import numpy as np
-from gemrec.components.data_service.batch import Batch
-from gemrec.model import ModelInput
+from gemrec.components.data_service.batch import Batch, KeyedJagged
+from gemrec.model import JaggedFeatures, ModelInput
 
 TRAIN_SPLIT = "train"
 EVAL_SPLIT = "eval"
 
 
+def _model_features(features):
+    """torchrec KeyedJaggedTensors pass as they are; the data layer's KeyedJagged (no torchrec) becomes the
+    model's JaggedFeatures, sharing its tensors."""
+    return JaggedFeatures.from_kjt(features) if isinstance(features, KeyedJagged) else features
+
+
 def to_model_input(batch: Batch) -> ModelInput:
     return ModelInput(
-        sparse_features=batch.sparse_features,
+        sparse_features=_model_features(batch.sparse_features),
         dense_features=batch.dense_features,
         seq_offsets=batch.seq_offsets,
         seq_item_ids=batch.seq_item_ids,
         seq_timestamps=batch.seq_timestamps,
         seq_actions=batch.seq_actions,
-        seq_item_features=batch.seq_item_features,
+        seq_item_features=_model_features(batch.seq_item_features),
         max_seq_len=batch.max_seq_len,
         timestamps=batch.timestamps,
     )
