@@ -22,9 +22,37 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import flop_registry, register_flop_formula
 
 # grouped_mm needs 16-byte aligned strides; each expert's row group is padded to a multiple of this.
 _GROUP_ALIGN = 16
+
+
+def _grouped_extent(offs: torch.Tensor | None, size: int) -> int:
+    """How much of the grouped dim the groups cover: offs[-1] (a host read), or all of it under fake tensors."""
+    if offs is None or offs.numel() == 0:
+        return size
+    try:
+        return int(offs[-1])
+    except (RuntimeError, NotImplementedError):  # fake tensors (compile-time counting): the padded size
+        return size
+
+
+def grouped_mm_flops(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor | None = None, *args, **kwargs) -> int:
+    """2 x multiply-adds of `torch._grouped_mm` (torch's FlopCounterMode has no formula for it and counted the
+    experts of the CUDA MoE path as 0). The jagged dim is the one `offs` cuts: the rows of a 2-D `a` against a
+    3-D `b`, the columns of a 2-D `b` against a 3-D `a`, the contraction of two 2-D operands (a weight gradient)."""
+    if a.dim() == 3 and b.dim() == 3:
+        return 2 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if a.dim() == 2 and b.dim() == 3:
+        return 2 * _grouped_extent(offs, a.shape[0]) * a.shape[1] * b.shape[2]
+    if a.dim() == 3:
+        return 2 * a.shape[1] * a.shape[2] * _grouped_extent(offs, b.shape[1])
+    return 2 * a.shape[0] * _grouped_extent(offs, a.shape[1]) * b.shape[1]
+
+
+if hasattr(torch.ops.aten, "_grouped_mm") and torch.ops.aten._grouped_mm not in flop_registry:
+    register_flop_formula(torch.ops.aten._grouped_mm, get_raw=True)(grouped_mm_flops)
 
 
 class GroupedExperts(nn.Module):

@@ -54,9 +54,9 @@ def test_flops_match_flop_counter_per_layer(arch, overrides, monkeypatch):
     prefix = type(model).__name__
     # Per layer forward (the counter's backward attribution to modules is not exact), and the totals.
     for name, (fwd, _) in counted.items():
-        assert fwd == pytest.approx(forward.get(f"{prefix}.{name}", 0), rel=0.05), name
-    assert sum(f for f, _ in counted.values()) == pytest.approx(forward["Global"], rel=0.05)
-    assert sum(f + b for f, b in counted.values()) == pytest.approx(total["Global"], rel=0.05)
+        assert fwd == pytest.approx(forward.get(f"{prefix}.{name}", 0), rel=0.01), name
+    assert sum(f for f, _ in counted.values()) == pytest.approx(forward["Global"], rel=0.01)
+    assert sum(f + b for f, b in counted.values()) == pytest.approx(total["Global"], rel=0.01)
 
 
 def test_flops_follow_the_real_lengths():
@@ -112,5 +112,25 @@ def test_single_layers_forward_and_backward(monkeypatch):
             out.sum().backward()
         bwd = counter.get_total_flops() - fwd
         want_fwd, want_bwd = expected[name](layer)
-        assert want_fwd == pytest.approx(fwd, rel=0.05), name
-        assert want_bwd == pytest.approx(bwd, rel=0.05), name
+        assert want_fwd == pytest.approx(fwd, rel=0.01), name
+        assert want_bwd == pytest.approx(bwd, rel=0.01), name
+
+
+def test_grouped_mm_flops_are_counted():
+    """torch's FlopCounterMode has no formula for `torch._grouped_mm` (the MoE experts on CUDA), so it counted
+    them as 0 and the model's count read ~5% above it on h200-bench; the model registers one. bf16 grouped_mm
+    runs on the CPU too: forward and both gradients, over the padded row groups the path computes."""
+    from gemrec.model.moe import GroupedExperts
+
+    torch.manual_seed(0)
+    experts = GroupedExperts(4, 32, 48)
+    counts = torch.tensor([16, 5, 0, 27])  # row groups padded to 16, 16, 0 and 32 rows
+    x = torch.randn(int(counts.sum()), 32, dtype=torch.bfloat16, requires_grad=True)
+    counter = FlopCounterMode(display=False)
+    with counter:
+        y = experts._grouped(x, counts)
+        forward = counter.get_total_flops()
+        y.backward(torch.randn_like(y))
+    assert forward == 3 * 2 * (16 + 16 + 0 + 32) * 32 * 48
+    assert counter.get_total_flops() == 3 * forward  # input and weight gradients of the three matmuls
+    assert x.grad is not None and experts.w2.grad is not None
