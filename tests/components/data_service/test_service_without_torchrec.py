@@ -9,10 +9,10 @@ import sys
 import textwrap
 
 import torch
+from gemrec.components.common.grpc_server import Server, ServerOptions
 from gemrec.components.data_service.client import DataClient
 from gemrec.components.data_service.dataset import Dataset
 from gemrec.components.data_service.service import DataLoaderCore, register
-from gemrec.components.common.grpc_server import Server, ServerOptions
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 STREAM = dict(split="eval", batch_size=96, max_seq_len=64, epoch=0, seed=3, shuffle=True)
