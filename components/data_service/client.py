@@ -6,9 +6,11 @@
         ...
         save(client.cursor)       # resume later with DataClient(..., cursor=saved)
 
-A background thread reads and decodes `prefetch` batches ahead. When the server goes away (UNAVAILABLE)
-or a stream deadline passes, it reconnects with exponential backoff and continues from the cursor of the
-last batch it received, so no batch is lost or repeated.
+A background thread reads and decodes `prefetch` batches ahead. When the server goes away (UNAVAILABLE),
+a stream deadline passes or an open stream delivers nothing for `stall_s` (a stopped or wedged server), it
+reconnects with exponential backoff and continues from the cursor of the last batch it received, so no
+batch is lost or repeated. While the caller waits for a batch it logs a warning every `warn_every_s`; after
+`wait_timeout_s` without one it raises `DataServiceTimeout`: never a silent hang.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import queue
 import random
 import threading
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -31,6 +34,10 @@ log = logging.getLogger("gemrec.data_client")
 RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 _STREAM = "/gemrec.v1.DataLoaderService/StreamBatches"
 _INFO = "/gemrec.v1.DataLoaderService/GetDatasetInfo"
+
+
+class DataServiceTimeout(TimeoutError):
+    """No batch arrived within the client's `wait_timeout_s` (the service is down, stopped or wedged)."""
 
 
 class DataClient:
@@ -50,15 +57,23 @@ class DataClient:
         prefetch: int = 4,
         stream_deadline_s: float | None = 3600.0,
         timeout_s: float = 30.0,
-        max_retries: int = 8,
+        max_retries: int | None = None,
         backoff_s: float = 0.1,
         max_backoff_s: float = 5.0,
+        stall_s: float = 30.0,
+        wait_timeout_s: float = 600.0,
+        warn_every_s: float = 10.0,
         token: str | None = None,
         tls_ca: str | None = None,
         max_message_mb: int = 256,
     ):
+        """`max_retries`: consecutive failed reconnects before the stream's error is raised (None: keep trying
+        until `wait_timeout_s` has passed without a batch)."""
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
+        for name, value in (("stall_s", stall_s), ("wait_timeout_s", wait_timeout_s), ("warn_every_s", warn_every_s)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
         self.address = address
         self.request = data_pb2.StreamBatchesRequest(
             split=split,
@@ -78,6 +93,9 @@ class DataClient:
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.stall_s = stall_s
+        self.wait_timeout_s = wait_timeout_s
+        self.warn_every_s = warn_every_s
         self.reconnects = 0
         self.last_info: BatchInfo | None = None  # stream bookkeeping of the last batch (step, balance, ...)
         self._metadata = call_metadata(token)
@@ -86,6 +104,9 @@ class DataClient:
         self._stop = threading.Event()
         self._call = None
         self._thread: threading.Thread | None = None
+        self._queue: queue.Queue | None = None
+        self._last_message = time.monotonic()  # when the open stream last delivered (or opened)
+        self._stalled = False  # the open stream was cancelled for delivering nothing for stall_s
 
     def _channel(self) -> grpc.Channel:
         return open_channel(self.address, self._tls_ca, self._max_message_mb)
@@ -123,7 +144,8 @@ class DataClient:
         return False
 
     def _reader(self, q: queue.Queue) -> None:
-        """Background: stream, decode, enqueue; reconnect and resume on UNAVAILABLE/DEADLINE_EXCEEDED."""
+        """Background: stream, decode, enqueue; reconnect and resume after UNAVAILABLE, DEADLINE_EXCEEDED or a
+        stall."""
         cursor, failures = self.request.cursor, 0
         while not self._stop.is_set():
             request = data_pb2.StreamBatchesRequest()
@@ -136,8 +158,10 @@ class DataClient:
                     request_serializer=data_pb2.StreamBatchesRequest.SerializeToString,
                     response_deserializer=None,  # raw bytes: decode_batch wraps them without copying
                 )
+                self._last_message, self._stalled = time.monotonic(), False
                 self._call = stream(request, timeout=self.stream_deadline_s, metadata=self._metadata)
                 for data in self._call:
+                    self._last_message = time.monotonic()
                     batch, info = decode_batch(data)
                     cursor, failures = info.cursor, 0
                     if not self._put(q, (batch, info)):
@@ -147,13 +171,17 @@ class DataClient:
             except grpc.RpcError as err:
                 if self._stop.is_set():
                     return
-                if err.code() not in RESUMABLE or failures >= self.max_retries:
+                stalled = self._stalled and err.code() == grpc.StatusCode.CANCELLED
+                if not (stalled or err.code() in RESUMABLE) or (
+                    self.max_retries is not None and failures >= self.max_retries
+                ):
                     self._put(q, err)
                     return
                 failures += 1
                 self.reconnects += 1
                 delay = min(self.max_backoff_s, self.backoff_s * 2 ** (failures - 1)) * (0.5 + random.random())
-                log.warning("stream %s (%s); reconnect %d in %.2f s", err.code().name, err.details(), failures, delay)
+                why = f"no batch for {self.stall_s:.0f} s" if stalled else f"{err.code().name} ({err.details()})"
+                log.warning("data stream from %s: %s; reconnect %d in %.2f s", self.address, why, failures, delay)
                 self._stop.wait(delay)
             except Exception as err:  # a message that does not decode: surface it, do not hang
                 self._put(q, err)
@@ -161,15 +189,55 @@ class DataClient:
             finally:
                 channel.close()
 
+    def _cancel_if_stalled(self) -> None:
+        """Cancel the open stream when it has delivered nothing for `stall_s`; the reader reconnects."""
+        call = self._call
+        if call is not None and not self._stalled and time.monotonic() - self._last_message > self.stall_s:
+            self._stalled = True
+            call.cancel()
+
+    def _next(self, q: queue.Queue):
+        """The reader's next item; warns while it waits, raises DataServiceTimeout after `wait_timeout_s`."""
+        start = warned = time.monotonic()
+        poll = min(self.warn_every_s, self.stall_s)
+        while True:
+            try:
+                return q.get(timeout=max(0.0, min(poll, start + self.wait_timeout_s - time.monotonic())))
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            if now - start >= self.wait_timeout_s:
+                raise DataServiceTimeout(
+                    f"no batch from the data service at {self.address} for {now - start:.0f} s (wait_timeout_s="
+                    f"{self.wait_timeout_s:g}, {self.reconnects} reconnects); split {self.request.split!r}, rank "
+                    f"{self.request.rank}: restart the service and resume from the last checkpoint"
+                )
+            self._cancel_if_stalled()
+            if now - warned >= self.warn_every_s:
+                warned = now
+                log.warning(
+                    "waiting for the data service at %s: no batch for %.0f s (%d reconnects; giving up after %.0f s)",
+                    self.address,
+                    now - start,
+                    self.reconnects,
+                    self.wait_timeout_s,
+                )
+
+    @property
+    def buffered(self) -> int:
+        """Batches received and decoded, not yet handed to the caller."""
+        return self._queue.qsize() if self._queue is not None else 0
+
     def __iter__(self) -> Iterator[Batch]:
         if self._thread is not None:
             raise RuntimeError("a DataClient iterates once; make a new one (pass cursor=client.cursor to resume)")
         q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        self._queue = q
         self._thread = threading.Thread(target=self._reader, args=(q,), name="data-client", daemon=True)
         self._thread.start()
         try:
             while True:
-                item = q.get()
+                item = self._next(q)
                 if item is None:
                     return
                 if isinstance(item, Exception):

@@ -1,17 +1,19 @@
 """`gemrec serve data` as a real process: SIGKILL it mid-stream, restart it on the same port, and the client's
-epoch is still exactly the split (no example lost, none repeated). Graceful drains are in test_service_stream."""
+epoch is still exactly the split (no example lost, none repeated); SIGSTOP it, and the client waits visibly,
+then resumes exactly after SIGCONT or fails with a clear timeout. Graceful drains are in test_service_stream."""
 
 import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 
 import numpy as np
 import pytest
 from gemrec.components.common.grpc_channel import open_channel, wait_healthy
-from gemrec.components.data_service.client import DataClient
+from gemrec.components.data_service.client import DataClient, DataServiceTimeout
 from gemrec.components.data_service.dataset import Dataset
 
 SPLIT = "eval"
@@ -104,3 +106,56 @@ def test_server_dies_mid_stream_and_client_resumes_exactly(movielens_dataset, sp
     assert '"event": "stopped"' in (tmp_path / "server.log").read_text()
     assert client.reconnects >= 1
     assert seen == split_keys
+
+
+def _client(port: int, **kw) -> DataClient:
+    return DataClient(f"127.0.0.1:{port}", SPLIT, batch_size=200, max_seq_len=128, seed=4, prefetch=1, **kw)
+
+
+def test_stopped_server_is_waited_for_visibly_and_resumed_exactly(movielens_dataset, split_keys, tmp_path, caplog):
+    """SIGSTOP at batch 3 (a wedged server: connections stay open, nothing arrives): the client warns while it
+    waits, cancels the stalled stream, keeps reconnecting; after SIGCONT it resumes from its cursor."""
+    port = _free_port()
+    with open(tmp_path / "server.log", "w") as log:
+        proc = _start(movielens_dataset, port, log)
+        client = _client(port, stall_s=1.0, warn_every_s=0.5, wait_timeout_s=60, max_backoff_s=0.5)
+        seen: Counter = Counter()
+        timer = threading.Timer(4.0, proc.send_signal, (signal.SIGCONT,))
+        try:
+            with caplog.at_level("WARNING", logger="gemrec.data_client"):
+                for i, batch in enumerate(client):
+                    seen.update(_keys(batch))
+                    if i == 3:
+                        proc.send_signal(signal.SIGSTOP)
+                        timer.start()
+        finally:
+            timer.join()
+            client.close()
+            proc.terminate()
+            proc.wait(timeout=30)
+    assert seen == split_keys
+    assert client.reconnects >= 1
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(m.startswith(f"waiting for the data service at 127.0.0.1:{port}: no batch for") for m in messages)
+    assert any("no batch for 1 s; reconnect" in m for m in messages), messages
+
+
+def test_stopped_server_fails_the_client_after_its_timeout(movielens_dataset, tmp_path):
+    """A server that never comes back: a clear DataServiceTimeout after wait_timeout_s, not a hang."""
+    port = _free_port()
+    with open(tmp_path / "server.log", "w") as log:
+        proc = _start(movielens_dataset, port, log)
+        client = _client(port, stall_s=0.5, warn_every_s=0.5, wait_timeout_s=3.0, max_backoff_s=0.2)
+        try:
+            batches = iter(client)
+            next(batches)
+            proc.send_signal(signal.SIGSTOP)
+            start = time.monotonic()
+            with pytest.raises(DataServiceTimeout, match=rf"data service at 127.0.0.1:{port} for [34] s"):
+                for _ in batches:
+                    pass
+            assert time.monotonic() - start < 10
+        finally:
+            client.close()
+            proc.kill()
+            proc.wait(timeout=30)
