@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from concurrent import futures
@@ -170,6 +171,7 @@ class DataLoaderCore:
     # -- streaming ---------------------------------------------------------------------------------------
 
     def _build(self, plan: StreamPlan, step: int) -> bytes:
+        cpu_start = time.thread_time()
         key = plan.key
         rows, parts = self.step_rows(key, step)
         batch = self.dataset.collate(key.split, rows, key.max_seq_len, self.features)
@@ -183,6 +185,7 @@ class DataLoaderCore:
             tokens_imbalance=parts.tokens_imbalance,
             sq_tokens_imbalance=parts.sq_tokens_imbalance,
             naive_cost_imbalance=parts.naive_cost_imbalance,
+            cpu_start=cpu_start,
         )
 
     def stream(self, plan: StreamPlan, active: Callable[[], bool] = lambda: True) -> Iterator[bytes]:

@@ -1,5 +1,7 @@
 """The hand-written BatchMessage serializer against the generated protobuf parser, and zero-copy decoding."""
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -86,3 +88,16 @@ def test_negative_values_round_trip(ds):
     message = data_pb2.BatchMessage.FromString(serialize_batch(batch, epoch=-1))
     assert message.epoch == -1
     np.testing.assert_array_equal(from_array(message.timestamps), batch.timestamps.numpy())
+
+
+def test_build_cpu_time_travels_in_the_message(ds):
+    """The service's CPU seconds per batch (field 22): parsed by the generated class and by decode_batch; a
+    message without it (an older server) decodes to 0."""
+    start = time.thread_time()
+    batch = ds.collate("train", np.arange(2000), 300)
+    data = serialize_batch(batch, cpu_start=start)
+    spent = time.thread_time() - start
+    message = data_pb2.BatchMessage.FromString(data)
+    assert 0 < message.build_cpu_s <= spent
+    assert decode_batch(data)[1].build_cpu_s == message.build_cpu_s
+    assert decode_batch(serialize_batch(batch))[1].build_cpu_s == 0.0
