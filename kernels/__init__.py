@@ -17,8 +17,9 @@ ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust
   `RelativeBias`); every bias gets its gradient, and no `[B, H, N, N]` tensor is ever built.
 - `jagged_attention`: softmax. `gdpa`: `act(scores) v * norm`, act in silu, gelu, gelu_tanh, relu, relu2;
   norm 1/kv_len (per sequence), 1/max_kv_len (HSTU) or none.
-- Backends: "auto" runs the Triton kernels on CUDA and the pure-torch reference (`reference.py`)
-  elsewhere; "triton" on CPU tensors needs TRITON_INTERPRET=1 set before triton is first imported.
+- Backends: "auto" runs the Triton kernels on CUDA tensors with head dims 16..256 and the pure-torch reference
+  (`reference.py`: length-grouped, fast on CPU, what every test compares against) otherwise; "triton" on CPU
+  tensors needs TRITON_INTERPRET=1 set before triton is first imported; "reference" always the reference.
 - The Triton path is the custom ops `gemrec::attention_fwd` / `gemrec::attention_bwd` (fake impls for
   `torch.compile(fullgraph=True)`, FLOP formulas for `FlopCounterMode` counting real pairs only),
   autotuned on (bucketed max length, head dim, variant); GEMREC_KERNEL_AUTOTUNE=0 uses fixed tiles;

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from gemrec.kernels import triton_attention
-from gemrec.kernels.reference import attention_reference
+from gemrec.kernels.reference import attention_reference, sequences
 from torch.utils.flop_counter import register_flop_formula
 
 ACTIVATIONS = triton_attention.ACTIVATIONS
@@ -430,14 +430,9 @@ class _Attention(torch.autograd.Function):
 
 
 def attention_pairs(q_offsets, kv_offsets, causal: bool) -> int:
-    """Number of (query, key) pairs that are really computed: the unit of the FLOP count."""
-    q_off = [int(x) for x in q_offsets.tolist()]
-    kv_off = [int(x) for x in kv_offsets.tolist()]
-    num_seqs = max(len(q_off), len(kv_off)) - 1
-    if num_seqs <= 0:
-        return 0
-    q_lens = [q_off[1] - q_off[0]] * num_seqs if len(q_off) == 2 else [b - a for a, b in zip(q_off, q_off[1:])]
-    kv_lens = [kv_off[1] - kv_off[0]] * num_seqs if len(kv_off) == 2 else [b - a for a, b in zip(kv_off, kv_off[1:])]
+    """Number of (query, key) pairs that are really computed: the unit of the FLOP count. Offsets are (B+1,)
+    tensors or lists of ints; a 2-entry side is shared by every sequence of the other."""
+    _, q_lens, _, kv_lens = sequences(_host_list(q_offsets), _host_list(kv_offsets))
     if not causal:
         return sum(a * b for a, b in zip(q_lens, kv_lens))
 
@@ -452,10 +447,19 @@ def attention_pairs(q_offsets, kv_offsets, causal: bool) -> int:
     return sum(ramp(lk, lk) - ramp(lk - lq, lk) for lq, lk in zip(q_lens, kv_lens))
 
 
-def attention_flops(q_offsets, kv_offsets, heads: int, head_dim: int, causal: bool) -> tuple[int, int]:
-    """(forward, backward) FLOPs: 2 matmuls forward, 5 backward, over the real query-key pairs only."""
+def _host_list(offsets) -> list[int]:
+    return [int(x) for x in (offsets.tolist() if isinstance(offsets, torch.Tensor) else offsets)]
+
+
+def attention_flops(
+    q_offsets, kv_offsets, heads: int, head_dim: int, causal: bool, *, recompute: bool = True
+) -> tuple[int, int]:
+    """(forward, backward) FLOPs over the real query-key pairs only, 2 per multiply-add. Forward: the 2 matmuls
+    (scores, weighted sum of values). Backward: the 4 gradient matmuls, plus with `recompute` the scores that the
+    kernels recompute (5 in all, as FlashAttention's benchmarks count kernel FLOPs); `recompute=False` is the
+    model-FLOPs convention of MFU (backward = 2x forward)."""
     pairs = attention_pairs(q_offsets, kv_offsets, causal)
-    return 4 * pairs * heads * head_dim, 10 * pairs * heads * head_dim
+    return 4 * pairs * heads * head_dim, (10 if recompute else 8) * pairs * heads * head_dim
 
 
 def _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal) -> tuple[int, int]:
@@ -552,18 +556,18 @@ def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, 
         _check(rel.time_log_base > 1.0, "rel_bias time_log_base must be > 1")
     if q_offsets.device.type == "cpu" and not torch.compiler.is_compiling():
         for name, off, total, max_len in (
-            ("q", q_offsets, q.shape[0], max_q_len),
-            ("kv", kv_offsets, k.shape[0], max_kv_len),
+            ("q", q_offsets.tolist(), q.shape[0], max_q_len),
+            ("kv", kv_offsets.tolist(), k.shape[0], max_kv_len),
         ):
-            lens = off[1:] - off[:-1]
+            lens = [b - a for a, b in zip(off, off[1:])]
             _check(
-                int(off[0]) == 0 and int(off[-1]) == total,
-                f"{name}_offsets must start at 0 and end at {total} (the number of rows), got {off.tolist()}",
+                off[0] == 0 and off[-1] == total,
+                f"{name}_offsets must start at 0 and end at {total} (the number of rows), got {off}",
             )
-            _check(bool((lens >= 0).all()), f"{name}_offsets must be non-decreasing")
+            _check(min(lens, default=0) >= 0, f"{name}_offsets must be non-decreasing")
             _check(
-                lens.numel() == 0 or int(lens.max()) <= max_len,
-                f"max_{name}_len={max_len} is below the longest {name} sequence ({int(lens.max())})",
+                max(lens, default=0) <= max_len,
+                f"max_{name}_len={max_len} is below the longest {name} sequence ({max(lens, default=0)})",
             )
 
 
@@ -588,7 +592,7 @@ def _attention(
     if normalize not in NORMALIZE:
         raise ValueError(f"unknown normalize {normalize!r}; expected one of {sorted(NORMALIZE)}")
     if backend == "auto":
-        backend = "triton" if q.is_cuda else "reference"
+        backend = "triton" if q.is_cuda and 16 <= q.shape[2] <= MAX_HEAD_DIM else "reference"
     if backend not in ("triton", "reference"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'reference'")
     if isinstance(rel_bias, torch.Tensor):
@@ -665,7 +669,8 @@ def jagged_attention(
     2-entry `kv_offsets` likewise shares one key/value sequence. Causal is bottom-right aligned: query i
     of a length-Lq sequence sees keys j <= i + (Lkv - Lq). `attn_bias`: (output rows, H, max_kv_len) dense
     per-query-row bias; `rel_bias`: a `[H, num_buckets]` position table or a `RelativeBias`.
-    backend: "auto" (Triton on CUDA, reference elsewhere), "triton" (interpreter on CPU) or "reference".
+    backend: "auto" (Triton on CUDA for head dims 16..256, the reference otherwise), "triton" (the interpreter on
+    CPU) or "reference" (`reference.attention_reference`).
     """
     return _attention(
         q,

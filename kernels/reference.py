@@ -1,7 +1,10 @@
-"""Pure-torch reference for jagged softmax attention and GDPA (padded internally, autograd-friendly).
+"""Pure-torch reference of `jagged_attention` and `gdpa`: the CPU path, and what every test compares against.
 
-Same semantics as the Triton kernels, bucket arithmetic included (float32), so tests can compare
-them exactly. Materializes `[B, H, max_q_len, max_kv_len]`: fine for tests and small CPU models.
+Same semantics as the Triton kernels, bucket arithmetic included (float32); scores and weights in float32 (float64
+for float64 inputs), the result in the inputs' dtype; autograd gives every gradient. Sequences of similar length are
+grouped and each group padded only to its own longest member (`max_padding`), with each group's score tensor capped
+at `MAX_SCORES` elements: nothing of size tokens x tokens is built for a whole batch. Reads the offsets on the host
+(one sync).
 """
 
 import math
@@ -9,6 +12,12 @@ import math
 import torch
 import torch.nn.functional as F
 from gemrec.kernels.triton_attention import ACTIVATIONS
+
+# A group admits a sequence whose query and key lengths are within this fraction of the group's longest; 0 groups
+# equal lengths only, so the matmuls do exactly the jagged work.
+MAX_PADDING = 0.125
+# Largest score tensor (sequences x heads x query length x key length elements) one group materialises.
+MAX_SCORES = 1 << 25
 
 
 def pos_bucket(rel: torch.Tensor, num_buckets: int, max_distance: int) -> torch.Tensor:
@@ -40,32 +49,42 @@ def _activation(s: torch.Tensor, name: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACTIVATIONS)}")
 
 
-def _pad(x: torch.Tensor, start: torch.Tensor, length: torch.Tensor, max_len: int):
-    """Rows [start, start+length) of a jagged tensor -> (B, max_len, ...) with zeros past the length."""
-    pos = torch.arange(max_len, device=start.device)
-    valid = pos[None, :] < length[:, None]
-    if x.shape[0] == 0:
-        return x.new_zeros((start.shape[0], max_len, *x.shape[1:])), valid
-    idx = torch.where(valid, start[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
-    padded = x[idx]
-    mask = valid.reshape(*valid.shape, *([1] * (x.dim() - 1)))
-    return torch.where(mask, padded, torch.zeros_like(padded)), valid
+def sequences(q_offsets: list[int], kv_offsets: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
+    """Per sequence (q_start, q_len, kv_start, kv_len) from host offsets; a 2-entry side is shared by all."""
+    num_seqs = max(len(q_offsets), len(kv_offsets)) - 1
+
+    def side(off: list[int]) -> tuple[list[int], list[int]]:
+        if len(off) == 2 and num_seqs > 1:
+            return [off[0]] * num_seqs, [off[1] - off[0]] * num_seqs
+        return off[:-1], [b - a for a, b in zip(off, off[1:])]
+
+    return (*side(q_offsets), *side(kv_offsets))
 
 
-def seq_ranges(q_offsets, kv_offsets, q_rows: int):
-    """Per-sequence (q_start, q_len, kv_start, kv_len, out_offsets), with shared (single) q or kv broadcast."""
-    num_seqs = max(q_offsets.numel(), kv_offsets.numel()) - 1
-    q_offsets, kv_offsets = q_offsets.long(), kv_offsets.long()
-    if q_offsets.numel() == 2 and num_seqs > 1:
-        q_start, q_len = q_offsets[:1].expand(num_seqs), (q_offsets[1:] - q_offsets[:1]).expand(num_seqs)
-    else:
-        q_start, q_len = q_offsets[:-1], q_offsets[1:] - q_offsets[:-1]
-    if kv_offsets.numel() == 2 and num_seqs > 1:
-        kv_start, kv_len = kv_offsets[:1].expand(num_seqs), (kv_offsets[1:] - kv_offsets[:1]).expand(num_seqs)
-    else:
-        kv_start, kv_len = kv_offsets[:-1], kv_offsets[1:] - kv_offsets[:-1]
-    out_offsets = torch.cat([q_len.new_zeros(1), torch.cumsum(q_len, 0)])
-    return q_start, q_len, kv_start, kv_len, out_offsets
+def _length_groups(q_len: list[int], kv_len: list[int], heads: int, max_padding: float) -> list[list[int]]:
+    """Non-empty sequences grouped so that padding each group to its longest member wastes little."""
+    order = sorted((i for i in range(len(q_len)) if q_len[i] and kv_len[i]), key=lambda i: (-kv_len[i], -q_len[i]))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups:
+            head = groups[-1][0]
+            if (
+                kv_len[i] >= (1 - max_padding) * kv_len[head]
+                and (1 - max_padding) * q_len[head] <= q_len[i] <= q_len[head]
+                and (len(groups[-1]) + 1) * heads * q_len[head] * kv_len[head] <= MAX_SCORES
+            ):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
+
+
+def _padded_rows(starts: torch.Tensor, lengths: torch.Tensor, padded: torch.Tensor):
+    """Rows of sequences laid out back to back, each padded to its `padded` length: (row or 0, valid, position)."""
+    which = torch.repeat_interleave(torch.arange(len(padded)), padded)
+    pos = torch.arange(which.numel()) - (torch.cumsum(padded, 0) - padded)[which]
+    valid = pos < lengths[which]
+    return torch.where(valid, starts[which] + pos, 0), valid, pos
 
 
 def attention_reference(
@@ -88,47 +107,83 @@ def attention_reference(
     kv_timestamps=None,
     pos_max_distance=128,
     time_log_base=2.0,
+    max_padding=MAX_PADDING,
 ):
     """out[i] = sum_j w(i, j) v[j] over each sequence's own keys; see `gemrec.kernels` for the semantics."""
-    head_dim = q.shape[2]
+    heads, head_dim = q.shape[1], q.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q_start, q_len, kv_start, kv_len, out_offsets = seq_ranges(q_offsets, kv_offsets, q.shape[0])
-    num_seqs = q_len.shape[0]
-    qp, q_valid = _pad(q.to(compute), q_start, q_len, max_q_len)
-    kp, kv_valid = _pad(k.to(compute), kv_start, kv_len, max_kv_len)
-    vp, _ = _pad(v.to(compute), kv_start, kv_len, max_kv_len)
-    s = torch.einsum("bihd,bjhd->bhij", qp, kp) * scale
-    rows = torch.arange(max_q_len, device=q.device)
-    cols = torch.arange(max_kv_len, device=q.device)
-    rel = rows[None, :, None] + (kv_len - q_len)[:, None, None] - cols[None, None, :]
-    if attn_bias is not None:
-        bp, _ = _pad(attn_bias.to(compute), out_offsets[:-1], q_len, max_q_len)
-        s = s + bp.permute(0, 2, 1, 3)[..., :max_kv_len]
-    if pos_table is not None:
-        bucket = pos_bucket(rel, pos_table.shape[1], pos_max_distance)
-        s = s + pos_table.to(compute)[:, bucket].permute(1, 0, 2, 3)
-    if time_table is not None:
-        qts, _ = _pad(q_timestamps, out_offsets[:-1], q_len, max_q_len)
-        kts, _ = _pad(kv_timestamps, kv_start, kv_len, max_kv_len)
-        bucket = time_bucket(qts[:, :, None] - kts[:, None, :], time_table.shape[1], time_log_base)
-        s = s + time_table.to(compute)[:, bucket].permute(1, 0, 2, 3)
-    valid = q_valid[:, None, :, None] & kv_valid[:, None, None, :]
-    if causal:
-        valid = valid & (rel >= 0)[:, None]
-    if activation == "softmax":
-        s = s.masked_fill(~valid, torch.finfo(compute).min)
-        w = torch.softmax(s, dim=-1) * valid
-    else:
-        w = _activation(s, activation) * valid
-        if normalize == "kv_len":
-            w = w * torch.where(kv_len > 0, 1.0 / kv_len.clamp(min=1).to(compute), 0.0)[:, None, None, None]
-        elif normalize == "max_len":
-            w = w / max(max_kv_len, 1)
-        elif normalize != "none":
-            raise ValueError(f"unknown normalize {normalize!r}; expected 'none', 'kv_len' or 'max_len'")
-    out = torch.einsum("bhij,bjhd->bihd", w, vp)
-    total_out = int(q.shape[0] * num_seqs) if q_offsets.numel() == 2 and num_seqs > 1 else q.shape[0]
-    row_seq = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_len, output_size=total_out)
-    row_pos = torch.arange(total_out, device=q.device) - out_offsets[row_seq]
-    return out[row_seq, row_pos].to(q.dtype)
+    q_start, q_len, kv_start, kv_len = sequences(q_offsets.tolist(), kv_offsets.tolist())
+    if max(q_len, default=0) > max_q_len or max(kv_len, default=0) > max_kv_len:
+        raise ValueError(
+            f"a sequence is longer than max_q_len={max_q_len} / max_kv_len={max_kv_len} "
+            f"(longest: {max(q_len, default=0)} / {max(kv_len, default=0)})"
+        )
+    if activation != "softmax" and normalize not in ("none", "kv_len", "max_len"):
+        raise ValueError(f"unknown normalize {normalize!r}; expected 'none', 'kv_len' or 'max_len'")
+    total_out = sum(q_len)
+    groups = _length_groups(q_len, kv_len, heads, max_padding)
+    # Index plans on the host: each group's members padded to its longest, all groups back to back.
+    members = torch.tensor([i for group in groups for i in group], dtype=torch.long)
+    lq_pad = torch.tensor([q_len[g[0]] for g in groups for _ in g], dtype=torch.long)
+    lkv_pad = torch.tensor([kv_len[g[0]] for g in groups for _ in g], dtype=torch.long)
+    q_lens, kv_lens = torch.tensor(q_len, dtype=torch.long), torch.tensor(kv_len, dtype=torch.long)
+    out_start = torch.cumsum(q_lens, 0) - q_lens
+    q_rows, q_valid, q_pos = _padded_rows(torch.tensor(q_start, dtype=torch.long)[members], q_lens[members], lq_pad)
+    out_rows = torch.where(q_valid, out_start[members].repeat_interleave(lq_pad) + q_pos, 0)
+    kv_rows, _, _ = _padded_rows(torch.tensor(kv_start, dtype=torch.long)[members], kv_lens[members], lkv_pad)
+    # The output row of each padded query row; rows of sequences without keys read the zero row appended last.
+    source_of_row = torch.full((total_out,), q_rows.numel(), dtype=torch.long)
+    source_of_row[out_rows[q_valid]] = torch.arange(q_rows.numel())[q_valid]
+    device = q.device
+    sizes = [(len(g), q_len[g[0]], kv_len[g[0]]) for g in groups]
+    q_all = q[q_rows.to(device)].to(compute).split([b * lq for b, lq, _ in sizes])
+    kv_index = kv_rows.to(device)
+    kv_split = [b * lkv for b, _, lkv in sizes]
+    k_all, v_all = k[kv_index].to(compute).split(kv_split), v[kv_index].to(compute).split(kv_split)
+    q_lens_dev, kv_lens_dev = q_lens[members].to(device), kv_lens[members].to(device)
+    out_rows_dev = out_rows.to(device)
+    outs = [torch.cat([q[:0], k[:0], v[:0]]).to(compute)]  # keeps the result in the graph when no group exists
+    start = 0
+    for (b, lq, lkv), qg, kg, vg, lens_q, lens_kv, rows in zip(
+        sizes,
+        q_all,
+        k_all,
+        v_all,
+        q_lens_dev.split([b for b, _, _ in sizes]),
+        kv_lens_dev.split([b for b, _, _ in sizes]),
+        out_rows_dev.split([b * lq for b, lq, _ in sizes]),
+    ):
+        qg = qg.view(b, lq, heads, head_dim).transpose(1, 2)  # (b, H, lq, D)
+        kg = kg.view(b, lkv, heads, head_dim).transpose(1, 2)
+        vg = vg.view(b, lkv, heads, vg.shape[-1]).transpose(1, 2)
+        scores = (torch.matmul(qg, kg.transpose(-1, -2)) * scale).to(compute)  # (b, H, lq, lkv); fp32 under autocast
+        q_pos, kv_pos = torch.arange(lq, device=device), torch.arange(lkv, device=device)
+        allowed = (kv_pos < lens_kv[:, None])[:, None, None, :]
+        if causal or pos_table is not None:
+            rel = q_pos[:, None] + (lens_kv - lens_q)[:, None, None] - kv_pos  # (b, lq, lkv), bottom-right aligned
+            if causal:
+                allowed = allowed & (rel >= 0)[:, None]
+        if attn_bias is not None:
+            scores = scores + attn_bias[rows][:, :, :lkv].to(compute).view(b, lq, heads, lkv).transpose(1, 2)
+        if pos_table is not None:
+            bucket = pos_bucket(rel, pos_table.shape[1], pos_max_distance)
+            scores = scores + pos_table.to(compute)[:, bucket].transpose(0, 1)
+        if time_table is not None:
+            q_ts = q_timestamps[rows].view(b, lq)
+            kv_ts = kv_timestamps[kv_index[start : start + b * lkv]].view(b, lkv)
+            bucket = time_bucket(q_ts[:, :, None] - kv_ts[:, None, :], time_table.shape[1], time_log_base)
+            scores = scores + time_table.to(compute)[:, bucket].transpose(0, 1)
+        start += b * lkv
+        if activation == "softmax":
+            # A finite fill keeps rows without any visible key finite; the mask then zeroes them.
+            weights = scores.masked_fill(~allowed, torch.finfo(compute).min).softmax(-1) * allowed
+        else:
+            weights = _activation(scores, activation) * allowed
+            if normalize == "kv_len":
+                weights = weights / lens_kv.to(compute)[:, None, None, None]
+            elif normalize == "max_len":
+                weights = weights / max(max_kv_len, 1)
+        outs.append(torch.matmul(weights, vg).transpose(1, 2).reshape(b * lq, heads, -1))
+    outs.append(q.new_zeros(1, heads, v.shape[2], dtype=compute))
+    return torch.cat(outs).to(q.dtype)[source_of_row.to(device)]

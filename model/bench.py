@@ -4,14 +4,15 @@ each layer alone, on random production-shaped batches (torch embeddings, no torc
     gemrec bench model --out DIR [--device cuda] [--batch-size 256] [--mean-len 512] [--max-len 3072]
                        [--set model_key=value ...]
 
-Checks (device vs a float32 reference on the same device): the attention dispatch against
-`jagged_attention_reference`, the MoE grouped path against the per-expert loop, bf16-autocast logits
+Checks (device vs a float32 reference on the same device): the kernels' attention ops against their
+reference (`backend="reference"`), the MoE grouped path against the per-expert loop, bf16-autocast logits
 against float32 logits; and host syncs inside one training step (CUDA sync debug mode). Writes
 `model_bench.json` and prints a per-layer table (milliseconds, achieved TFLOP/s).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import statistics
@@ -21,7 +22,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-from gemrec.model import attention as attention_module
+from gemrec.kernels import gdpa, jagged_attention
 from gemrec.model.capture import capture_layer_inputs
 from gemrec.model.config import FeatureSchema, ModelConfig, SparseFeature
 from gemrec.model.gem import build_model, loss, model_flops
@@ -100,27 +101,26 @@ def _timer(device: torch.device):
 
 
 def check_attention(device: torch.device, seed: int = 0) -> dict[str, float]:
-    """The dispatch (kernels on CUDA once wired) vs the float32 reference, bf16 inputs."""
+    """The kernels' ops (Triton on CUDA) vs their float32 reference, bf16 inputs: the model's attention kinds."""
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.cat([torch.tensor([0, 1, 2]), torch.randint(1, 700, (13,), generator=gen)])
     offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device)
     total, max_len, heads, dim = int(lengths.sum()), int(lengths.max()), 4, 64
+    ops = {"softmax": jagged_attention, "silu": functools.partial(gdpa, activation="silu", normalize="kv_len")}
     results = {}
-    for kind in ("softmax", "silu"):
+    for kind, op in ops.items():
         for causal in (False, True):
             q, k, v = (torch.randn(total, heads, dim, generator=gen).to(device, torch.bfloat16) for _ in range(3))
-            got = attention_module.attention(q, k, v, offsets, offsets, max_len, max_len, kind=kind, causal=causal)
-            want = attention_module.jagged_attention_reference(
-                q.float(), k.float(), v.float(), offsets, offsets, max_len, max_len, kind=kind, causal=causal
+            got = op(q, k, v, offsets, offsets, max_len, max_len, causal=causal)
+            want = op(
+                q.float(), k.float(), v.float(), offsets, offsets, max_len, max_len, causal=causal, backend="reference"
             )
             results[f"{kind}{'_causal' if causal else ''}"] = rel_error(got, want)
     seeds = torch.randn(16, heads, dim, generator=gen).to(device, torch.bfloat16)
     k, v = (torch.randn(total, heads, dim, generator=gen).to(device, torch.bfloat16) for _ in range(2))
     shared = torch.tensor([0, 16], device=device)
-    got = attention_module.attention(seeds, k, v, shared, offsets, 16, max_len)
-    want = attention_module.jagged_attention_reference(
-        seeds.float(), k.float(), v.float(), shared, offsets, 16, max_len
-    )
+    got = jagged_attention(seeds, k, v, shared, offsets, 16, max_len)
+    want = jagged_attention(seeds.float(), k.float(), v.float(), shared, offsets, 16, max_len, backend="reference")
     results["shared_q"] = rel_error(got, want)
     return results
 

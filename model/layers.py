@@ -1,4 +1,4 @@
-"""Building blocks over jagged tokens: attention (through the one dispatch), MLPs, rotary positions, PMA.
+"""Building blocks over jagged tokens: attention (the `gemrec.kernels` ops), MLPs, rotary positions, PMA.
 
 Every block that does matmuls has `flops(...) -> (forward, backward)` counting the matmul FLOPs of the
 real jagged lengths it sees (2 per multiply-add; backward = the input- and weight-gradient matmuls).
@@ -7,10 +7,11 @@ real jagged lengths it sees (2 per multiply-add; backward = the input- and weigh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
-from gemrec.model.attention import attention
+from gemrec.kernels import attention_flops, gdpa, jagged_attention
 from gemrec.model.moe import MoEFeedForward
 from torch import nn
 
@@ -29,21 +30,13 @@ class Jagged:
     def batch(self) -> int:
         return len(self.lengths)
 
+    @property
+    def offsets(self) -> list[int]:
+        return list(accumulate(self.lengths, initial=0))
+
     @classmethod
     def uniform(cls, batch: int, length: int) -> Jagged:
         return cls([length] * batch)
-
-
-def attention_pairs(q: Jagged, kv: Jagged, causal: bool) -> int:
-    """Number of (query, key) pairs attention computes: causal counts only j <= i."""
-    if not causal:
-        return sum(lq * lk for lq, lk in zip(q.lengths, kv.lengths))
-    total = 0
-    for lq, lk in zip(q.lengths, kv.lengths):
-        # Bottom-right aligned: query i sees min(lk, max(0, i + lk - lq + 1)) keys.
-        hidden = max(0, lk - lq)
-        total += lk * (lk + 1) // 2 - hidden * (hidden + 1) // 2
-    return total
 
 
 def linear_flops(rows: int, fan_in: int, fan_out: int, input_grad: bool = True) -> tuple[int, int]:
@@ -105,10 +98,12 @@ class Mlp(nn.Module):
 class JaggedAttention(nn.Module):
     """Multi-head attention from query tokens to key/value tokens, jagged on both sides."""
 
-    backend = "auto"  # see `gemrec.model.attention.attention`; the model sets it from its config
+    backend = "auto"  # the kernels' backend ("auto" | "reference"); the model sets it from its config
 
     def __init__(self, dim: int, heads: int, kind: str = "softmax", causal: bool = False):
         super().__init__()
+        if kind not in ("softmax", "silu"):
+            raise ValueError(f"attention kind must be 'softmax' or 'silu', got {kind!r}")
         self.dim, self.heads, self.kind, self.causal = dim, heads, kind, causal
         self.wq, self.wkv, self.wo = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
 
@@ -127,30 +122,30 @@ class JaggedAttention(nn.Module):
                 raise ValueError("rotary positions apply to self-attention only")
             q = self.wq(xq).view(xq.shape[0], h, hd)
             k, v = self.wkv(xkv).view(xkv.shape[0], 2, h, hd).unbind(1)
-        out = attention(
-            q,
-            k,
-            v,
-            q_offsets,
-            kv_offsets,
-            max_q_len,
-            max_kv_len,
-            kind=self.kind,
-            causal=self.causal,
-            backend=self.backend,
-        )
+        out = self.attend(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len)
         return self.wo(out.reshape(xq.shape[0], self.dim))
+
+    def attend(self, q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len):
+        """The kernels' op for this layer's kind: softmax is `jagged_attention`; silu is `gdpa` with SiLU normalised
+        by each sequence's key count (HSTU-style)."""
+        args = (q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len)
+        if self.kind == "softmax":
+            return jagged_attention(*args, causal=self.causal, backend=self.backend)
+        return gdpa(*args, activation="silu", causal=self.causal, normalize="kv_len", backend=self.backend)
 
     def flops(self, q: Jagged, kv: Jagged, query_proj_grad: bool = True) -> tuple[int, int]:
         d = self.dim
-        pairs = attention_pairs(q, kv, self.causal)
-        core = 2 * 2 * pairs * d  # scores q.k and the weighted sum of v, over all heads
         return add(
             linear_flops(q.tokens, d, d, input_grad=query_proj_grad),
             linear_flops(kv.tokens, d, 2 * d),
-            (core, 2 * core),
+            self.core_flops(q.offsets, kv.offsets),
             linear_flops(q.tokens, d, d),
         )
+
+    def core_flops(self, q_offsets: list[int], kv_offsets: list[int]) -> tuple[int, int]:
+        """The attention matmuls themselves, model FLOPs (no recomputation in the backward)."""
+        hd = self.dim // self.heads
+        return attention_flops(q_offsets, kv_offsets, self.heads, hd, self.causal, recompute=False)
 
 
 class SeqLayer(nn.Module):
@@ -191,20 +186,16 @@ class PMA(nn.Module):
         # The K seed queries are projected once and shared by every sequence (a 2-entry q_offsets).
         q = self.attn.wq(self.seeds).view(k, heads, dim // heads)
         keys, values = self.attn.wkv(kv).view(kv.shape[0], 2, heads, dim // heads).unbind(1)
-        out = attention(
-            q, keys, values, self.seed_offsets, seq_offsets, k, max_len, kind=self.attn.kind, backend=self.attn.backend
-        )
+        out = self.attn.attend(q, keys, values, self.seed_offsets, seq_offsets, k, max_len)
         x = self.seeds.unsqueeze(0) + self.attn.wo(out.reshape(batch, k, dim))
         return x + self.mlp(self.norm_out(x))
 
     def flops(self, seq: Jagged) -> tuple[int, int]:
         d, k = self.seeds.shape[1], self.num_seeds
-        pairs = attention_pairs(Jagged.uniform(seq.batch, k), seq, False)
-        core = 2 * 2 * pairs * d
         return add(
             linear_flops(k, d, d),
             linear_flops(seq.tokens, d, 2 * d),
-            (core, 2 * core),
+            self.attn.core_flops([0, k], seq.offsets),  # the K seeds shared by every sequence
             linear_flops(seq.batch * k, d, d),
             self.mlp.flops(seq.batch * k),
         )

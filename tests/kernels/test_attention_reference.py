@@ -1,76 +1,12 @@
-"""The torch reference against a naive per-sequence implementation, the FLOP count, and input validation."""
-
-import math
+"""The torch reference against a naive per-sequence implementation (every feature, every length grouping), the FLOP
+count, and input validation."""
 
 import pytest
 import torch
-from gemrec.kernels import RelativeBias, attention_pairs, gdpa, jagged_attention
+from gemrec.kernels import RelativeBias, attention_flops, attention_pairs, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels_module
-from gemrec.kernels.reference import pos_bucket, time_bucket
-
-
-def offsets_of(lengths):
-    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
-
-
-def naive(
-    q,
-    k,
-    v,
-    q_lens,
-    kv_lens,
-    activation,
-    causal,
-    scale,
-    normalize,
-    attn_bias,
-    pos,
-    tim,
-    q_ts,
-    kv_ts,
-    max_distance,
-    log_base,
-    max_kv,
-):
-    """One sequence at a time, scalar bucket math in float64: an independent statement of the semantics."""
-    shared_q = len(q_lens) == 1 and len(kv_lens) > 1
-    num_seqs = len(kv_lens) if shared_q else len(q_lens)
-    outs, q0, k0, o0 = [], 0, 0, 0
-    for b in range(num_seqs):
-        lq, lk = (q_lens[0] if shared_q else q_lens[b]), kv_lens[b]
-        qs = q[0:lq] if shared_q else q[q0 : q0 + lq]
-        ks, vs = k[k0 : k0 + lk], v[k0 : k0 + lk]
-        s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
-        for i in range(lq):
-            for j in range(lk):
-                rel = abs(i + lk - lq - j)
-                if attn_bias is not None:
-                    s[:, i, j] += attn_bias[o0 + i, :, j]
-                if pos is not None:
-                    nb, exact = pos.shape[1], pos.shape[1] // 2
-                    bucket = (
-                        rel
-                        if rel < exact
-                        else min(
-                            nb - 1, exact + int(math.log(rel / exact) / math.log(max_distance / exact) * (nb - exact))
-                        )
-                    )
-                    s[:, i, j] += pos[:, bucket]
-                if tim is not None:
-                    dt = abs(int(q_ts[o0 + i]) - int(kv_ts[k0 + j]))
-                    s[:, i, j] += tim[:, min(tim.shape[1] - 1, int(math.log(max(dt, 1)) / math.log(log_base)))]
-        allowed = torch.ones(lq, lk, dtype=torch.bool)
-        if causal:
-            allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
-        if activation == "softmax":
-            w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
-        else:
-            act = {"silu": torch.nn.functional.silu, "relu": torch.relu, "gelu": torch.nn.functional.gelu}[activation]
-            w = act(s) * allowed
-            w = w / (lk if normalize == "kv_len" else max_kv) if lk else w * 0
-        outs.append(torch.einsum("hij,jhd->ihd", w, vs))
-        q0, k0, o0 = q0 + lq, k0 + lk, o0 + lq
-    return torch.cat(outs) if outs else q[:0]
+from gemrec.kernels.reference import attention_reference, pos_bucket, time_bucket
+from kernel_harness import naive, offsets_of
 
 
 @pytest.mark.parametrize(
@@ -107,27 +43,103 @@ def test_reference_matches_naive(q_lens, kv_lens, op, causal):
         got = jagged_attention(*args, **kw)
     else:
         got = gdpa(*args, activation=op, normalize="kv_len", **kw)
+    activation = "softmax" if op == "jfa" else op
     want = naive(
-        q,
-        k,
-        v,
-        q_lens,
-        kv_lens,
-        "softmax" if op == "jfa" else op,
-        causal,
-        0.3,
-        "kv_len",
-        attn_bias,
-        pos,
-        tim,
-        q_ts,
-        kv_ts,
-        11,
-        2.5,
-        max_kv,
+        q, k, v, q_lens, kv_lens, activation=activation, causal=causal, scale=0.3, attn_bias=attn_bias, rel=rel
     )
     assert got.shape == (rows, heads, dim)
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def _leaves(q_lens, kv_lens, heads=2, dim=8, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(sum(q_lens), heads, dim), (sum(kv_lens), heads, dim), (sum(kv_lens), heads, dim)]
+    return [torch.randn(*shape, generator=gen, dtype=torch.float64, requires_grad=True) for shape in shapes]
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("max_padding", [0.0, 0.125, 0.5])
+def test_length_groups_match_naive_with_gradients(activation, causal, max_padding):
+    """Grouping pads sequences to their group's longest member: padded rows and keys never leak, biases included."""
+    lengths = [5, 0, 1, 17, 16, 3, 9, 1, 0, 12, 30, 29]
+    q, k, v = _leaves(lengths, lengths)
+    gen = torch.Generator().manual_seed(1)
+    attn_bias = torch.randn(sum(lengths), 2, 30, generator=gen, dtype=torch.float64, requires_grad=True)
+    rel = RelativeBias(
+        position=torch.randn(2, 8, generator=gen, dtype=torch.float64, requires_grad=True),
+        time=torch.randn(2, 6, generator=gen, dtype=torch.float64, requires_grad=True),
+        q_timestamps=torch.randint(0, 300, (sum(lengths),), generator=gen),
+        kv_timestamps=torch.randint(0, 300, (sum(lengths),), generator=gen),
+        max_distance=20,
+    )
+    off = offsets_of(lengths)
+    out = attention_reference(
+        q,
+        k,
+        v,
+        off,
+        off,
+        30,
+        30,
+        activation=activation,
+        causal=causal,
+        normalize="kv_len",
+        attn_bias=attn_bias,
+        pos_table=rel.position,
+        time_table=rel.time,
+        q_timestamps=rel.q_timestamps,
+        kv_timestamps=rel.kv_timestamps,
+        pos_max_distance=rel.max_distance,
+        max_padding=max_padding,
+    )
+    want = naive(q, k, v, lengths, lengths, activation=activation, causal=causal, attn_bias=attn_bias, rel=rel)
+    torch.testing.assert_close(out, want)
+    grad = torch.randn_like(out)
+    leaves = (q, k, v, attn_bias, rel.position, rel.time)
+    for got, expected in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+        torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize("activation", ["softmax", "silu"])
+def test_shared_key_sequence_and_sequences_without_keys(activation):
+    q, k, v = _leaves([2, 5, 0], [4], seed=3)
+    op = jagged_attention if activation == "softmax" else gdpa
+    out = op(q, k, v, offsets_of([2, 5, 0]), offsets_of([4]), 5, 4, causal=True)
+    torch.testing.assert_close(out, naive(q, k, v, [2, 5, 0], [4], activation=activation, causal=True))
+    q, k, v = _leaves([4] * 3, [7, 0, 3], seed=4)
+    out = op(q, k, v, offsets_of([4] * 3), offsets_of([7, 0, 3]), 4, 7)
+    assert torch.all(out[4:8] == 0)  # no keys: zeros, not NaN
+    torch.testing.assert_close(out, naive(q, k, v, [4] * 3, [7, 0, 3], activation=activation))
+
+
+def test_empty_and_length_one_sequences():
+    q, k, v = _leaves([0, 0], [0, 0])
+    out = jagged_attention(q, k, v, offsets_of([0, 0]), offsets_of([0, 0]), 0, 0)
+    assert out.shape == (0, 2, 8)
+    q, k, v = _leaves([1, 1], [1, 1])
+    out = jagged_attention(q, k, v, offsets_of([1, 1]), offsets_of([1, 1]), 1, 1, causal=True)
+    torch.testing.assert_close(out, v.detach())  # one key: softmax weight 1, the output is its value
+    q, k, v = _leaves([3, 2], [0, 0])
+    out = gdpa(q, k, v, offsets_of([3, 2]), offsets_of([0, 0]), 3, 0)
+    assert torch.all(out == 0) and out.requires_grad  # still in the autograd graph
+
+
+def test_no_score_tensor_spans_the_whole_batch(monkeypatch):
+    # One long sequence among many short ones: the score tensors stay far below B x max_len^2.
+    sizes = []
+    matmul = torch.matmul
+
+    def spy(a, b):
+        out = matmul(a, b)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "matmul", spy)
+    lengths = [256] + [2] * 63
+    q, k, v = _leaves(lengths, lengths, heads=1, dim=4)
+    jagged_attention(q, k, v, offsets_of(lengths), offsets_of(lengths), 256, 256)
+    assert max(sizes) <= 256 * 256 and sum(sizes) < 64 * 256 * 256 / 10
 
 
 def test_attention_pairs_counts_real_pairs():
@@ -138,6 +150,18 @@ def test_attention_pairs_counts_real_pairs():
         a * b for a, b in zip(q_lens, kv_lens)
     )
     assert attention_pairs(offsets_of([3]), offsets_of([4, 0, 2]), causal=False) == 3 * 6  # shared q
+    # host lists work the same (the model counts from its host-side lengths)
+    assert attention_pairs([0, 4], [0, 4], causal=True) == 10
+    assert attention_pairs([0, 4, 4, 5], [0, 4, 4, 5], causal=False) == 17
+    assert attention_pairs([0, 3], [0, 2], causal=True) == 0 + 1 + 2  # bottom-right aligned
+    assert attention_pairs([0, 2], [0, 5], causal=True) == 4 + 5
+
+
+def test_attention_flops_with_and_without_recompute():
+    fwd, bwd = attention_flops([0, 3, 7], [0, 3, 7], heads=2, head_dim=8, causal=False)
+    pairs = 9 + 16
+    assert (fwd, bwd) == (4 * pairs * 16, 10 * pairs * 16)  # the kernels recompute the scores in the backward
+    assert attention_flops([0, 3, 7], [0, 3, 7], 2, 8, False, recompute=False) == (4 * pairs * 16, 8 * pairs * 16)
 
 
 def test_buckets():

@@ -1,8 +1,7 @@
-import gemrec.model.attention as attention_module
 import pytest
 import torch
 from gemrec.model import FeatureSchema, ModelConfig, build_model, loss, model_flops
-from gemrec.model.layers import Jagged, attention_pairs
+from gemrec.model.layers import Jagged
 from gemrec.model.synthetic import random_input
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -39,10 +38,9 @@ def measured(model, inp):
         ("dlrm", dict()),
     ],
 )
-def test_flops_match_flop_counter_per_layer(arch, overrides, monkeypatch):
-    # Exact-length grouping, so the reference does the jagged work and nothing more (causal off: the
-    # reference computes the masked half, the count does not).
-    monkeypatch.setattr(attention_module, "REFERENCE_MAX_PADDING", 0.0)
+def test_flops_match_flop_counter_per_layer(arch, overrides):
+    # Lengths more than the reference's MAX_PADDING apart: it groups only equal lengths, so its matmuls do the jagged
+    # work and nothing more (causal off: the reference computes the masked half, the count does not).
     torch.manual_seed(0)
     config = ModelConfig(
         arch=arch, embedding_backend="torch", seq_causal=False, embedding_dim=16, d_model=32, **overrides
@@ -68,19 +66,11 @@ def test_flops_follow_the_real_lengths():
     assert long["heads"] == short["heads"]
 
 
-def test_causal_pairs():
-    assert attention_pairs(Jagged([4]), Jagged([4]), causal=True) == 10
-    assert attention_pairs(Jagged([4, 0, 1]), Jagged([4, 0, 1]), causal=False) == 17
-    assert attention_pairs(Jagged([3]), Jagged([2]), causal=True) == 0 + 1 + 2  # bottom-right aligned
-    assert attention_pairs(Jagged([2]), Jagged([5]), causal=True) == 4 + 5
-
-
-def test_single_layers_forward_and_backward(monkeypatch):
-    # Each layer alone (as local-MFU measurement runs them): backward counts checked too.
+def test_single_layers_forward_and_backward():
+    # Each layer alone (as local-MFU measurement runs them): backward counts checked too. Lengths as above.
     from gemrec.model.layers import PMA, Rotary, SeqLayer, TokenLayer
     from gemrec.model.moe import MoEFeedForward
 
-    monkeypatch.setattr(attention_module, "REFERENCE_MAX_PADDING", 0.0)
     torch.manual_seed(0)
     d, lengths = 32, [9, 0, 1, 30, 17]
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
