@@ -107,9 +107,10 @@ def attention_reference(
     kv_timestamps=None,
     pos_max_distance=128,
     time_log_base=2.0,
-    max_padding=MAX_PADDING,
+    max_padding=None,
 ):
-    """out[i] = sum_j w(i, j) v[j] over each sequence's own keys; see `gemrec.kernels` for the semantics."""
+    """out[i] = sum_j w(i, j) v[j] over each sequence's own keys; see `gemrec.kernels` for the semantics.
+    `max_padding`: the grouping's padding fraction, `MAX_PADDING` when None."""
     heads, head_dim = q.shape[1], q.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -122,7 +123,7 @@ def attention_reference(
     if activation != "softmax" and normalize not in ("none", "kv_len", "max_len"):
         raise ValueError(f"unknown normalize {normalize!r}; expected 'none', 'kv_len' or 'max_len'")
     total_out = sum(q_len)
-    groups = _length_groups(q_len, kv_len, heads, max_padding)
+    groups = _length_groups(q_len, kv_len, heads, MAX_PADDING if max_padding is None else max_padding)
     # Index plans on the host: each group's members padded to its longest, all groups back to back.
     members = torch.tensor([i for group in groups for i in group], dtype=torch.long)
     lq_pad = torch.tensor([q_len[g[0]] for g in groups for _ in g], dtype=torch.long)

@@ -62,7 +62,7 @@ def test_h200_bench_flop_count_matches_flop_counter_per_layer(monkeypatch):
     (lognormal lengths, mean 384, sigma 0.8, capped at 1024), fp32 on the CPU: every layer alone, forward and
     backward, within 1% of FlopCounterMode. Non-causal, because the CPU reference computes the masked half of
     causal attention (the causal count is the kernels' pair count, which their FLOP formula uses on the GPU)."""
-    import gemrec.model.attention as attention_module
+    import gemrec.kernels.reference as attention_reference
     from gemrec.components.trainer.config import load_recipe
     from gemrec.components.trainer.gpu_bench import synthetic_batch, synthetic_schema
     from gemrec.components.trainer.mfu import _tensors
@@ -70,7 +70,7 @@ def test_h200_bench_flop_count_matches_flop_counter_per_layer(monkeypatch):
     from gemrec.model.capture import capture_layer_inputs
     from torch.utils.flop_counter import FlopCounterMode
 
-    monkeypatch.setattr(attention_module, "REFERENCE_MAX_PADDING", 0.0)  # the reference does the jagged work only
+    monkeypatch.setattr(attention_reference, "MAX_PADDING", 0.0)  # the reference does the jagged work only
     torch.manual_seed(0)
     config = load_recipe("h200-bench", ["bench.num_users=100", "bench.num_items=100"])
     narrow = {"d_model": 128, "moe_hidden": 512, "head_hidden": 128, "seq_causal": False}
