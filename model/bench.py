@@ -55,7 +55,7 @@ def production_schema(num_users: int = 1_000_000, num_items: int = 1_000_000) ->
         SparseFeature("item_tags", 20_000, multi_valued=True, source="item"),
         SparseFeature("user_interests", 1000, multi_valued=True, source="user"),
         SparseFeature("user_segment", 10_000, source="user"),
-        SparseFeature("ctx_position", 64, source="context"),
+        SparseFeature("ctx_position", 64, source="event"),
     )
     return FeatureSchema(
         sparse_features=sparse,

@@ -11,7 +11,7 @@ class SparseFeature:
     name: str
     num_embeddings: int
     multi_valued: bool = False
-    source: str = "user"  # "user" | "item" | "context"
+    source: str = "user"  # "user" | "item" | "event" (request context), as in the dataset manifest
     hashed: bool = False
 
 

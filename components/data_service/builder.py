@@ -92,6 +92,10 @@ class SplitConfig:
     `by="leave_one_out"` (the sequential-recommendation papers' protocol) splits per user instead: the
     user's last event is `test`, the second-to-last `valid`, the rest `train`; users with fewer than 3
     events keep all their events in `train`.
+
+    `by="last_event"`: each user's last event is the only example of that user (its history is all the
+    user's earlier events); the latest `eval_fraction` of these examples (or those at or after `cutoff`)
+    are `eval`, the rest `train`. The other events are history only.
     """
 
     eval_fraction: float = 0.1
@@ -108,12 +112,19 @@ class SplitConfig:
             test = long_enough & (from_end == 0)
             valid = long_enough & (from_end == 1)
             return {"train": ~(test | valid), "valid": valid, "test": test}
+        if self.by == "last_event":
+            last = np.zeros(len(user), dtype=bool)
+            last[timeline_ends[timeline_ends > 0] - 1] = True
+            is_eval = last & (timestamps >= self.cutoff_for(timestamps[last]))
+            return {"train": last & ~is_eval, "eval": is_eval}
         is_eval = timestamps >= self.cutoff_for(timestamps)
         return {"train": ~is_eval, "eval": is_eval}
 
     def describe(self, timestamps: np.ndarray) -> dict:
         if self.by == "leave_one_out":
             return {"by": "leave_one_out"}
+        if self.by == "last_event":  # the cutoff is over the users' last events (the splits' time ranges show it)
+            return {"by": "last_event", "eval_fraction": self.eval_fraction, "cutoff": self.cutoff}
         return {
             "by": self.by if self.cutoff is None else "cutoff",
             "eval_fraction": self.eval_fraction,
@@ -130,10 +141,10 @@ class SplitConfig:
         if self.by == "time":
             first, last = int(timestamps.min()), int(timestamps.max())
             return first + int(np.ceil((last - first) * (1.0 - self.eval_fraction)))
-        if self.by == "events":
+        if self.by in ("events", "last_event"):
             ordered = np.sort(timestamps)
             return int(ordered[min(len(ordered) - 1, int(len(ordered) * (1.0 - self.eval_fraction)))])
-        raise DataError(f"unknown split mode {self.by!r}; use 'time', 'events' or 'leave_one_out'")
+        raise DataError(f"unknown split mode {self.by!r}; use 'time', 'events', 'leave_one_out' or 'last_event'")
 
 
 def stable_hash(raw_ids: np.ndarray) -> np.ndarray:

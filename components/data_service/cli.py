@@ -98,7 +98,7 @@ def _prepare_s3rec(args) -> int:
 SYNTH_OPTIONS = [
     ("--events", int, "events to generate"),
     ("--seed", int, "random seed; the same seed gives the same bytes"),
-    ("--mean-length", float, "mean events per user (lognormal)"),
+    ("--mean-length", float, "mean events per user (lognormal; h200-bench: mean history length)"),
     ("--length-sigma", float, "lognormal sigma of user lengths: the tail"),
     ("--max-length", int, "longest user timeline"),
     ("--items", int, "catalog size"),
@@ -115,7 +115,9 @@ def _synth(args) -> int:
     from .synth import SynthConfig, synthesize
 
     chosen = {flag[2:].replace("-", "_"): None for flag, _, _ in SYNTH_OPTIONS}
-    config = SynthConfig(**{k: getattr(args, k) for k in chosen if getattr(args, k) is not None})
+    config = SynthConfig.for_profile(
+        args.profile, **{k: getattr(args, k) for k in chosen if getattr(args, k) is not None}
+    )
     if config.item_hash_buckets == 0:
         config.item_hash_buckets = None
     out = synthesize(args.out, config, split=_split_config(args), overwrite=args.overwrite)
@@ -207,8 +209,15 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
 
     synth = data.add_parser("synth", help="seeded synthetic dataset with planted sequence signals (docs/data.md)")
     synth.add_argument("--out", type=Path, required=True, help="output dataset folder")
+    synth.add_argument(
+        "--profile",
+        choices=("full", "h200-bench"),
+        default="full",
+        help="full: every feature, every event an example; h200-bench: the schema and history lengths of the "
+        "trainer's GPU benchmark, one example per user (docs/data.md)",
+    )
     for flag, kind, text in SYNTH_OPTIONS:
-        synth.add_argument(flag, type=kind, default=None, help=f"{text} (default: SynthConfig)")
+        synth.add_argument(flag, type=kind, default=None, help=f"{text} (default: the profile's)")
     _split_args(synth, split_by="events")
     synth.set_defaults(func=_run(_synth))
 

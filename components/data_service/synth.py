@@ -20,11 +20,17 @@ Planted signals (docs/data.md has the full recipe), strongest first:
 The manifest records the generator config and the NE of the true probabilities on the eval split (the
 best NE any model can reach), next to the NE of the true static terms alone (intercept refitted): a
 reference for what a history-blind model gets.
+
+Profiles: "full" (every feature below, every event an example) and "h200-bench", the shape of the trainer's
+GPU benchmark (`gpu_bench`, recipe `h200-bench` `[bench]`): its sparse features with their table sizes,
+`item_category` and `item_brand` on history tokens, 16 dense features, and one example per user (its last
+event, `SplitConfig(by="last_event")`) whose history length is lognormal with mean `mean_length` and sigma
+`length_sigma`, capped at `max_length`, as the benchmark draws them.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -54,8 +60,23 @@ class SynthConfig:
     decay: float = 0.8
     recent_weight: float = 2.5
     repeat_weight: float = 1.2
+    segments: int = 1_000  # user_segment values
+    surfaces: int = 8  # ctx_surface table rows (the generator uses the first 8)
+    positions: int = 20  # ctx_position table rows (slots 0..positions-1)
+    profile: str = "full"  # "full" | "h200-bench" (module docstring)
+
+    @classmethod
+    def for_profile(cls, profile: str, **overrides) -> SynthConfig:
+        """The profile's defaults, then `overrides`."""
+        if profile not in PROFILES:
+            raise DataError(f"synth: unknown profile {profile!r}; choose {', '.join(PROFILES)}")
+        return cls(**{**PROFILES[profile], "profile": profile, **overrides})
 
     def validate(self) -> None:
+        if self.profile not in PROFILES:
+            raise DataError(f"synth: unknown profile {self.profile!r}; choose {', '.join(PROFILES)}")
+        if self.surfaces < len(SURFACES) or self.positions < 1 or self.segments < 1:
+            raise DataError(f"synth: surfaces >= {len(SURFACES)}, positions >= 1 and segments >= 1 are required")
         if self.events < 1 or self.items < 1 or self.categories < 1 or self.max_length < 1:
             raise DataError("synth: events, items, categories and max_length must be positive")
         if self.mean_length < 1 or self.length_sigma < 0 or self.zipf <= 0:
@@ -63,6 +84,28 @@ class SynthConfig:
         if self.item_hash_buckets is not None and self.item_hash_buckets < 1:
             raise DataError("synth: item_hash_buckets must be positive")
 
+
+# The trainer's GPU benchmark shape (gpu_bench.synthetic_schema with recipe h200-bench's [bench]); `mean_length`
+# is the mean history length of the one example per user.
+PROFILES = {
+    "full": {},
+    "h200-bench": dict(
+        events=4_000_000,
+        mean_length=384.0,
+        length_sigma=0.8,
+        max_length=1024,
+        items=1_000_000,
+        item_hash_buckets=None,
+        categories=1_000,
+        brands=50_000,
+        tags=20_000,
+        segments=10_000,
+        surfaces=16,
+        positions=64,
+    ),
+}
+BENCH_SEQ_FEATURES = ["item_category", "item_brand"]
+BENCH_EXTRA_DENSE = 4  # per side, on top of user_tenure, item_quality, item_price and the 5 time/history ones
 
 DEVICES = ["ios", "android", "web", "tv"]
 SURFACES = ["feed", "search", "related", "notification", "profile", "story", "reel", "shop"]
@@ -81,12 +124,13 @@ def _unique_ids(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def _lengths(rng: np.random.Generator, cfg: SynthConfig) -> np.ndarray:
-    """Per-user event counts summing to exactly cfg.events."""
+    """Per-user event counts summing to exactly cfg.events (h200-bench: 1 + the last event's history length)."""
     mu = np.log(cfg.mean_length) - cfg.length_sigma**2 / 2
+    extra = 1 if cfg.profile == "h200-bench" else 0
     lengths = np.zeros(0, dtype=np.int64)
     while lengths.sum() < cfg.events:
         draw = rng.lognormal(mu, cfg.length_sigma, size=int(cfg.events / cfg.mean_length * 1.3) + 16)
-        lengths = np.concatenate([lengths, np.clip(np.round(draw), 1, cfg.max_length).astype(np.int64)])
+        lengths = np.concatenate([lengths, np.clip(np.round(draw), 1, cfg.max_length).astype(np.int64) + extra])
     total = np.cumsum(lengths)
     num_users = int(np.searchsorted(total, cfg.events)) + 1
     lengths = lengths[:num_users].copy()
@@ -153,7 +197,7 @@ def generate(
     user_country = rng.choice(200, size=num_users, p=country_weight / country_weight.sum())
     user_age = rng.integers(0, 8, num_users)
     user_gender = rng.integers(0, 3, num_users)
-    user_segment = rng.integers(0, 1000, num_users)
+    user_segment = rng.integers(0, cfg.segments, num_users)
     user_tenure = rng.random(num_users).astype(np.float32)
     user_device = rng.integers(0, len(DEVICES), num_users)
     interest_counts = rng.integers(1, 5, num_users)
@@ -202,7 +246,7 @@ def generate(
 
     device = np.where(rng.random(n) < 0.7, user_device[user], rng.integers(0, len(DEVICES), n))
     surface = rng.choice(len(SURFACES), size=n, p=np.array([30, 15, 15, 5, 5, 10, 15, 5]) / 100.0)
-    slot = np.minimum(rng.geometric(0.25, n) - 1, 19)
+    slot = np.minimum(rng.geometric(0.25, n) - 1, cfg.positions - 1)
     steps.update()
 
     # Outcomes: like (interest match), then click (static + sequence terms), then convert.
@@ -238,15 +282,15 @@ def generate(
     steps.update()
 
     steps.set_postfix_str("oracle")
-    cutoff = (split or SplitConfig()).cutoff_for(timestamps)
-    is_eval = timestamps >= cutoff
+    split_masks = (split or SplitConfig()).masks(user, timestamps, np.cumsum(lengths))
+    is_train, is_eval = split_masks["train"], split_masks["eval"]
     # Reference for history-blind models: the true static logit, intercept refitted to the train click rate.
-    shift = np.log(np.mean(p_click[~is_eval]) / np.mean(_sigmoid(static_logit[~is_eval])))
+    shift = np.log(np.mean(p_click[is_train]) / np.mean(_sigmoid(static_logit[is_train])))
     static_click = _sigmoid(static_logit + shift)
     report = {
         "config": asdict(cfg),
         "signals": ["recent_interest", "saturation", "repeat_purchase", "static"],
-        "eval_cutoff": cutoff,
+        "eval_cutoff": int(timestamps[is_eval].min()) if is_eval.any() else None,
         "oracle_ne": {
             "click": _ne(p_click[is_eval], click[is_eval]),
             "convert": _ne((p_click * p_convert_given_click)[is_eval], convert[is_eval]),
@@ -257,6 +301,12 @@ def generate(
     steps.update()
     steps.close()
 
+    bench = cfg.profile == "h200-bench"
+    surface_names = SURFACES + [f"surface_{i}" for i in range(len(SURFACES), cfg.surfaces)]
+    context = [
+        Categorical.single("ctx_surface", surface, cfg.surfaces, value_names=surface_names),
+        Categorical.single("ctx_position", slot, cfg.positions),
+    ]
     events = EventLog(
         users=user_raw[user],
         items=item_raw[item],
@@ -268,12 +318,16 @@ def generate(
             "like": like.astype(np.float32),
             "dwell": (np.log1p(dwell) / np.log1p(dwell.max())).astype(np.float32),
         },
-        context=[
-            Categorical.single("ctx_device", device, len(DEVICES), value_names=DEVICES),
-            Categorical.single("ctx_surface", surface, len(SURFACES), value_names=SURFACES),
-            Categorical.single("ctx_position", slot, 20),
-        ],
+        context=context
+        if bench
+        else [Categorical.single("ctx_device", device, len(DEVICES), value_names=DEVICES)] + context,
     )
+    item_dense = {"item_quality": item_quality.astype(np.float32), "item_price": item_price.astype(np.float32)}
+    user_dense = {"user_tenure": user_tenure}
+    if bench:  # noise columns: the benchmark's 16 dense features
+        for i in range(BENCH_EXTRA_DENSE):
+            item_dense[f"item_dense_{i}"] = rng.normal(size=cfg.items).astype(np.float32)
+            user_dense[f"user_dense_{i}"] = rng.normal(size=num_users).astype(np.float32)
     items = SideTable(
         source="synth items",
         raw_ids=item_raw,
@@ -282,19 +336,22 @@ def generate(
             Categorical.single("item_brand", item_brand, cfg.brands),
             Categorical("item_tags", item_tags.astype(np.int64), tag_offsets, cfg.tags),
         ],
-        dense={"item_quality": item_quality.astype(np.float32), "item_price": item_price.astype(np.float32)},
+        dense=item_dense,
     )
+    demographics = [
+        Categorical.single("user_country", user_country, 200),
+        Categorical.single("user_age", user_age, 8),
+        Categorical.single("user_gender", user_gender, 3),
+    ]
     users = SideTable(
         source="synth users",
         raw_ids=user_raw,
-        categorical=[
-            Categorical.single("user_country", user_country, 200),
-            Categorical.single("user_age", user_age, 8),
-            Categorical.single("user_gender", user_gender, 3),
-            Categorical.single("user_segment", user_segment, 1000),
+        categorical=([] if bench else demographics)
+        + [
+            Categorical.single("user_segment", user_segment, cfg.segments),
             Categorical("user_interests", interests.astype(np.int64), interest_offsets, cfg.categories),
         ],
-        dense={"user_tenure": user_tenure},
+        dense=user_dense,
     )
     return events, items, users, report
 
@@ -302,15 +359,20 @@ def generate(
 def synthesize(
     out: Path, cfg: SynthConfig, split: SplitConfig | None = None, overwrite: bool = False, progress: bool = True
 ) -> Path:
+    """Generate and write the dataset. The h200-bench profile always splits by `last_event` (its `eval_fraction`
+    or `cutoff` still apply)."""
+    bench = cfg.profile == "h200-bench"
+    if bench:
+        split = replace(split or SplitConfig(), by="last_event")
     events, items, users, report = generate(cfg, split, progress=progress)
     return build_dataset(
         out,
-        name=f"synth-{cfg.events}-seed{cfg.seed}",
+        name=f"synth-{cfg.profile + '-' if bench else ''}{cfg.events}-seed{cfg.seed}",
         events=events,
         items=items,
         users=users,
         split=split,
-        seq_item_features=["item_category", "item_brand", "item_tags"],
+        seq_item_features=BENCH_SEQ_FEATURES if bench else ["item_category", "item_brand", "item_tags"],
         hash_buckets={"item": cfg.item_hash_buckets} if cfg.item_hash_buckets else None,
         extra={"synth": report},
         overwrite=overwrite,

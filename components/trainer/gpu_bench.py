@@ -51,8 +51,8 @@ def synthetic_schema(bench) -> FeatureSchema:
         SparseFeature("item_tags", 20_000, multi_valued=True, source="item"),
         SparseFeature("user_interests", 1000, multi_valued=True, source="user"),
         SparseFeature("user_segment", 10_000, source="user"),
-        SparseFeature("ctx_surface", 16, source="context"),
-        SparseFeature("ctx_position", 64, source="context"),
+        SparseFeature("ctx_surface", 16, source="event"),
+        SparseFeature("ctx_position", 64, source="event"),
     ]
     return FeatureSchema(
         sparse_features=tuple(sparse),

@@ -84,3 +84,28 @@ def test_history_item_features_match_the_item_table(synth_dataset):
     for name in ("item_tags", "item_category"):
         assert (b.seq_item_features[name].values().numpy() == expected[name][0]).all()
         assert (b.seq_item_features[name].lengths().numpy() == expected[name][1]).all()
+
+
+def test_h200_bench_profile_has_one_example_per_user_with_bench_history_lengths(tmp_path):
+    """Each user's last event is its one example; the histories are lognormal (mean 384, sigma 0.8) capped at 1024,
+    as the GPU benchmark draws them; the latest tenth of the examples is eval."""
+    cfg = SynthConfig.for_profile("h200-bench", events=600_000, items=20_000)
+    ds = Dataset.open(synthesize(tmp_path / "bench", cfg, split=SplitConfig(eval_fraction=0.1), progress=False))
+    m = ds.manifest
+    assert m["split"]["by"] == "last_event" and m["seq_item_features"] == ["item_category", "item_brand"]
+    assert len(m["dense_features"]) == 16 and m["labels"] == ["click", "convert"]
+    users = m["num_users"]
+    assert ds.num_examples("train") + ds.num_examples("eval") == users
+    assert abs(ds.num_examples("eval") - 0.1 * users) <= 0.02 * users
+    examples = {s: pq.read_table(ds.path / "examples" / f"{s}.parquet").to_pandas() for s in ("train", "eval")}
+    assert examples["train"]["timestamp"].max() <= examples["eval"]["timestamp"].min()
+    timelines = pq.read_table(ds.path / "timelines.parquet").to_pandas().set_index("user")
+    both = np.concatenate([examples[s]["event"].to_numpy() for s in examples])
+    users_of = np.concatenate([examples[s]["user"].to_numpy() for s in examples])
+    assert sorted(users_of) == list(range(users))
+    assert (both == (timelines["start"] + timelines["length"] - 1).to_numpy()[users_of]).all()  # the last event
+    lengths = np.concatenate([ds.history_lengths(s) for s in ("train", "eval")])
+    mu = np.log(384.0) - 0.8**2 / 2
+    want = np.clip(np.round(np.random.default_rng(0).lognormal(mu, 0.8, 200_000)), 1, 1024)
+    assert lengths.max() <= 1024 and abs(lengths.mean() - want.mean()) < 0.08 * want.mean()
+    assert abs(np.median(lengths) - np.median(want)) < 0.1 * np.median(want)

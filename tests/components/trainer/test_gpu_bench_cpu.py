@@ -89,3 +89,26 @@ def test_h200_bench_flop_count_matches_flop_counter_per_layer(monkeypatch):
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         assert want_forward == pytest.approx(forward, rel=0.01), name
         assert want_backward == pytest.approx(counter.get_total_flops() - forward, rel=0.01), name
+
+
+def test_synth_h200_bench_profile_has_the_benchmark_schema(tmp_path):
+    """`gemrec data synth --profile h200-bench` gives the features gpu_bench builds its batches with (names,
+    table sizes, multi-valuedness, sources, history features, 16 dense, labels, actions); only the id tables
+    follow the data."""
+    from gemrec.components.data_service.dataset import Dataset
+    from gemrec.components.data_service.synth import SynthConfig, synthesize
+    from gemrec.components.trainer.config import load_recipe
+    from gemrec.components.trainer.gpu_bench import synthetic_schema
+    from gemrec.model import FeatureSchema
+
+    dataset = synthesize(tmp_path / "bench", SynthConfig.for_profile("h200-bench", events=50_000), progress=False)
+    got = FeatureSchema.from_manifest(Dataset.open(dataset).manifest)
+    want = synthetic_schema(load_recipe("h200-bench").bench)
+
+    def shape(schema, ids):
+        return {f.name: (ids.get(f.name, f.num_embeddings), f.multi_valued, f.source) for f in schema.sparse_features}
+
+    ids = {"user_id": "data", "item_id": "data"}
+    assert shape(got, ids) == shape(want, ids)
+    assert got.seq_item_features == want.seq_item_features and got.num_dense == want.num_dense == 16
+    assert got.labels == want.labels and got.actions == want.actions
