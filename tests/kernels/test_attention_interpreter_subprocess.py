@@ -29,6 +29,7 @@ def test_interpreter_suite_in_subprocess():
             "--rootdir",
             str(HERE.parent.parent),
             str(HERE / "test_attention_interpreter.py"),
+            str(HERE / "test_fp8_interpreter.py"),
         ],
         env=env,
         capture_output=True,

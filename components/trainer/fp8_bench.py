@@ -1,0 +1,287 @@
+"""FP8 benchmark on the GPU: the MLP block and the MoE layer of `h200-bench`, bf16 against the block-scaled FP8
+conversion (`precision.convert_to_fp8`) and peers, forward + backward; then the GEMMs and the quantization alone.
+
+Peers: torchao 0.18's float8 training where it imports (Float8Linear row-wise and tensor-wise, its prototype
+1x128/128x128 block-wise linear on cuBLAS and on its Triton GEMM), and torch._scaled_mm row-wise for the GEMMs.
+Checks first (the FP8 ops against the fp32 result of the same quantized operands and against the exact fp32
+block). Timings: triton.testing.do_bench medians; TFLOP/s count 2 FLOPs per multiply-add of the GEMMs alone.
+
+    python -m gemrec.components.trainer.fp8_bench --out DIR [--tokens 196608] [--moe-tokens 13312]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from gemrec.components.trainer.precision import Fp8Options, after_step, convert_to_fp8
+from gemrec.kernels import fp8
+from gemrec.model.layers import Mlp
+from gemrec.model.moe import MoEFeedForward
+from torch import nn
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+class Block(nn.Module):
+    """norm -> feed-forward, as in the model's layers (the residual add aside)."""
+
+    def __init__(self, dim: int, ffn: nn.Module):
+        super().__init__()
+        self.norm, self.ffn = nn.LayerNorm(dim), ffn
+
+    def forward(self, x):
+        out = self.ffn(self.norm(x))
+        return out[0] if isinstance(out, tuple) else out
+
+
+def timed(fn, warmup=25, rep=150) -> float:
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def fwd_bwd(block: nn.Module, x: torch.Tensor, dy: torch.Tensor):
+    def run():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = block(x)
+        y.backward(dy)
+        after_step(block)  # delayed scaling: this step's amaxes into the history
+
+    return run
+
+
+def checks(device, log) -> dict:
+    """FP8 ops on real float8 against the emulation (same quantization, fp32 matmuls) and against fp32."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    out = {}
+    x = torch.randn(4096, 1024, device=device, generator=gen) * torch.logspace(-2, 2, 1024, device=device)
+    for fmt in (fp8.E4M3, fp8.E5M2):
+        for mode in ({"rows": True, "cols": True}, {"tile": True, "cols": True}):
+            t = fp8.quantize(x, fmt, **mode)
+            r = fp8.quantize(x, fmt, **mode, backend="reference")
+            name = f"quantize_{fmt.name}_{'tile' if 'tile' in mode else 'rows_cols'}"
+            out[name] = {
+                k: {"max_abs_diff": float((t[k].float() - r[k].float()).abs().max())} for k in ("q", "s", "qt", "st")
+            }
+    tokens, dim, hidden = 8192, 1024, 4096
+    for grad in ("e4m3", "e5m2"):
+        mlp = Mlp(dim, hidden).to(device)
+        x = torch.randn(tokens, dim, device=device, generator=gen, requires_grad=True)
+        dy = torch.randn(tokens, dim, device=device, generator=gen)
+        ref = F.linear(F.gelu(F.linear(x, mlp.fc1.weight, mlp.fc1.bias)), mlp.fc2.weight, mlp.fc2.bias)
+        grads_ref = torch.autograd.grad(ref, [x, mlp.fc1.weight, mlp.fc2.weight], dy)
+        results = {}
+        for backend in ("triton", "reference"):
+            stats = fp8.Fp8Stats(fp8.MLP_ROLES, 0, device, collect=True)
+            recipe = fp8.Fp8Recipe(fp8.fp8_format(grad), backend)
+            y = fp8.fp8_mlp(x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, recipe, stats)
+            results[backend] = (y, torch.autograd.grad(y, [x, mlp.fc1.weight, mlp.fc2.weight], dy))
+        (yt, gt), (yr, gr) = results["triton"], results["reference"]
+        out[f"mlp_grad_{grad}"] = {
+            "y_vs_emulation": rel(yt, yr),
+            "y_vs_fp32": rel(yt, ref),
+            "grads_vs_emulation": [rel(a, b) for a, b in zip(gt, gr)],
+            "grads_vs_fp32": [rel(a, b) for a, b in zip(gt, grads_ref)],
+        }
+    moe = MoEFeedForward(dim, hidden, 8, 2).to(device)
+    x = torch.randn(4096, dim, device=device, generator=gen, requires_grad=True)
+    dy = torch.randn(4096, dim, device=device, generator=gen)
+    ref_y, _ = moe(x)  # fp32: the looped reference path
+    ref_g = torch.autograd.grad(ref_y, [x, moe.experts.w1, moe.experts.w2], dy)
+    conv = copy.deepcopy(moe)
+    convert_to_fp8(conv, Fp8Options(), device)
+    y, _ = conv(x)
+    g = torch.autograd.grad(y, [x, conv.experts.w1, conv.experts.w2], dy)
+    out["moe"] = {"y_vs_fp32": rel(y, ref_y), "grads_vs_fp32": [rel(a, b) for a, b in zip(g, ref_g)]}
+    log(json.dumps(out, indent=1))
+    return out
+
+
+def gemm_variants(a: torch.Tensor, w: torch.Tensor, ao_kernels, log) -> tuple[dict, torch.Tensor]:
+    """name -> call of the GEMM a @ w.T in bf16 and each FP8 form; and the fp32 result of our quantized operands."""
+    n = w.shape[0]
+    aq = fp8.quantize(a, fp8.E4M3)
+    wq = fp8.quantize(w, fp8.E4M3, tile=True)
+    sw = wq["s"].repeat_interleave(fp8.BLOCK, 0)[:n]
+    a8, w8 = a.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    ones_a, ones_b = torch.ones(a.shape[0], 1, device=a.device), torch.ones(1, n, device=a.device)
+    variants = {
+        "bf16 torch.mm": lambda: a @ w.T,
+        "fp8 1x128/128x128 ours (Triton)": lambda: fp8.gemm(aq["q"], aq["s"], wq["q"], sw, torch.bfloat16),
+        "fp8 row-wise torch._scaled_mm": lambda: torch._scaled_mm(a8, w8.T, ones_a, ones_b, out_dtype=torch.bfloat16),
+    }
+    if ao_kernels is not None:
+        try:
+            from torchao.prototype.blockwise_fp8_training.linear import _scaled_mm as ao_scaled_mm
+
+            xa, xs = ao_kernels.triton_fp8_blockwise_act_quant_lhs(a, 128)
+            wt, ws = ao_kernels.triton_fp8_blockwise_weight_quant_transposed_rhs(w, block_size=128)
+            variants["fp8 1x128/128x128 torchao Triton"] = lambda: ao_kernels.triton_fp8_gemm_1x128_128x128(
+                xa, wt, xs, ws, out_dtype=torch.bfloat16
+            )
+            one_by_128, tile = ao_kernels.BLOCKWISE_1X128_SCALING_TYPE, ao_kernels.BLOCKWISE_128X128_SCALING_TYPE
+            variants["fp8 1x128/128x128 cuBLAS (F.scaled_mm via torchao)"] = lambda: ao_scaled_mm(
+                xa, wt, xs, one_by_128, ws, tile, torch.bfloat16
+            )
+        except Exception as err:  # noqa: BLE001 - a peer that fails is reported, not fatal
+            log(f"torchao block-wise GEMM setup failed: {err!r}")
+    return variants, fp8.gemm(aq["q"], aq["s"], wq["q"], sw, torch.float32, backend="reference")
+
+
+def gemm_bench(device, tokens, log) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device=device).manual_seed(1)
+    try:
+        from torchao.prototype.blockwise_fp8_training import kernels as ao_kernels
+    except Exception as err:  # noqa: BLE001 - a peer that is not there is reported, not fatal
+        ao_kernels = None
+        log(f"torchao block-wise kernels unavailable: {err!r}")
+    for k, n in ((1024, 4096), (4096, 1024)):
+        flops = 2 * tokens * k * n
+        a = torch.randn(tokens, k, device=device, generator=gen, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, generator=gen, dtype=torch.bfloat16) * 0.05
+        variants, ref = gemm_variants(a, w, ao_kernels, log)
+        for name, fn in variants.items():
+            try:
+                err = rel(fn(), ref) if name.startswith("fp8 1x128") else None
+                ms = timed(fn)
+            except Exception as exc:  # noqa: BLE001
+                log(f"{name} {tokens}x{k}->{n}: failed {exc!r}")
+                continue
+            rows.append(
+                {"gemm": f"{tokens}x{k}->{n}", "variant": name, "ms": ms, "tflops": flops / ms / 1e9, "err": err}
+            )
+            log(f"gemm {tokens}x{k}->{n} {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err={err}")
+        del variants, ref
+    x = torch.randn(tokens, 4096, device=device, generator=gen, dtype=torch.bfloat16)
+    for name, kw in (("rows+cols", {"rows": True, "cols": True}), ("gelu rows+cols", {"act": "gelu", "cols": True})):
+        ms = timed(lambda kw=kw: fp8.quantize(x, fp8.E4M3, **kw))
+        moved = x.numel() * (2 + 2 * 1)
+        rows.append({"quantize": f"{tokens}x4096 bf16 {name}", "ms": ms, "gbps": moved / ms / 1e6})
+        log(f"quantize {name} {tokens}x4096: {ms:.3f} ms {moved / ms / 1e6:.0f} GB/s")
+    return rows
+
+
+def torchao_blocks(dim, hidden, device, log) -> dict[str, nn.Module]:
+    """The MLP block converted by torchao's float8 training (where torchao imports)."""
+    out = {}
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except Exception as err:  # noqa: BLE001
+        log(f"torchao float8 unavailable: {err!r}")
+        return out
+    for recipe in ("rowwise", "tensorwise"):
+        block = Block(dim, Mlp(dim, hidden)).to(device)
+        convert_to_float8_training(block, config=Float8LinearConfig.from_recipe_name(recipe))
+        out[f"torchao Float8Linear {recipe}"] = block
+    try:
+        from torchao.prototype.blockwise_fp8_training.linear import fp8_blockwise_mm
+
+        class AoBlockwiseMlp(Mlp):
+            use_triton = False
+
+            def forward(self, x):
+                x = x.to(torch.bfloat16)
+                h = fp8_blockwise_mm.apply(x, self.fc1.weight, 128, torch.bfloat16, self.use_triton) + self.fc1.bias
+                g = F.gelu(h).to(torch.bfloat16)
+                return fp8_blockwise_mm.apply(g, self.fc2.weight, 128, torch.bfloat16, self.use_triton) + self.fc2.bias
+
+        for use_triton in (False, True):
+            mlp = Mlp(dim, hidden)
+            mlp.__class__ = AoBlockwiseMlp
+            mlp.use_triton = use_triton
+            block = Block(dim, mlp).to(device)
+            block.ffn.fc1.to(torch.bfloat16)
+            block.ffn.fc2.to(torch.bfloat16)
+            out[f"torchao block-wise {'Triton' if use_triton else 'cuBLAS'} (bf16 weights)"] = block
+    except Exception as err:  # noqa: BLE001
+        log(f"torchao block-wise linear unavailable: {err!r}")
+    return out
+
+
+def block_bench(device, tokens, moe_tokens, log) -> list[dict]:
+    dim, hidden = 1024, 4096
+    gen = torch.Generator(device=device).manual_seed(2)
+    rows = []
+    mlp_flops = 3 * 2 * 2 * tokens * dim * hidden
+    x = torch.randn(tokens, dim, device=device, generator=gen, requires_grad=True)
+    dy = torch.randn(tokens, dim, device=device, generator=gen, dtype=torch.bfloat16)
+    bf16 = Block(dim, Mlp(dim, hidden)).to(device)
+    variants = {"bf16 (autocast, fp32 masters)": bf16}
+    for grad in ("e4m3", "e5m2"):
+        for scaling in ("dynamic", "delayed"):
+            block = copy.deepcopy(bf16)
+            convert_to_fp8(block, Fp8Options(grad_format=grad, scaling=scaling), device)
+            variants[f"fp8 ours grad {grad} {scaling}"] = block
+    variants.update(torchao_blocks(dim, hidden, device, log))
+    for name, block in variants.items():
+        try:
+            ms = timed(fwd_bwd(block, x, dy))
+        except Exception as exc:  # noqa: BLE001
+            log(f"MLP block {name}: failed {exc!r}")
+            continue
+        rows.append({"block": f"MLP {tokens} tokens {dim}->{hidden}->{dim}", "variant": name, "ms": ms})
+        rows[-1]["tflops"] = mlp_flops / ms / 1e9
+        log(f"MLP block {name}: {ms:.2f} ms ({mlp_flops / ms / 1e9:.0f} TFLOP/s of GEMMs)")
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+    moe_flops = 3 * 3 * 2 * moe_tokens * 2 * dim * hidden
+    x = torch.randn(moe_tokens, dim, device=device, generator=gen, requires_grad=True)
+    dy = torch.randn(moe_tokens, dim, device=device, generator=gen, dtype=torch.bfloat16)
+    bf16 = Block(dim, MoEFeedForward(dim, hidden, 8, 2)).to(device)
+    variants = {"bf16 (torch._grouped_mm)": bf16}
+    for grad in ("e4m3", "e5m2"):
+        block = copy.deepcopy(bf16)
+        convert_to_fp8(block, Fp8Options(grad_format=grad), device)
+        variants[f"fp8 ours grad {grad}"] = block
+    for name, block in variants.items():
+        try:
+            ms = timed(fwd_bwd(block, x, dy))
+        except Exception as exc:  # noqa: BLE001
+            log(f"MoE {name}: failed {exc!r}")
+            continue
+        rows.append({"block": f"MoE {moe_tokens} tokens 8 experts top-2 {dim}/{hidden}", "variant": name, "ms": ms})
+        rows[-1]["tflops"] = moe_flops / ms / 1e9
+        log(f"MoE layer {name}: {ms:.2f} ms ({moe_flops / ms / 1e9:.0f} TFLOP/s of expert GEMMs)")
+        x.grad = None
+    return rows
+
+
+def run(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, default=196_608, help="MLP block rows (h200-bench: 512 x 384)")
+    parser.add_argument("--moe-tokens", type=int, default=13_312, help="MoE rows (h200-bench: 512 x 26 tokens)")
+    parser.add_argument("--skip-checks", action="store_true")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("fp8_bench needs a CUDA GPU (Hopper or newer)")
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cuda")
+    log_path = args.out / "fp8_bench.log"
+    log_path.write_text("")
+
+    def log(text: str) -> None:
+        print(text, flush=True)
+        with log_path.open("a") as f:
+            f.write(text + "\n")
+
+    log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
+    result = {"checks": None if args.skip_checks else checks(device, log)}
+    result["blocks"] = block_bench(device, args.tokens, args.moe_tokens, log)
+    result["gemms"] = gemm_bench(device, args.tokens, log)
+    (args.out / "fp8_bench.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    run(sys.argv[1:])
+    sys.exit(0)

@@ -1,0 +1,146 @@
+"""Precision conversion: the trainer turns the vanilla model's MLPs and MoE experts into FP8 ones before
+`parallelize` (as torchtitan's float8 converter swaps nn.Linear for float8 linears); the model never knows.
+
+`[train] precision = "fp8"` runs everything else as "bf16" does (bf16 autocast on a GPU; fp32 on a CPU) and
+converts every `Mlp` (fc1 -> gelu -> fc2) and every `GroupedExperts` (the MoE's SwiGLU experts) whose name no
+`fp8_overrides` pattern sends back to "bf16". Converting swaps the module's class for a subclass whose forward
+calls the block-scaled FP8 ops of `gemrec.kernels.fp8`; parameters, their names and the state dict stay the
+same, so checkpoints move freely between precisions. Embedding projections, the router, attention projections
+and the task heads are never converted (the stability recipe: the first and last layers stay in bf16).
+
+On CUDA the ops run the Triton kernels; elsewhere the torch emulation (quantize -> dequantize -> fp32 matmul),
+so CPU runs and CI exercise the same conversion, scaling and counters.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from gemrec.kernels import fp8
+from gemrec.model.layers import Mlp
+from gemrec.model.moe import GroupedExperts
+from torch import nn
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp8")
+SCALINGS = ("dynamic", "delayed")
+
+
+@dataclass(frozen=True)
+class Fp8Options:
+    """FP8 settings from `[train]`: fp8_grad_format (e4m3 | e5m2), fp8_scaling (dynamic: scales from the current
+    block; delayed: one per-tensor scale from the last `fp8_amax_history` steps' amaxes), fp8_overrides (module-name
+    glob -> "bf16" | "fp8", the last matching pattern wins)."""
+
+    grad_format: str = "e4m3"
+    scaling: str = "dynamic"
+    amax_history: int = 16
+    overrides: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        fp8.fp8_format(self.grad_format)
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"train.fp8_scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
+        if self.scaling == "delayed" and self.amax_history < 1:
+            raise ValueError(f"train.fp8_amax_history must be >= 1 for delayed scaling, got {self.amax_history}")
+        bad = {k: v for k, v in self.overrides.items() if v not in ("bf16", "fp8")}
+        if bad:
+            raise ValueError(f"train.fp8_overrides values must be 'bf16' or 'fp8', got {bad}")
+
+
+class Fp8Mlp(Mlp):
+    """An `Mlp` whose fc1 -> gelu -> fc2 runs through `gemrec.kernels.fp8.fp8_mlp`."""
+
+    fp8_recipe: fp8.Fp8Recipe
+    fp8_stats: fp8.Fp8Stats
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fc1, fc2 = self.fc1, self.fc2
+        return fp8.fp8_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.fp8_recipe, self.fp8_stats)
+
+
+class Fp8GroupedExperts(GroupedExperts):
+    """`GroupedExperts` whose SwiGLU runs through `gemrec.kernels.fp8.fp8_grouped_swiglu`."""
+
+    fp8_recipe: fp8.Fp8Recipe
+    fp8_stats: fp8.Fp8Stats
+
+    def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        return fp8.fp8_grouped_swiglu(
+            x_sorted, tokens_per_expert, self.w1, self.w3, self.w2, self.fp8_recipe, self.fp8_stats
+        )
+
+
+_CONVERSIONS = {Mlp: (Fp8Mlp, fp8.MLP_ROLES), GroupedExperts: (Fp8GroupedExperts, fp8.EXPERT_ROLES)}
+
+
+def module_precision(name: str, overrides: dict[str, str]) -> str:
+    """ "fp8" unless the last `overrides` glob that matches `name` says otherwise."""
+    choice = "fp8"
+    for pattern, value in overrides.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            choice = value
+    return choice
+
+
+def convert_to_fp8(model: nn.Module, options: Fp8Options, device: torch.device) -> list[str]:
+    """Convert in place (before `parallelize`); returns the converted modules' names."""
+    recipe = fp8.Fp8Recipe(
+        grad_format=fp8.fp8_format(options.grad_format),
+        backend="triton" if device.type == "cuda" else "reference",
+    )
+    history = options.amax_history if options.scaling == "delayed" else 0
+    converted = []
+    for name, module in model.named_modules():
+        target = _CONVERSIONS.get(type(module))
+        if target is None or module_precision(name, options.overrides) != "fp8":
+            continue
+        cls, roles = target
+        module.__class__ = cls
+        module.fp8_recipe = recipe
+        module.fp8_stats = fp8.Fp8Stats(roles, history, device)
+        converted.append(name)
+    if options.overrides and not any(fnmatch.filter(_names(model), p) for p in options.overrides):
+        raise ValueError(f"train.fp8_overrides: no pattern matches a module name: {sorted(options.overrides)}")
+    return converted
+
+
+def _names(model: nn.Module) -> list[str]:
+    return [name for name, _ in model.named_modules()]
+
+
+def fp8_stats(model: nn.Module) -> list[tuple[str, fp8.Fp8Stats]]:
+    return [(name, m.fp8_stats) for name, m in model.named_modules() if isinstance(m, (Fp8Mlp, Fp8GroupedExperts))]
+
+
+def collect_counters(model: nn.Module, on: bool) -> None:
+    """Turn the overflow/underflow counters on (for the next step) or off."""
+    for _, stats in fp8_stats(model):
+        stats.collect = on
+
+
+def after_step(model: nn.Module) -> None:
+    """After each optimizer step: amaxes into the delayed-scaling histories."""
+    for _, stats in fp8_stats(model):
+        stats.step()
+
+
+def counters(model: nn.Module) -> dict[str, float]:
+    """Counters since the last call, summed over modules per tensor role, then reset: `fp8/<role>_overflow` and
+    `fp8/<role>_underflow` (fractions of the non-zero values) and `fp8/nonfinite` (a count)."""
+    totals: dict[str, torch.Tensor] = {}
+    for _, stats in fp8_stats(model):
+        for role, row in zip(stats.roles, stats.counts):
+            totals[role] = totals.get(role, 0) + row.cpu()
+        stats.reset_counts()
+    out: dict[str, float] = {}
+    nonfinite = 0
+    for role, (overflow, underflow, nonzero, bad) in ((r, t.tolist()) for r, t in totals.items()):
+        if nonzero:
+            out[f"fp8/{role}_overflow"] = overflow / nonzero
+            out[f"fp8/{role}_underflow"] = underflow / nonzero
+        nonfinite += bad
+    if totals:
+        out["fp8/nonfinite"] = float(nonfinite)
+    return out

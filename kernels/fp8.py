@@ -1,0 +1,768 @@
+"""FP8 training ops: block-scaled quantization and GEMMs for MLPs and grouped (MoE) experts, forward and backward.
+
+Scaling (the fine-grained scheme of DeepSeek-V3): activations and gradients get one fp32 scale per 1x128 block
+along the reduction dimension of the GEMM that consumes them, weights one per 128x128 tile; every GEMM
+accumulates each 128-deep slice of K in fp32 and adds it times the two operands' scales (`_gemm_kernel`).
+A tensor consumed by two GEMMs that reduce over different dimensions (x: forward over features, weight gradient
+over tokens) is quantized both ways in one pass (`quantize_rows_cols`). Scale = amax / max of the format
+("dynamic", from the current block), or a per-tensor scale handed in ("delayed", from an amax history the caller
+keeps); a handed-in scale <= 0 means "no history yet" and falls back to the block's own.
+
+Formats: e4m3 (max 448) for activations and weights, e4m3 or e5m2 (max 57344) for gradients. Quantized
+operands are stored in a carrier dtype: float8 on the GPU; float32 holding values on the fp8 grid under the
+Triton interpreter and in the torch reference (`backend="reference"`, the CPU emulation: quantize, dequantize,
+fp32 matmul), so the same ops and scaling run and are tested without a GPU.
+
+Ops (autograd, weights stay fp32/bf16 masters, outputs in the autocast dtype):
+  fp8_mlp(x, w1, b1, w2, b2)                         fc2(gelu(fc1(x))); gelu and both quantizations of its output
+                                                     in one kernel
+  fp8_grouped_swiglu(x_sorted, counts, w1, w3, w2)   MoE experts: (silu(x w1[e]) * x w3[e]) w2[e] over rows grouped
+                                                     by expert; groups padded to 128 rows so tiles never straddle two
+Counters per quantized tensor (`Fp8Stats`): values that overflowed the format (only possible with delayed scales),
+non-zero values that underflowed to zero, non-zero values seen, non-finite inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from gemrec.kernels.triton_attention import INTERPRET
+
+BLOCK = 128  # scaling block along K, and the row alignment of expert groups
+
+
+@dataclass(frozen=True)
+class Fp8Format:
+    name: str
+    dtype: torch.dtype
+    max: float
+    mantissa: int  # explicit mantissa bits
+    min_exp: int  # exponent of the smallest normal number
+    overflow: float  # |value / scale| above this does not round to +-max: saturated, counted as overflow
+
+
+E4M3 = Fp8Format("e4m3", torch.float8_e4m3fn, 448.0, 3, -6, 464.0)
+E5M2 = Fp8Format("e5m2", torch.float8_e5m2, 57344.0, 2, -14, 61440.0)
+FORMATS = {f.name: f for f in (E4M3, E5M2)}
+BACKENDS = ("triton", "reference")
+
+
+def fp8_format(name: str) -> Fp8Format:
+    if name not in FORMATS:
+        raise ValueError(f"unknown fp8 format {name!r}: use one of {sorted(FORMATS)}")
+    return FORMATS[name]
+
+
+# -- reference (pure torch): the CPU emulation and what the kernels are tested against ------------------------
+
+
+def round_to_format(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """fp32 values of `y` (already within +-fmt.max) rounded to the nearest fp8 value, ties to even."""
+    return y.clamp(-fmt.max, fmt.max).to(fmt.dtype).float()
+
+
+def quantize_reference(
+    x: torch.Tensor, fmt: Fp8Format, block: tuple[int, int], scale: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q, scales) of the last two dims of `x` in blocks of `block` (rows, cols); q is fp32 on the fp8 grid with
+    x ~= q * scale per block; scales have shape (..., ceil(R / rows), ceil(C / cols)). `scale`: a per-tensor
+    scale used where > 0 (delayed scaling)."""
+    br, bc = block
+    rows, cols = x.shape[-2:]
+    pr, pc = -rows % br, -cols % bc
+    xp = F.pad(x.float(), (0, pc, 0, pr))
+    blocks = xp.reshape(*x.shape[:-2], (rows + pr) // br, br, (cols + pc) // bc, bc)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    s = torch.where(amax == 0, torch.ones_like(amax), amax / fmt.max)  # NaN/inf amax stays non-finite
+    if scale is not None:
+        s = torch.where(scale > 0, scale.float(), s)
+    q = round_to_format(blocks / s[..., :, None, :, None], fmt)
+    q = q.reshape(xp.shape)[..., :rows, :cols]
+    return q, s
+
+
+def dequantize_reference(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    rows, cols = q.shape[-2:]
+    full = s.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return q.float() * full[..., :rows, :cols]
+
+
+# -- Triton kernels ------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _round_fp8(y, MANT: tl.constexpr, EMIN: tl.constexpr):
+    """Round fp32 `y` (within the format's range) to the fp8 grid in fp32 arithmetic: the interpreter's float8
+    casts mis-round where rounding carries into the next exponent, so carriers there are fp32."""
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
+    step = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
+    r = y / step
+    r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to nearest even integer
+    return r * step
+
+
+@triton.jit
+def _gelu(x):
+    return 0.5 * x * (1.0 + tl.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def _to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, q_ptr):
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    if q_ptr.dtype.element_ty == tl.float32:
+        return _round_fp8(y, MANT, EMIN)
+    else:
+        return y.to(q_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr,
+    gate_ptr,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    fixed_ptr,
+    amax_ptr,
+    stats_ptr,
+    R,
+    C,
+    sxb,
+    sxr,
+    sxc,
+    sgb,
+    sgr,
+    sgc,
+    sqb,
+    sqr,
+    sqc,
+    ssb,
+    ssr,
+    ssc,
+    stb,
+    stc,
+    str_,
+    sstb,
+    sstc,
+    sstr,
+    FP8_MAX: tl.constexpr,
+    OVERFLOW: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+    ACT: tl.constexpr,  # 0: x, 1: gelu(x), 2: silu(x) * gate
+    ROWS: tl.constexpr,  # q (R, C) with scales (R, C / 128): 1x128 blocks along C
+    COLS: tl.constexpr,  # qt (C, R) with scales (C, R / 128): 128x1 blocks along R, stored transposed
+    TILE: tl.constexpr,  # q (R, C) with one scale per 128x128 tile, s (R / 128, C / 128); qt too if COLS
+    FIXED: tl.constexpr,
+    AMAX: tl.constexpr,
+    STATS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    pid_r, pid_c, pid_b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    valid = (rows[:, None] < R) & (cols[None, :] < C)
+    x = tl.load(x_ptr + pid_b * sxb + rows[:, None] * sxr + cols[None, :] * sxc, mask=valid, other=0.0).to(tl.float32)
+    if ACT == 1:
+        x = _gelu(x)
+    elif ACT == 2:
+        gate = tl.load(gate_ptr + pid_b * sgb + rows[:, None] * sgr + cols[None, :] * sgc, mask=valid, other=0.0)
+        x = x * tl.sigmoid(x) * gate.to(tl.float32)
+    ax = tl.where(x == x, tl.abs(x), float("inf"))  # NaN -> an infinite amax: the block's scale turns non-finite
+    if AMAX:
+        tl.atomic_max(amax_ptr, tl.max(tl.max(ax, 1), 0))
+    fixed = 0.0
+    if FIXED:
+        fixed = tl.load(fixed_ptr)
+    if TILE:
+        amax_t = tl.max(tl.max(ax, 1), 0)
+        scale_t = tl.where(amax_t == 0, 1.0, amax_t / FP8_MAX)
+        if FIXED:
+            scale_t = tl.where(fixed > 0, fixed, scale_t)
+        y = x / scale_t
+        q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
+        tl.store(q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc, q.to(q_ptr.dtype.element_ty), valid)
+        tl.store(s_ptr + pid_b * ssb + pid_r * ssr + pid_c * ssc, scale_t)
+        if COLS:
+            qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
+            tl.store(qt_ptrs, q.to(qt_ptr.dtype.element_ty), valid)
+    else:
+        if ROWS:
+            amax_r = tl.max(ax, 1)
+            scale_r = tl.where(amax_r == 0, 1.0, amax_r / FP8_MAX)
+            if FIXED:
+                scale_r = tl.where(fixed > 0, fixed, scale_r)
+            y = x / scale_r[:, None]
+            q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
+            q_ptrs = q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc
+            tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), valid)
+            tl.store(s_ptr + pid_b * ssb + rows * ssr + pid_c * ssc, scale_r, rows < R)
+        if COLS:
+            amax_c = tl.max(ax, 0)
+            scale_c = tl.where(amax_c == 0, 1.0, amax_c / FP8_MAX)
+            if FIXED:
+                scale_c = tl.where(fixed > 0, fixed, scale_c)
+            y_c = x / scale_c[None, :]
+            q_c = _to_fp8(y_c, FP8_MAX, MANT, EMIN, qt_ptr)
+            qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
+            tl.store(qt_ptrs, q_c.to(qt_ptr.dtype.element_ty), valid)
+            tl.store(st_ptr + pid_b * sstb + cols * sstc + pid_r * sstr, scale_c, cols < C)
+            if not ROWS:
+                y, q = y_c, q_c
+    if STATS:
+        finite = (x == x) & (ax < float("inf"))
+        nonzero = valid & finite & (x != 0.0)
+        tl.atomic_add(stats_ptr + 0, tl.sum(tl.sum((nonzero & (tl.abs(y) > OVERFLOW)).to(tl.int64), 1), 0))
+        tl.atomic_add(stats_ptr + 1, tl.sum(tl.sum((nonzero & (q == 0.0)).to(tl.int64), 1), 0))
+        tl.atomic_add(stats_ptr + 2, tl.sum(tl.sum(nonzero.to(tl.int64), 1), 0))
+        tl.atomic_add(stats_ptr + 3, tl.sum(tl.sum((valid & ~finite).to(tl.int64), 1), 0))
+
+
+def _gemm_configs() -> list[triton.Config]:
+    if INTERPRET:
+        return [triton.Config({"BLOCK_N": BLOCK}, num_warps=4, num_stages=1)]
+    return [
+        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+        for bn, w, st in ((128, 8, 3), (128, 4, 4), (256, 8, 3))
+    ]
+
+
+@triton.autotune(configs=_gemm_configs(), key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K"])
+@triton.jit
+def _gemm_kernel(
+    a_ptr,
+    b_ptr,
+    c_ptr,
+    sa_ptr,
+    sb_ptr,
+    bias_ptr,
+    tile_group_ptr,
+    k_bounds_ptr,
+    M,
+    N,
+    K,
+    sam,
+    sak,
+    sbg,
+    sbn,
+    sbk,
+    scg,
+    scm,
+    scn,
+    ssam,
+    ssak,
+    ssbg,
+    ssbn,
+    ssbk,
+    TUNE_N,
+    TUNE_K,
+    HAS_BIAS: tl.constexpr,
+    GROUP_M: tl.constexpr,  # b, sb indexed by the group of the M tile (tile_group[pid_m]; -1: zeros)
+    GROUP_K: tl.constexpr,  # program_id(2) = group g reduces k in [k_bounds[g], k_bounds[g + 1]) into c[g]
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_SIZE_M: tl.constexpr,
+):
+    """c[m, n] = sum over 128-blocks kb of sa[m, kb] * sb[n, kb] * sum_{k in kb} a[m, k] b[n, k] (+ bias[n]);
+    each block's dot is accumulated in fp32 and scaled before it is added."""
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_SIZE_M * num_n
+    first_m = (pid // per_group) * GROUP_SIZE_M
+    size_m = tl.minimum(num_m - first_m, GROUP_SIZE_M)
+    pid_m = first_m + (pid % per_group) % size_m
+    pid_n = (pid % per_group) // size_m
+    k_lo, k_hi = 0, K
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok, n_ok = rm < M, rn < N
+    a_ok = m_ok
+    if GROUP_M:
+        g = tl.load(tile_group_ptr + pid_m)
+        a_ok = m_ok & (g >= 0)  # a tile past the last group: zeros
+        g = tl.maximum(g, 0).to(tl.int64)
+        b_ptr += g * sbg
+        sb_ptr += g * ssbg
+    if GROUP_K:
+        g = tl.program_id(1)
+        k_lo, k_hi = tl.load(k_bounds_ptr + g), tl.load(k_bounds_ptr + g + 1)
+        c_ptr += g.to(tl.int64) * scg
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        k_ok = (k + rk) < k_hi
+        a = tl.load(a_ptr + rm[:, None] * sam + (k + rk)[None, :] * sak, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + rn[None, :] * sbn + (k + rk)[:, None] * sbk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        kb = k // BLOCK_K
+        sa = tl.load(sa_ptr + rm * ssam + kb * ssak, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + rn * ssbn + kb * ssbk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), m_ok[:, None] & n_ok[None, :]
+    )
+
+
+# -- launchers -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Fp8Stats:
+    """Per-module counters and amaxes, one row per quantized tensor (`roles`), on the module's device.
+
+    counts[i] = (overflowed, underflowed to zero, non-zero, non-finite) since the last `reset`; `collect` turns
+    counting on (the trainer does on logging steps only: the atomics cost a little). amax[i] is the largest |value|
+    of tensor i this step; `history` keeps the last `history_len` steps' (delayed scaling: scale = max / fmt.max).
+    """
+
+    roles: tuple[str, ...]
+    history_len: int
+    device: torch.device
+    collect: bool = False
+
+    def __post_init__(self):
+        n = len(self.roles)
+        self.counts = torch.zeros(n, 4, dtype=torch.int64, device=self.device)
+        self.amax = torch.zeros(n, dtype=torch.float32, device=self.device)
+        self.history = torch.zeros(n, max(self.history_len, 1), dtype=torch.float32, device=self.device)
+
+    @property
+    def delayed(self) -> bool:
+        return self.history_len > 0
+
+    def scale(self, role: int, fmt: Fp8Format) -> torch.Tensor | None:
+        """The delayed per-tensor scale of `role` (<= 0 until a step has been seen), None when dynamic."""
+        return self.history[role].amax().reshape(1) / fmt.max if self.delayed else None
+
+    def step(self) -> None:
+        """After an optimizer step: this step's amaxes enter the history."""
+        if self.delayed:
+            self.history = torch.cat([self.amax[:, None], self.history[:, :-1]], dim=1)
+        self.amax.zero_()
+
+    def reset_counts(self) -> None:
+        self.counts.zero_()
+
+
+def _carrier(fmt: Fp8Format, device: torch.device) -> torch.dtype:
+    return fmt.dtype if device.type == "cuda" else torch.float32
+
+
+def quantize(
+    x: torch.Tensor,
+    fmt: Fp8Format,
+    *,
+    rows: bool = True,
+    cols: bool = False,
+    tile: bool = False,
+    act: str = "none",
+    gate: torch.Tensor | None = None,
+    stats: Fp8Stats | None = None,
+    role: int = 0,
+    backend: str = "triton",
+    check_finite: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Quantize the last two dims (R, C) of `act(x)` (x 2-D, or 3-D with a leading batch such as experts).
+
+    rows: "q" (R, C) and "s" (R, ceil(C/128)), 1x128 blocks along C. cols: "qt" (C, R) and "st" (C, ceil(R/128)),
+    128x1 blocks along R, stored transposed. tile: "q" with "s" (ceil(R/128), ceil(C/128)), 128x128 tiles, and
+    "qt" (C, R) with the same scales when `cols`. act: none | gelu | swiglu (silu(x) * gate).
+    Non-finite inputs give non-finite scales (and are counted in `stats`); `check_finite` raises a ValueError
+    for them instead (a host sync: for tools and tests, not the training step, whose loss guard stops the run).
+    """
+    if x.dim() not in (2, 3):
+        raise ValueError(f"quantize: expected a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
+    if act not in ("none", "gelu", "swiglu") or (act == "swiglu") != (gate is not None):
+        raise ValueError(f"quantize: act {act!r} with gate={'given' if gate is not None else 'None'}")
+    if not (rows or cols or tile):
+        raise ValueError("quantize: nothing to produce (rows, cols and tile are all False)")
+    if backend not in BACKENDS:
+        raise ValueError(f"quantize: backend must be one of {BACKENDS}, got {backend!r}")
+    if check_finite:
+        bad = int((~torch.isfinite(x)).sum()) + (int((~torch.isfinite(gate)).sum()) if gate is not None else 0)
+        if bad:
+            raise ValueError(f"fp8 quantize: {bad} non-finite value(s) (NaN/inf) in a tensor of shape {tuple(x.shape)}")
+    fixed = stats.scale(role, fmt) if stats is not None else None
+    if backend == "reference":
+        return _quantize_ref(x, fmt, rows, cols, tile, act, gate, stats, role, fixed)
+    batched = x.dim() == 3
+    xb = x if batched else x[None]
+    gb = None if gate is None else (gate if batched else gate[None])
+    nb, r, c = xb.shape
+    nrb, ncb = triton.cdiv(r, BLOCK), triton.cdiv(c, BLOCK)
+    carrier = _carrier(fmt, x.device)
+    out = {}
+    dummy = torch.empty(1, device=x.device, dtype=torch.float32)
+    q = s = qt = st = dummy
+    if rows or tile:
+        q = torch.empty(nb, r, c, device=x.device, dtype=carrier)
+        s = torch.empty(nb, nrb, ncb, device=x.device) if tile else torch.empty(nb, r, ncb, device=x.device)
+        out["q"], out["s"] = q, s
+    if cols:
+        qt = torch.empty(nb, c, r, device=x.device, dtype=carrier)
+        out["qt"] = qt
+        if not tile:
+            st = torch.empty(nb, c, nrb, device=x.device)
+            out["st"] = st
+    collect = stats is not None and stats.collect
+    amax = stats.amax[role : role + 1] if stats is not None and stats.delayed else dummy
+    counts = stats.counts[role] if collect else dummy
+    g = gb if gb is not None else xb
+    _quantize_kernel[(nrb, ncb, nb)](
+        xb,
+        g,
+        q,
+        s,
+        qt,
+        st,
+        fixed if fixed is not None else dummy,
+        amax,
+        counts,
+        r,
+        c,
+        *xb.stride(),
+        *g.stride(),
+        *(q.stride() if q is not dummy else (0, 0, 0)),
+        *(s.stride() if s is not dummy else (0, 0, 0)),
+        *(qt.stride() if qt is not dummy else (0, 0, 0)),
+        *(st.stride() if st is not dummy else (0, 0, 0)),
+        FP8_MAX=fmt.max,
+        OVERFLOW=fmt.overflow,
+        MANT=fmt.mantissa,
+        EMIN=fmt.min_exp,
+        ACT={"none": 0, "gelu": 1, "swiglu": 2}[act],
+        ROWS=rows,
+        COLS=cols,
+        TILE=tile,
+        FIXED=fixed is not None,
+        AMAX=stats is not None and stats.delayed,
+        STATS=collect,
+        BLOCK_R=BLOCK,
+        BLOCK_C=BLOCK,
+        num_warps=8,
+    )
+    if tile and cols:
+        out["st"] = out["s"].transpose(-1, -2)
+    return out if batched else {k: v[0] for k, v in out.items()}
+
+
+def _activate(x: torch.Tensor, act: str, gate: torch.Tensor | None) -> torch.Tensor:
+    x = x.float()
+    if act == "gelu":
+        return F.gelu(x)
+    if act == "swiglu":
+        return F.silu(x) * gate.float()
+    return x
+
+
+def _quantize_ref(x, fmt, rows, cols, tile, act, gate, stats, role, fixed):
+    y = _activate(x, act, gate)
+    out = {}
+    if stats is not None and stats.delayed:
+        stats.amax[role] = torch.maximum(stats.amax[role], y.abs().amax())
+    if tile:
+        out["q"], out["s"] = quantize_reference(y, fmt, (BLOCK, BLOCK), fixed)
+        if cols:
+            out["qt"], out["st"] = out["q"].transpose(-1, -2), out["s"].transpose(-1, -2)
+        first = (out["q"], out["s"], (BLOCK, BLOCK))
+    else:
+        first = None
+        if rows:
+            out["q"], out["s"] = quantize_reference(y, fmt, (1, BLOCK), fixed)
+            first = (out["q"], out["s"], (1, BLOCK))
+        if cols:
+            qc, sc = quantize_reference(y, fmt, (BLOCK, 1), fixed)
+            out["qt"], out["st"] = qc.transpose(-1, -2), sc.transpose(-1, -2)
+            first = first or (qc, sc, (BLOCK, 1))
+    if stats is not None and stats.collect:
+        q, s, block = first
+        scaled = (
+            y / s.repeat_interleave(block[0], -2).repeat_interleave(block[1], -1)[..., : y.shape[-2], : y.shape[-1]]
+        )
+        finite = torch.isfinite(y)
+        nonzero = finite & (y != 0)
+        stats.counts[role] += torch.stack(
+            [
+                (nonzero & (scaled.abs() > fmt.overflow)).sum(),
+                (nonzero & (q == 0)).sum(),
+                nonzero.sum(),
+                (~finite).sum(),
+            ]
+        ).to(stats.counts.device)
+    return out
+
+
+def _expand_tile_scales(s: torch.Tensor, rows: int) -> torch.Tensor:
+    """(..., R/128, K/128) tile scales -> (..., R, K/128) per-row scales, the form the GEMM reads."""
+    return s.repeat_interleave(BLOCK, dim=-2)[..., :rows, :]
+
+
+def gemm(
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    b: torch.Tensor,
+    sb: torch.Tensor,
+    out_dtype: torch.dtype,
+    *,
+    bias: torch.Tensor | None = None,
+    tile_group: torch.Tensor | None = None,
+    k_bounds: torch.Tensor | None = None,
+    backend: str = "triton",
+) -> torch.Tensor:
+    """a (M, K) @ b (N, K)^T with per-row 1x128-block scales sa (M, K/128), sb (N, K/128) (weights' tiles
+    expanded per row). Grouped: `tile_group` (M/128,) picks b[g] (G, N, K) for each 128-row tile (-1 skips it);
+    `k_bounds` (G + 1,) splits K into groups and returns (G, M, N), one product per group."""
+    m, k = a.shape
+    n = b.shape[-2]
+    if k_bounds is not None:
+        out = torch.zeros(k_bounds.numel() - 1, m, n, device=a.device, dtype=out_dtype)
+    else:
+        out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    if backend == "reference":
+        return _gemm_ref(a, sa, b, sb, out, bias, tile_group, k_bounds)
+    dummy = torch.empty(1, device=a.device, dtype=torch.int32)
+    grouped_b = tile_group is not None
+
+    def grid(meta):
+        return triton.cdiv(m, BLOCK) * triton.cdiv(
+            n, meta["BLOCK_N"]
+        ), k_bounds.numel() - 1 if k_bounds is not None else 1
+
+    # tiles tuned once per output width and reduction (the token count varies batch to batch)
+    _gemm_kernel[grid](
+        a,
+        b,
+        out,
+        sa,
+        sb,
+        bias if bias is not None else dummy,
+        tile_group if grouped_b else dummy,
+        k_bounds if k_bounds is not None else dummy,
+        m,
+        n,
+        k,
+        *a.stride(),
+        b.stride(0) if grouped_b else 0,
+        *b.stride()[-2:],
+        out.stride(0) if k_bounds is not None else 0,
+        *out.stride()[-2:],
+        *sa.stride(),
+        sb.stride(0) if grouped_b else 0,
+        *sb.stride()[-2:],
+        n,
+        m if k_bounds is not None else k,
+        HAS_BIAS=bias is not None,
+        GROUP_M=grouped_b,
+        GROUP_K=k_bounds is not None,
+        BLOCK_M=BLOCK,
+        BLOCK_K=BLOCK,
+        GROUP_SIZE_M=8,
+    )
+    return out
+
+
+def _dequant_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s.repeat_interleave(BLOCK, dim=-1)[..., : q.shape[-1]]
+
+
+def _gemm_ref(a, sa, b, sb, out, bias, tile_group, k_bounds):
+    with torch.autocast(a.device.type, enabled=False):
+        ad, bd = _dequant_rows(a, sa), _dequant_rows(b, sb)
+        if k_bounds is not None:
+            bounds = k_bounds.tolist()
+            for g in range(len(bounds) - 1):
+                lo, hi = bounds[g], bounds[g + 1]
+                out[g] = (ad[:, lo:hi] @ bd[:, lo:hi].T).to(out.dtype)
+            return out
+        if tile_group is not None:
+            result = torch.zeros(out.shape, device=a.device)  # tiles past the last group stay zero
+            for t, g in enumerate(tile_group.tolist()):
+                if g >= 0:
+                    rows = slice(t * BLOCK, (t + 1) * BLOCK)
+                    result[rows] = ad[rows] @ bd[g].T
+        else:
+            result = ad @ bd.T
+        if bias is not None:
+            result = result + bias.float()
+        return out.copy_(result)
+
+
+# -- autograd ops --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Fp8Recipe:
+    """How an op quantizes: the gradients' format, and the backend (triton: CUDA kernels or the interpreter;
+    reference: the torch emulation)."""
+
+    grad_format: Fp8Format = E4M3
+    backend: str = "triton"
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"Fp8Recipe.backend must be one of {BACKENDS}, got {self.backend!r}")
+
+
+MLP_ROLES = ("x", "w1", "act", "w2", "grad_out", "grad_hidden")
+EXPERT_ROLES = ("x", "w13", "act", "w2", "grad_out", "grad_hidden")
+
+
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
+    h = h.float()
+    cdf = 0.5 * (1.0 + torch.erf(h * 0.7071067811865476))
+    return cdf + h * torch.exp(-0.5 * h * h) * 0.3989422804014327
+
+
+class _Fp8Mlp(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, recipe: Fp8Recipe, stats: Fp8Stats):
+        shape, dtype, be = x.shape, _out_dtype(x), recipe.backend
+        x2 = x.reshape(-1, shape[-1])
+        xq = quantize(x2, E4M3, rows=True, cols=True, stats=stats, role=0, backend=be)
+        w1q = quantize(w1.detach(), E4M3, tile=True, cols=True, stats=stats, role=1, backend=be)
+        h = gemm(xq["q"], xq["s"], w1q["q"], _expand_tile_scales(w1q["s"], w1.shape[0]), dtype, bias=b1, backend=be)
+        gq = quantize(h, E4M3, rows=True, cols=True, act="gelu", stats=stats, role=2, backend=be)
+        w2q = quantize(w2.detach(), E4M3, tile=True, cols=True, stats=stats, role=3, backend=be)
+        y = gemm(gq["q"], gq["s"], w2q["q"], _expand_tile_scales(w2q["s"], w2.shape[0]), dtype, bias=b2, backend=be)
+        ctx.save_for_backward(xq["qt"], xq["st"], h, gq["qt"], gq["st"], w1q["qt"], w1q["st"], w2q["qt"], w2q["st"])
+        ctx.recipe, ctx.stats, ctx.shape, ctx.x_dtype = recipe, stats, shape, x.dtype
+        ctx.has_bias = (b1 is not None, b2 is not None)
+        ctx.w_dtypes = (w1.dtype, w2.dtype)
+        return y.reshape(*shape[:-1], w2.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xqt, xst, h, gqt, gst, w1qt, w1st, w2qt, w2st = ctx.saved_tensors
+        recipe, stats, be = ctx.recipe, ctx.stats, ctx.recipe.backend
+        fmt = recipe.grad_format
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dyq = quantize(dy2, fmt, rows=True, cols=True, stats=stats, role=4, backend=be)
+        # dgrad of fc2 reduces over its outputs: weight scales of w2^T tiles, per row of w2^T
+        dg = gemm(dyq["q"], dyq["s"], w2qt, _expand_tile_scales(w2st, w2qt.shape[0]), torch.float32, backend=be)
+        dw2 = gemm(dyq["qt"], dyq["st"], gqt, gst, torch.float32, backend=be)
+        dh = (dg * _gelu_grad(h)).to(h.dtype)
+        dhq = quantize(dh, fmt, rows=True, cols=True, stats=stats, role=5, backend=be)
+        dx = gemm(dhq["q"], dhq["s"], w1qt, _expand_tile_scales(w1st, w1qt.shape[0]), ctx.x_dtype, backend=be)
+        dw1 = gemm(dhq["qt"], dhq["st"], xqt, xst, torch.float32, backend=be)
+        db1 = dh.float().sum(0) if ctx.has_bias[0] else None
+        db2 = dy2.float().sum(0) if ctx.has_bias[1] else None
+        dw1, dw2 = dw1.to(ctx.w_dtypes[0]), dw2.to(ctx.w_dtypes[1])
+        return dx.reshape(ctx.shape), dw1, db1, dw2, db2, None, None
+
+
+def fp8_mlp(x, w1, b1, w2, b2, recipe: Fp8Recipe, stats: Fp8Stats) -> torch.Tensor:
+    """fc2(gelu(fc1(x))) with nn.Linear weights w1 (hidden, dim), w2 (dim, hidden) and optional biases, through
+    block-scaled FP8 GEMMs forward and backward. `stats` must have the roles `MLP_ROLES`."""
+    return _Fp8Mlp.apply(x, w1, b1, w2, b2, recipe, stats)
+
+
+def group_layout(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """For `rows` rows grouped by expert (`counts` per expert), pad each group to a multiple of 128 rows, with no
+    host sync: (dest (rows,) padded row of each row, tile_group (capacity/128,) expert of each 128-row tile or -1,
+    k_bounds (E + 1,) padded group starts, capacity)."""
+    num = counts.numel()
+    counts = counts.long()
+    padded = (counts + BLOCK - 1) // BLOCK * BLOCK
+    ends = torch.cumsum(padded, 0)
+    starts_padded, starts = ends - padded, torch.cumsum(counts, 0) - counts
+    expert_of_row = torch.repeat_interleave(torch.arange(num, device=counts.device), counts, output_size=rows)
+    dest = starts_padded[expert_of_row] + torch.arange(rows, device=counts.device) - starts[expert_of_row]
+    capacity = (rows + num * (BLOCK - 1) + BLOCK - 1) // BLOCK * BLOCK
+    tiles = capacity // BLOCK
+    tile_start = torch.arange(tiles, device=counts.device) * BLOCK
+    tile_group = torch.searchsorted(ends, tile_start, right=True)
+    tile_group = torch.where(tile_group < num, tile_group, -1).to(torch.int32)
+    k_bounds = torch.cat([ends.new_zeros(1), ends]).to(torch.int32)
+    return dest, tile_group, k_bounds, capacity
+
+
+class _Fp8GroupedSwiglu(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, counts, w1, w3, w2, recipe: Fp8Recipe, stats: Fp8Stats):
+        be, dtype = recipe.backend, _out_dtype(x)
+        rows, dim = x.shape
+        experts, _, hidden = w1.shape
+        dest, tile_group, k_bounds, capacity = group_layout(counts, rows)
+        xp = x.new_zeros(capacity, dim).index_copy(0, dest, x)
+        xq = quantize(xp, E4M3, rows=True, cols=True, stats=stats, role=0, backend=be)
+        # w1 and w3 side by side: one GEMM gives [h1 | h3]; forward reads them K-major (E, 2H, dim)
+        w13 = torch.cat([w1.detach(), w3.detach()], dim=2)  # (E, dim, 2H)
+        w13q = quantize(w13, E4M3, tile=True, cols=True, stats=stats, role=1, backend=be)
+        h13 = gemm(
+            xq["q"],
+            xq["s"],
+            w13q["qt"],
+            _expand_tile_scales(w13q["st"], 2 * hidden),
+            dtype,
+            tile_group=tile_group,
+            backend=be,
+        )
+        h1, h3 = h13[:, :hidden], h13[:, hidden:]
+        gq = quantize(h1, E4M3, rows=True, cols=True, act="swiglu", gate=h3, stats=stats, role=2, backend=be)
+        w2q = quantize(w2.detach(), E4M3, tile=True, cols=True, stats=stats, role=3, backend=be)  # (E, H, dim)
+        y = gemm(
+            gq["q"], gq["s"], w2q["qt"], _expand_tile_scales(w2q["st"], dim), dtype, tile_group=tile_group, backend=be
+        )
+        ctx.save_for_backward(
+            dest, tile_group, k_bounds, xq["qt"], xq["st"], h13, gq["qt"], gq["st"], w13q["q"], w13q["s"], w2q["q"]
+        )
+        ctx.w2s = w2q["s"]
+        ctx.recipe, ctx.stats, ctx.x_dtype, ctx.hidden, ctx.w_dtype = recipe, stats, x.dtype, hidden, w1.dtype
+        return y[dest]
+
+    @staticmethod
+    def backward(ctx, dy):
+        dest, tile_group, k_bounds, xqt, xst, h13, gqt, gst, w13q, w13s, w2q = ctx.saved_tensors
+        recipe, stats, be, hidden = ctx.recipe, ctx.stats, ctx.recipe.backend, ctx.hidden
+        fmt = recipe.grad_format
+        dim = dy.shape[1]
+        capacity = h13.shape[0]
+        dyp = dy.new_zeros(capacity, dim).index_copy(0, dest, dy)
+        dyq = quantize(dyp, fmt, rows=True, cols=True, stats=stats, role=4, backend=be)
+        # dgrad of w2: reduce over dim; w2 (E, H, dim) is K-major for that
+        dg = gemm(
+            dyq["q"],
+            dyq["s"],
+            w2q,
+            _expand_tile_scales(ctx.w2s, hidden),
+            torch.float32,
+            tile_group=tile_group,
+            backend=be,
+        )
+        dw2 = gemm(gqt, gst, dyq["qt"], dyq["st"], torch.float32, k_bounds=k_bounds, backend=be)  # (E, H, dim)
+        h1, h3 = h13[:, :hidden].float(), h13[:, hidden:].float()
+        sig = torch.sigmoid(h1)
+        dh13 = torch.cat([dg * h3 * sig * (1 + h1 * (1 - sig)), dg * h1 * sig], dim=1).to(h13.dtype)
+        dhq = quantize(dh13, fmt, rows=True, cols=True, stats=stats, role=5, backend=be)
+        dxp = gemm(
+            dhq["q"],
+            dhq["s"],
+            w13q,
+            _expand_tile_scales(w13s, dim),
+            torch.float32,
+            tile_group=tile_group,
+            backend=be,
+        )
+        dw13 = gemm(xqt, xst, dhq["qt"], dhq["st"], torch.float32, k_bounds=k_bounds, backend=be)  # (E, dim, 2H)
+        dw1, dw3, dw2 = (g.to(ctx.w_dtype) for g in (dw13[..., :hidden], dw13[..., hidden:], dw2))
+        return dxp[dest].to(ctx.x_dtype), None, dw1, dw3, dw2, None, None
+
+
+def fp8_grouped_swiglu(x_sorted, counts, w1, w3, w2, recipe: Fp8Recipe, stats: Fp8Stats) -> torch.Tensor:
+    """MoE experts over `x_sorted` (rows grouped by expert, `counts[e]` rows each): (silu(x w1[e]) * x w3[e]) w2[e]
+    with w1, w3 (E, dim, H), w2 (E, H, dim), block-scaled FP8 forward and backward. `stats`: `EXPERT_ROLES`."""
+    return _Fp8GroupedSwiglu.apply(x_sorted, counts, w1, w3, w2, recipe, stats)

@@ -1,0 +1,67 @@
+"""FP8 kernels on the GPU (real float8 operands, wgmma) against the torch reference and fp32."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from gemrec.kernels import fp8
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU"
+    ),
+]
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("mode", [{"cols": True}, {"tile": True, "cols": True}], ids=["rows_cols", "tile"])
+def test_quantize_matches_reference(fmt, mode):
+    x = torch.randn(1000, 777, device="cuda") * torch.logspace(-3, 3, 777, device="cuda")
+    x = x.to(torch.bfloat16)
+    t = fp8.quantize(x, fmt, **mode)
+    r = fp8.quantize(x, fmt, **mode, backend="reference")
+    assert t["q"].dtype == fmt.dtype
+    for key in t:
+        assert torch.allclose(t[key].float(), r[key].float(), rtol=1e-6, atol=0), key
+
+
+def test_gemm_matches_dequantized_fp32():
+    a = fp8.quantize(torch.randn(3000, 1100, device="cuda"), fp8.E4M3)
+    w = fp8.quantize(torch.randn(520, 1100, device="cuda"), fp8.E4M3, tile=True)
+    sw = w["s"].repeat_interleave(128, 0)[:520]
+    bias = torch.randn(520, device="cuda")
+    got = fp8.gemm(a["q"], a["s"], w["q"], sw, torch.bfloat16, bias=bias)
+    ref = fp8.gemm(a["q"], a["s"], w["q"], sw, torch.float32, bias=bias, backend="reference")
+    assert _rel(got, ref) < 5e-3  # bf16 output rounding
+
+
+@pytest.mark.parametrize("grad", ["e4m3", "e5m2"])
+def test_mlp_and_grouped_ops(grad):
+    x = torch.randn(2000, 256, device="cuda", requires_grad=True)
+    w1 = (torch.randn(512, 256, device="cuda") / 16).requires_grad_()
+    b1 = torch.zeros(512, device="cuda", requires_grad=True)
+    w2 = (torch.randn(256, 512, device="cuda") / 22).requires_grad_()
+    dy = torch.randn(2000, 256, device="cuda")
+    recipe = fp8.Fp8Recipe(fp8.fp8_format(grad))
+    y = fp8.fp8_mlp(x, w1, b1, w2, None, recipe, fp8.Fp8Stats(fp8.MLP_ROLES, 0, x.device))
+    got = torch.autograd.grad(y, [x, w1, w2], dy)
+    ref_y = F.linear(F.gelu(F.linear(x, w1, b1)), w2)
+    ref = torch.autograd.grad(ref_y, [x, w1, w2], dy)
+    assert _rel(y, ref_y) < 0.06
+    for a, b in zip(got, ref):
+        assert _rel(a, b) < (0.08 if grad == "e4m3" else 0.15)
+    counts = torch.tensor([700, 0, 1300], device="cuda")
+    e1, e3 = ((torch.randn(3, 256, 384, device="cuda") / 16).requires_grad_() for _ in range(2))
+    e2 = (torch.randn(3, 384, 256, device="cuda") / 20).requires_grad_()
+    y = fp8.fp8_grouped_swiglu(x, counts, e1, e3, e2, recipe, fp8.Fp8Stats(fp8.EXPERT_ROLES, 0, x.device))
+    got = torch.autograd.grad(y, [x, e1, e3, e2], dy)
+    parts = torch.split(x, counts.tolist())
+    ref_y = torch.cat([(F.silu(xe @ e1[e]) * (xe @ e3[e])) @ e2[e] for e, xe in enumerate(parts)])
+    ref = torch.autograd.grad(ref_y, [x, e1, e3, e2], dy)
+    assert _rel(y, ref_y) < 0.08
+    for a, b in zip(got, ref):
+        assert _rel(a, b) < (0.1 if grad == "e4m3" else 0.18)
