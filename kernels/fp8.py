@@ -112,6 +112,12 @@ def _gelu(x):
 
 
 @triton.jit
+def _gelu_grad_tl(h):
+    cdf = 0.5 * (1.0 + tl.erf(h * 0.7071067811865476))
+    return cdf + h * tl.exp(-0.5 * h * h) * 0.3989422804014327
+
+
+@triton.jit
 def _to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, q_ptr):
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     if q_ptr.dtype.element_ty == tl.float32:
@@ -131,8 +137,10 @@ def _quantize_kernel(
     fixed_ptr,
     amax_ptr,
     stats_ptr,
+    colsum_ptr,
     R,
     C,
+    HALF,
     sxb,
     sxr,
     sxc,
@@ -155,13 +163,14 @@ def _quantize_kernel(
     OVERFLOW: tl.constexpr,
     MANT: tl.constexpr,
     EMIN: tl.constexpr,
-    ACT: tl.constexpr,  # 0: x, 1: gelu(x), 2: silu(x) * gate
+    ACT: tl.constexpr,  # 0: x, 1: gelu(x), 2: silu(x) * gate, 3: x * gelu'(gate), 4: swiglu backward (see `quantize`)
     ROWS: tl.constexpr,  # q (R, C) with scales (R, C / 128): 1x128 blocks along C
     COLS: tl.constexpr,  # qt (C, R) with scales (C, R / 128): 128x1 blocks along R, stored transposed
     TILE: tl.constexpr,  # q (R, C) with one scale per 128x128 tile, s (R / 128, C / 128); qt too if COLS
     FIXED: tl.constexpr,
     AMAX: tl.constexpr,
     STATS: tl.constexpr,
+    COLSUM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -169,12 +178,30 @@ def _quantize_kernel(
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     valid = (rows[:, None] < R) & (cols[None, :] < C)
-    x = tl.load(x_ptr + pid_b * sxb + rows[:, None] * sxr + cols[None, :] * sxc, mask=valid, other=0.0).to(tl.float32)
-    if ACT == 1:
-        x = _gelu(x)
-    elif ACT == 2:
-        gate = tl.load(gate_ptr + pid_b * sgb + rows[:, None] * sgr + cols[None, :] * sgc, mask=valid, other=0.0)
-        x = x * tl.sigmoid(x) * gate.to(tl.float32)
+    if ACT == 4:
+        # C = 2 * HALF output columns [dh1 | dh3] from x = dg (R, HALF) and gate = [h1 | h3] (R, 2 * HALF)
+        j = tl.where(cols < HALF, cols, cols - HALF)
+        xg = x_ptr + pid_b * sxb + rows[:, None] * sxr
+        dg = tl.load(xg + j[None, :] * sxc, mask=valid, other=0.0).to(tl.float32)
+        gg = gate_ptr + pid_b * sgb + rows[:, None] * sgr
+        h1 = tl.load(gg + j[None, :] * sgc, mask=valid, other=0.0).to(tl.float32)
+        h3 = tl.load(gg + (j + HALF)[None, :] * sgc, mask=valid, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(h1)
+        x = tl.where((cols < HALF)[None, :], dg * h3 * sig * (1.0 + h1 * (1.0 - sig)), dg * h1 * sig)
+    else:
+        x_ptrs = x_ptr + pid_b * sxb + rows[:, None] * sxr + cols[None, :] * sxc
+        x = tl.load(x_ptrs, mask=valid, other=0.0).to(tl.float32)
+        if ACT == 1:
+            x = _gelu(x)
+        elif ACT == 2 or ACT == 3:
+            g_ptrs = gate_ptr + pid_b * sgb + rows[:, None] * sgr + cols[None, :] * sgc
+            gate = tl.load(g_ptrs, mask=valid, other=0.0).to(tl.float32)
+            if ACT == 2:
+                x = x * tl.sigmoid(x) * gate
+            else:
+                x = x * _gelu_grad_tl(gate)
+    if COLSUM:
+        tl.atomic_add(colsum_ptr + pid_b * C + cols, tl.sum(x, 0), mask=cols < C)
     ax = tl.where(x == x, tl.abs(x), float("inf"))  # NaN -> an infinite amax: the block's scale turns non-finite
     if AMAX:
         tl.atomic_max(amax_ptr, tl.max(tl.max(ax, 1), 0))
@@ -228,10 +255,7 @@ def _quantize_kernel(
 def _gemm_configs() -> list[triton.Config]:
     if INTERPRET:
         return [triton.Config({"BLOCK_N": BLOCK}, num_warps=4, num_stages=1)]
-    return [
-        triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
-        for bn, w, st in ((128, 8, 3), (128, 4, 4), (256, 8, 3))
-    ]
+    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in ((128, 8, 3), (256, 8, 3))]
 
 
 @triton.autotune(configs=_gemm_configs(), key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K"])
@@ -357,6 +381,9 @@ def _carrier(fmt: Fp8Format, device: torch.device) -> torch.dtype:
     return fmt.dtype if device.type == "cuda" else torch.float32
 
 
+ACTIVATIONS = {"none": 0, "gelu": 1, "swiglu": 2, "gelu_bwd": 3, "swiglu_bwd": 4}
+
+
 def quantize(
     x: torch.Tensor,
     fmt: Fp8Format,
@@ -366,23 +393,30 @@ def quantize(
     tile: bool = False,
     act: str = "none",
     gate: torch.Tensor | None = None,
+    colsum: bool = False,
     stats: Fp8Stats | None = None,
     role: int = 0,
     backend: str = "triton",
     check_finite: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Quantize the last two dims (R, C) of `act(x)` (x 2-D, or 3-D with a leading batch such as experts).
+    """Quantize the last two dims (R, C) of `y = act(x, gate)` (2-D, or 3-D with a leading batch such as experts).
 
     rows: "q" (R, C) and "s" (R, ceil(C/128)), 1x128 blocks along C. cols: "qt" (C, R) and "st" (C, ceil(R/128)),
     128x1 blocks along R, stored transposed. tile: "q" with "s" (ceil(R/128), ceil(C/128)), 128x128 tiles, and
-    "qt" (C, R) with the same scales when `cols`. act: none | gelu | swiglu (silu(x) * gate).
+    "qt" (C, R) with the same scales when `cols`. Per-row scales are stored column-major (the GEMM reads a column
+    of them per K block). act: none (y = x) | gelu | swiglu (silu(x) * gate) | gelu_bwd (x * gelu'(gate)) |
+    swiglu_bwd (x = dg (R, H), gate = [h1 | h3] (R, 2H): y = [dg h3 silu'(h1) | dg silu(h1)], C = 2H).
+    colsum: also "colsum" (C,), the fp32 sums of y's columns (a bias gradient).
     Non-finite inputs give non-finite scales (and are counted in `stats`); `check_finite` raises a ValueError
     for them instead (a host sync: for tools and tests, not the training step, whose loss guard stops the run).
     """
     if x.dim() not in (2, 3):
         raise ValueError(f"quantize: expected a 2-D or 3-D tensor, got shape {tuple(x.shape)}")
-    if act not in ("none", "gelu", "swiglu") or (act == "swiglu") != (gate is not None):
+    if act not in ACTIVATIONS or (act in ("none", "gelu")) != (gate is None):
         raise ValueError(f"quantize: act {act!r} with gate={'given' if gate is not None else 'None'}")
+    wide = act == "swiglu_bwd"
+    if gate is not None and gate.shape[:-1] + (gate.shape[-1] // (2 if wide else 1),) != x.shape:
+        raise ValueError(f"quantize: act {act!r} needs a gate matching x {tuple(x.shape)}, got {tuple(gate.shape)}")
     if not (rows or cols or tile):
         raise ValueError("quantize: nothing to produce (rows, cols and tile are all False)")
     if backend not in BACKENDS:
@@ -393,26 +427,33 @@ def quantize(
             raise ValueError(f"fp8 quantize: {bad} non-finite value(s) (NaN/inf) in a tensor of shape {tuple(x.shape)}")
     fixed = stats.scale(role, fmt) if stats is not None else None
     if backend == "reference":
-        return _quantize_ref(x, fmt, rows, cols, tile, act, gate, stats, role, fixed)
+        return _quantize_ref(x, fmt, rows, cols, tile, act, gate, colsum, stats, role, fixed)
     batched = x.dim() == 3
     xb = x if batched else x[None]
     gb = None if gate is None else (gate if batched else gate[None])
     nb, r, c = xb.shape
+    half = c
+    if wide:
+        c = 2 * c
     nrb, ncb = triton.cdiv(r, BLOCK), triton.cdiv(c, BLOCK)
     carrier = _carrier(fmt, x.device)
+    device = x.device
     out = {}
-    dummy = torch.empty(1, device=x.device, dtype=torch.float32)
-    q = s = qt = st = dummy
+    dummy = torch.empty(1, device=device, dtype=torch.float32)
+    q = s = qt = st = sums = dummy
     if rows or tile:
-        q = torch.empty(nb, r, c, device=x.device, dtype=carrier)
-        s = torch.empty(nb, nrb, ncb, device=x.device) if tile else torch.empty(nb, r, ncb, device=x.device)
+        q = torch.empty(nb, r, c, device=device, dtype=carrier)
+        s = torch.empty(nb, nrb, ncb, device=device) if tile else torch.empty(nb, ncb, r, device=device).mT
         out["q"], out["s"] = q, s
     if cols:
-        qt = torch.empty(nb, c, r, device=x.device, dtype=carrier)
+        qt = torch.empty(nb, c, r, device=device, dtype=carrier)
         out["qt"] = qt
         if not tile:
-            st = torch.empty(nb, c, nrb, device=x.device)
+            st = torch.empty(nb, nrb, c, device=device).mT
             out["st"] = st
+    if colsum:
+        sums = torch.zeros(nb, c, device=device)
+        out["colsum"] = sums
     collect = stats is not None and stats.collect
     amax = stats.amax[role : role + 1] if stats is not None and stats.delayed else dummy
     counts = stats.counts[role] if collect else dummy
@@ -427,8 +468,10 @@ def quantize(
         fixed if fixed is not None else dummy,
         amax,
         counts,
+        sums,
         r,
         c,
+        half,
         *xb.stride(),
         *g.stride(),
         *(q.stride() if q is not dummy else (0, 0, 0)),
@@ -439,13 +482,14 @@ def quantize(
         OVERFLOW=fmt.overflow,
         MANT=fmt.mantissa,
         EMIN=fmt.min_exp,
-        ACT={"none": 0, "gelu": 1, "swiglu": 2}[act],
+        ACT=ACTIVATIONS[act],
         ROWS=rows,
         COLS=cols,
         TILE=tile,
         FIXED=fixed is not None,
         AMAX=stats is not None and stats.delayed,
         STATS=collect,
+        COLSUM=colsum,
         BLOCK_R=BLOCK,
         BLOCK_C=BLOCK,
         num_warps=8,
@@ -461,12 +505,18 @@ def _activate(x: torch.Tensor, act: str, gate: torch.Tensor | None) -> torch.Ten
         return F.gelu(x)
     if act == "swiglu":
         return F.silu(x) * gate.float()
+    if act == "gelu_bwd":
+        return x * _gelu_grad(gate)
+    if act == "swiglu_bwd":
+        h1, h3 = gate.float().chunk(2, dim=-1)
+        sig = torch.sigmoid(h1)
+        return torch.cat([x * h3 * sig * (1 + h1 * (1 - sig)), x * h1 * sig], dim=-1)
     return x
 
 
-def _quantize_ref(x, fmt, rows, cols, tile, act, gate, stats, role, fixed):
+def _quantize_ref(x, fmt, rows, cols, tile, act, gate, colsum, stats, role, fixed):
     y = _activate(x, act, gate)
-    out = {}
+    out = {"colsum": y.sum(-2)} if colsum else {}
     if stats is not None and stats.delayed:
         stats.amax[role] = torch.maximum(stats.amax[role], y.abs().amax())
     if tile:
@@ -502,8 +552,8 @@ def _quantize_ref(x, fmt, rows, cols, tile, act, gate, stats, role, fixed):
 
 
 def _expand_tile_scales(s: torch.Tensor, rows: int) -> torch.Tensor:
-    """(..., R/128, K/128) tile scales -> (..., R, K/128) per-row scales, the form the GEMM reads."""
-    return s.repeat_interleave(BLOCK, dim=-2)[..., :rows, :]
+    """(..., R/128, K/128) tile scales -> (..., R, K/128) per-row scales (column-major), the form the GEMM reads."""
+    return s.mT.repeat_interleave(BLOCK, dim=-1)[..., :rows].mT
 
 
 def gemm(
@@ -606,10 +656,50 @@ class Fp8Recipe:
 
     grad_format: Fp8Format = E4M3
     backend: str = "triton"
+    gemm: str = "triton"  # dense GEMMs of fp8_mlp: triton (ours) | cublas (torch's block-scaled scaled_mm)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"Fp8Recipe.backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.gemm not in GEMMS:
+            raise ValueError(f"Fp8Recipe.gemm must be one of {GEMMS}, got {self.gemm!r}")
+
+
+GEMMS = ("triton", "cublas")
+
+
+def _cublas_fits(a: torch.Tensor, n: int, recipe: Fp8Recipe) -> bool:
+    m, k = a.shape
+    return recipe.gemm == "cublas" and a.is_cuda and k % BLOCK == 0 and n % BLOCK == 0 and m % 16 == 0
+
+
+def _weight_gemm(a, sa, w, w_tiles, out_dtype, recipe: Fp8Recipe, bias=None) -> torch.Tensor:
+    """a (M, K) 1x128-scaled @ w (N, K)^T with 128x128 tile scales `w_tiles` (N/128, K/128)."""
+    n = w.shape[0]
+    if not _cublas_fits(a, n, recipe):
+        return gemm(a, sa, w, _expand_tile_scales(w_tiles, n), out_dtype, bias=bias, backend=recipe.backend)
+    scale_b = w_tiles.contiguous().mT  # (K/128, N/128), K-major; cuBLAS wants its K blocks padded to a multiple of 4
+    pad = -scale_b.shape[0] % 4
+    if pad:
+        padded = scale_b.new_ones(scale_b.shape[1], scale_b.shape[0] + pad).mT
+        padded[: scale_b.shape[0]] = scale_b
+        scale_b = padded
+    kinds = F.ScalingType
+    out = F.scaled_mm(a, w.mT, sa, kinds.BlockWise1x128, scale_b, kinds.BlockWise128x128, output_dtype=torch.bfloat16)
+    if bias is not None:
+        out = out + bias
+    return out.to(out_dtype)
+
+
+def _rows_gemm(a, sa, b, sb, out_dtype, recipe: Fp8Recipe) -> torch.Tensor:
+    """a (M, K) @ b (N, K)^T, both 1x128-scaled along K (weight gradients: K is the tokens)."""
+    if not _cublas_fits(a, b.shape[0], recipe):
+        return gemm(a, sa, b, sb, out_dtype, backend=recipe.backend)
+    kinds = F.ScalingType
+    out = F.scaled_mm(
+        a, b.mT, sa, kinds.BlockWise1x128, sb.contiguous(), kinds.BlockWise1x128, output_dtype=torch.bfloat16
+    )
+    return out.to(out_dtype)
 
 
 MLP_ROLES = ("x", "w1", "act", "w2", "grad_out", "grad_hidden")
@@ -634,10 +724,10 @@ class _Fp8Mlp(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         xq = quantize(x2, E4M3, rows=True, cols=True, stats=stats, role=0, backend=be)
         w1q = quantize(w1.detach(), E4M3, tile=True, cols=True, stats=stats, role=1, backend=be)
-        h = gemm(xq["q"], xq["s"], w1q["q"], _expand_tile_scales(w1q["s"], w1.shape[0]), dtype, bias=b1, backend=be)
+        h = _weight_gemm(xq["q"], xq["s"], w1q["q"], w1q["s"], dtype, recipe, bias=b1)
         gq = quantize(h, E4M3, rows=True, cols=True, act="gelu", stats=stats, role=2, backend=be)
         w2q = quantize(w2.detach(), E4M3, tile=True, cols=True, stats=stats, role=3, backend=be)
-        y = gemm(gq["q"], gq["s"], w2q["q"], _expand_tile_scales(w2q["s"], w2.shape[0]), dtype, bias=b2, backend=be)
+        y = _weight_gemm(gq["q"], gq["s"], w2q["q"], w2q["s"], dtype, recipe, bias=b2)
         ctx.save_for_backward(xq["qt"], xq["st"], h, gq["qt"], gq["st"], w1q["qt"], w1q["st"], w2q["qt"], w2q["st"])
         ctx.recipe, ctx.stats, ctx.shape, ctx.x_dtype = recipe, stats, shape, x.dtype
         ctx.has_bias = (b1 is not None, b2 is not None)
@@ -647,19 +737,29 @@ class _Fp8Mlp(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xqt, xst, h, gqt, gst, w1qt, w1st, w2qt, w2st = ctx.saved_tensors
-        recipe, stats, be = ctx.recipe, ctx.stats, ctx.recipe.backend
-        fmt = recipe.grad_format
+        recipe, stats, be, fmt = ctx.recipe, ctx.stats, ctx.recipe.backend, ctx.recipe.grad_format
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dyq = quantize(dy2, fmt, rows=True, cols=True, stats=stats, role=4, backend=be)
-        # dgrad of fc2 reduces over its outputs: weight scales of w2^T tiles, per row of w2^T
-        dg = gemm(dyq["q"], dyq["s"], w2qt, _expand_tile_scales(w2st, w2qt.shape[0]), torch.float32, backend=be)
-        dw2 = gemm(dyq["qt"], dyq["st"], gqt, gst, torch.float32, backend=be)
-        dh = (dg * _gelu_grad(h)).to(h.dtype)
-        dhq = quantize(dh, fmt, rows=True, cols=True, stats=stats, role=5, backend=be)
-        dx = gemm(dhq["q"], dhq["s"], w1qt, _expand_tile_scales(w1st, w1qt.shape[0]), ctx.x_dtype, backend=be)
-        dw1 = gemm(dhq["qt"], dhq["st"], xqt, xst, torch.float32, backend=be)
-        db1 = dh.float().sum(0) if ctx.has_bias[0] else None
-        db2 = dy2.float().sum(0) if ctx.has_bias[1] else None
+        dyq = quantize(dy2, fmt, rows=True, cols=True, colsum=ctx.has_bias[1], stats=stats, role=4, backend=be)
+        # dgrad of fc2 reduces over its outputs: w2^T's tiles, scales per row of w2^T
+        dg = _weight_gemm(dyq["q"], dyq["s"], w2qt, w2st, h.dtype, recipe)
+        dw2 = _rows_gemm(dyq["qt"], dyq["st"], gqt, gst, torch.float32, recipe)
+        # gelu's backward, both quantizations of dh and the bias gradient in one pass over dg and h
+        dhq = quantize(
+            dg,
+            fmt,
+            rows=True,
+            cols=True,
+            act="gelu_bwd",
+            gate=h,
+            colsum=ctx.has_bias[0],
+            stats=stats,
+            role=5,
+            backend=be,
+        )
+        dx = _weight_gemm(dhq["q"], dhq["s"], w1qt, w1st, ctx.x_dtype, recipe)
+        dw1 = _rows_gemm(dhq["qt"], dhq["st"], xqt, xst, torch.float32, recipe)
+        db1 = dhq.get("colsum")
+        db2 = dyq.get("colsum")
         dw1, dw2 = dw1.to(ctx.w_dtypes[0]), dw2.to(ctx.w_dtypes[1])
         return dx.reshape(ctx.shape), dw1, db1, dw2, db2, None, None
 
@@ -690,6 +790,17 @@ def group_layout(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.T
     return dest, tile_group, k_bounds, capacity
 
 
+def _quantize_side_by_side(w1: torch.Tensor, w3: torch.Tensor, stats: Fp8Stats, backend: str) -> dict:
+    """128x128 tiles of [w1 | w3] (E, dim, 2H), both ways: q (E, dim, 2H) and qt (E, 2H, dim). Where H is a whole
+    number of tiles each half is quantized alone and the fp8 halves joined (no fp32 copy of the weights)."""
+    if w1.shape[-1] % BLOCK:
+        return quantize(torch.cat([w1, w3], dim=2), E4M3, tile=True, cols=True, stats=stats, role=1, backend=backend)
+    halves = [quantize(w, E4M3, tile=True, cols=True, stats=stats, role=1, backend=backend) for w in (w1, w3)]
+    q = torch.cat([h["q"] for h in halves], dim=2)
+    s = torch.cat([h["s"] for h in halves], dim=2)
+    return {"q": q, "s": s, "qt": torch.cat([h["qt"] for h in halves], dim=1), "st": s.transpose(-1, -2)}
+
+
 class _Fp8GroupedSwiglu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, counts, w1, w3, w2, recipe: Fp8Recipe, stats: Fp8Stats):
@@ -699,9 +810,8 @@ class _Fp8GroupedSwiglu(torch.autograd.Function):
         dest, tile_group, k_bounds, capacity = group_layout(counts, rows)
         xp = x.new_zeros(capacity, dim).index_copy(0, dest, x)
         xq = quantize(xp, E4M3, rows=True, cols=True, stats=stats, role=0, backend=be)
-        # w1 and w3 side by side: one GEMM gives [h1 | h3]; forward reads them K-major (E, 2H, dim)
-        w13 = torch.cat([w1.detach(), w3.detach()], dim=2)  # (E, dim, 2H)
-        w13q = quantize(w13, E4M3, tile=True, cols=True, stats=stats, role=1, backend=be)
+        # w1 and w3 side by side: one GEMM gives [h1 | h3]
+        w13q = _quantize_side_by_side(w1.detach(), w3.detach(), stats, be)
         h13 = gemm(
             xq["q"],
             xq["s"],
@@ -735,19 +845,11 @@ class _Fp8GroupedSwiglu(torch.autograd.Function):
         dyq = quantize(dyp, fmt, rows=True, cols=True, stats=stats, role=4, backend=be)
         # dgrad of w2: reduce over dim; w2 (E, H, dim) is K-major for that
         dg = gemm(
-            dyq["q"],
-            dyq["s"],
-            w2q,
-            _expand_tile_scales(ctx.w2s, hidden),
-            torch.float32,
-            tile_group=tile_group,
-            backend=be,
+            dyq["q"], dyq["s"], w2q, _expand_tile_scales(ctx.w2s, hidden), h13.dtype, tile_group=tile_group, backend=be
         )
         dw2 = gemm(gqt, gst, dyq["qt"], dyq["st"], torch.float32, k_bounds=k_bounds, backend=be)  # (E, H, dim)
-        h1, h3 = h13[:, :hidden].float(), h13[:, hidden:].float()
-        sig = torch.sigmoid(h1)
-        dh13 = torch.cat([dg * h3 * sig * (1 + h1 * (1 - sig)), dg * h1 * sig], dim=1).to(h13.dtype)
-        dhq = quantize(dh13, fmt, rows=True, cols=True, stats=stats, role=5, backend=be)
+        # SwiGLU's backward and both quantizations of [dh1 | dh3] in one pass over dg and h13
+        dhq = quantize(dg, fmt, rows=True, cols=True, act="swiglu_bwd", gate=h13, stats=stats, role=5, backend=be)
         dxp = gemm(
             dhq["q"],
             dhq["s"],

@@ -58,12 +58,12 @@ def fwd_bwd(block: nn.Module, x: torch.Tensor, dy: torch.Tensor):
     return run
 
 
-def checks(device, log) -> dict:
+def checks(device, log, full: bool) -> dict:
     """FP8 ops on real float8 against the emulation (same quantization, fp32 matmuls) and against fp32."""
     gen = torch.Generator(device=device).manual_seed(0)
     out = {}
     x = torch.randn(4096, 1024, device=device, generator=gen) * torch.logspace(-2, 2, 1024, device=device)
-    for fmt in (fp8.E4M3, fp8.E5M2):
+    for fmt in (fp8.E4M3, fp8.E5M2) if full else ():
         for mode in ({"rows": True, "cols": True}, {"tile": True, "cols": True}):
             t = fp8.quantize(x, fmt, **mode)
             r = fp8.quantize(x, fmt, **mode, backend="reference")
@@ -72,7 +72,7 @@ def checks(device, log) -> dict:
                 k: {"max_abs_diff": float((t[k].float() - r[k].float()).abs().max())} for k in ("q", "s", "qt", "st")
             }
     tokens, dim, hidden = 8192, 1024, 4096
-    for grad in ("e4m3", "e5m2"):
+    for grad, gemm in (("e4m3", "triton"), ("e4m3", "cublas"), ("e5m2", "triton"))[: 3 if full else 2]:
         mlp = Mlp(dim, hidden).to(device)
         x = torch.randn(tokens, dim, device=device, generator=gen, requires_grad=True)
         dy = torch.randn(tokens, dim, device=device, generator=gen)
@@ -81,11 +81,11 @@ def checks(device, log) -> dict:
         results = {}
         for backend in ("triton", "reference"):
             stats = fp8.Fp8Stats(fp8.MLP_ROLES, 0, device, collect=True)
-            recipe = fp8.Fp8Recipe(fp8.fp8_format(grad), backend)
+            recipe = fp8.Fp8Recipe(fp8.fp8_format(grad), backend, gemm)
             y = fp8.fp8_mlp(x, mlp.fc1.weight, mlp.fc1.bias, mlp.fc2.weight, mlp.fc2.bias, recipe, stats)
             results[backend] = (y, torch.autograd.grad(y, [x, mlp.fc1.weight, mlp.fc2.weight], dy))
         (yt, gt), (yr, gr) = results["triton"], results["reference"]
-        out[f"mlp_grad_{grad}"] = {
+        out[f"mlp_grad_{grad}_{gemm}"] = {
             "y_vs_emulation": rel(yt, yr),
             "y_vs_fp32": rel(yt, ref),
             "grads_vs_emulation": [rel(a, b) for a, b in zip(gt, gr)],
@@ -207,51 +207,65 @@ def torchao_blocks(dim, hidden, device, log) -> dict[str, nn.Module]:
     return out
 
 
-def block_bench(device, tokens, moe_tokens, log) -> list[dict]:
+def profile_table(step, path: Path, log) -> None:
+    """CUDA time per kernel over 3 calls of `step` (where the FP8 block's time goes)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=70)
+    path.write_text(table)
+    log(table)
+
+
+def time_variants(title: str, variants: dict, x, dy, flops: int, log, rows: list) -> None:
+    for name, block in variants.items():
+        try:
+            ms = timed(fwd_bwd(block, x, dy))
+        except Exception as exc:  # noqa: BLE001 - one failing variant must not cost the others
+            log(f"{title} {name}: failed {exc!r}")
+            continue
+        rows.append({"block": title, "variant": name, "ms": ms, "tflops": flops / ms / 1e9})
+        log(f"{title} | {name}: {ms:.2f} ms ({flops / ms / 1e9:.0f} TFLOP/s of GEMMs)")
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+
+
+def converted(block: nn.Module, device, **options) -> nn.Module:
+    block = copy.deepcopy(block)
+    convert_to_fp8(block, Fp8Options(**options), device)
+    return block
+
+
+def block_bench(device, tokens, moe_tokens, log, full: bool, out: Path) -> list[dict]:
     dim, hidden = 1024, 4096
     gen = torch.Generator(device=device).manual_seed(2)
     rows = []
-    mlp_flops = 3 * 2 * 2 * tokens * dim * hidden
     x = torch.randn(tokens, dim, device=device, generator=gen, requires_grad=True)
     dy = torch.randn(tokens, dim, device=device, generator=gen, dtype=torch.bfloat16)
     bf16 = Block(dim, Mlp(dim, hidden)).to(device)
     variants = {"bf16 (autocast, fp32 masters)": bf16}
-    for grad in ("e4m3", "e5m2"):
-        for scaling in ("dynamic", "delayed"):
-            block = copy.deepcopy(bf16)
-            convert_to_fp8(block, Fp8Options(grad_format=grad, scaling=scaling), device)
-            variants[f"fp8 ours grad {grad} {scaling}"] = block
-    variants.update(torchao_blocks(dim, hidden, device, log))
-    for name, block in variants.items():
-        try:
-            ms = timed(fwd_bwd(block, x, dy))
-        except Exception as exc:  # noqa: BLE001
-            log(f"MLP block {name}: failed {exc!r}")
-            continue
-        rows.append({"block": f"MLP {tokens} tokens {dim}->{hidden}->{dim}", "variant": name, "ms": ms})
-        rows[-1]["tflops"] = mlp_flops / ms / 1e9
-        log(f"MLP block {name}: {ms:.2f} ms ({mlp_flops / ms / 1e9:.0f} TFLOP/s of GEMMs)")
-        block.zero_grad(set_to_none=True)
-        x.grad = None
-    moe_flops = 3 * 3 * 2 * moe_tokens * 2 * dim * hidden
+    for gemm in fp8.GEMMS:
+        variants[f"fp8 ours, {gemm} GEMMs, grad e4m3 dynamic"] = converted(bf16, device, gemm=gemm)
+    if full:
+        for grad, scaling in (("e5m2", "dynamic"), ("e4m3", "delayed"), ("e5m2", "delayed")):
+            variants[f"fp8 ours, triton GEMMs, grad {grad} {scaling}"] = converted(
+                bf16, device, grad_format=grad, scaling=scaling
+            )
+        variants.update(torchao_blocks(dim, hidden, device, log))
+    title = f"MLP block {tokens} tokens {dim}->{hidden}->{dim}"
+    time_variants(title, variants, x, dy, 3 * 2 * 2 * tokens * dim * hidden, log, rows)
+    profile_table(fwd_bwd(variants["fp8 ours, triton GEMMs, grad e4m3 dynamic"], x, dy), out / "profile_mlp.txt", log)
+    del variants
     x = torch.randn(moe_tokens, dim, device=device, generator=gen, requires_grad=True)
     dy = torch.randn(moe_tokens, dim, device=device, generator=gen, dtype=torch.bfloat16)
     bf16 = Block(dim, MoEFeedForward(dim, hidden, 8, 2)).to(device)
-    variants = {"bf16 (torch._grouped_mm)": bf16}
-    for grad in ("e4m3", "e5m2"):
-        block = copy.deepcopy(bf16)
-        convert_to_fp8(block, Fp8Options(grad_format=grad), device)
-        variants[f"fp8 ours grad {grad}"] = block
-    for name, block in variants.items():
-        try:
-            ms = timed(fwd_bwd(block, x, dy))
-        except Exception as exc:  # noqa: BLE001
-            log(f"MoE {name}: failed {exc!r}")
-            continue
-        rows.append({"block": f"MoE {moe_tokens} tokens 8 experts top-2 {dim}/{hidden}", "variant": name, "ms": ms})
-        rows[-1]["tflops"] = moe_flops / ms / 1e9
-        log(f"MoE layer {name}: {ms:.2f} ms ({moe_flops / ms / 1e9:.0f} TFLOP/s of expert GEMMs)")
-        x.grad = None
+    variants = {"bf16 (torch._grouped_mm)": bf16, "fp8 ours grad e4m3": converted(bf16, device)}
+    if full:
+        variants["fp8 ours grad e5m2"] = converted(bf16, device, grad_format="e5m2")
+    title = f"MoE layer {moe_tokens} tokens 8 experts top-2 {dim}/{hidden}"
+    time_variants(title, variants, x, dy, 3 * 3 * 2 * moe_tokens * 2 * dim * hidden, log, rows)
+    profile_table(fwd_bwd(variants["fp8 ours grad e4m3"], x, dy), out / "profile_moe.txt", log)
     return rows
 
 
@@ -260,7 +274,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=196_608, help="MLP block rows (h200-bench: 512 x 384)")
     parser.add_argument("--moe-tokens", type=int, default=13_312, help="MoE rows (h200-bench: 512 x 26 tokens)")
-    parser.add_argument("--skip-checks", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="e4m3 dynamic only: no peers, no GEMM-alone table")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("fp8_bench needs a CUDA GPU (Hopper or newer)")
@@ -275,9 +289,9 @@ def run(argv: list[str] | None = None) -> dict:
             f.write(text + "\n")
 
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    result = {"checks": None if args.skip_checks else checks(device, log)}
-    result["blocks"] = block_bench(device, args.tokens, args.moe_tokens, log)
-    result["gemms"] = gemm_bench(device, args.tokens, log)
+    result = {"checks": checks(device, log, full=not args.quick)}
+    result["blocks"] = block_bench(device, args.tokens, args.moe_tokens, log, not args.quick, args.out)
+    result["gemms"] = None if args.quick else gemm_bench(device, args.tokens, log)
     (args.out / "fp8_bench.json").write_text(json.dumps(result, indent=2))
     return result
 

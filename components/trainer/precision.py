@@ -31,15 +31,19 @@ SCALINGS = ("dynamic", "delayed")
 class Fp8Options:
     """FP8 settings from `[train]`: fp8_grad_format (e4m3 | e5m2), fp8_scaling (dynamic: scales from the current
     block; delayed: one per-tensor scale from the last `fp8_amax_history` steps' amaxes), fp8_overrides (module-name
-    glob -> "bf16" | "fp8", the last matching pattern wins)."""
+    glob -> "bf16" | "fp8", the last matching pattern wins), fp8_gemm (the MLPs' GEMMs on CUDA: triton, ours, or
+    cublas, torch's block-scaled `F.scaled_mm`; MoE experts always run our grouped Triton GEMM)."""
 
     grad_format: str = "e4m3"
     scaling: str = "dynamic"
     amax_history: int = 16
     overrides: dict[str, str] = field(default_factory=dict)
+    gemm: str = "triton"
 
     def __post_init__(self):
         fp8.fp8_format(self.grad_format)
+        if self.gemm not in fp8.GEMMS:
+            raise ValueError(f"train.fp8_gemm must be one of {', '.join(fp8.GEMMS)}, got {self.gemm!r}")
         if self.scaling not in SCALINGS:
             raise ValueError(f"train.fp8_scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
         if self.scaling == "delayed" and self.amax_history < 1:
@@ -89,6 +93,7 @@ def convert_to_fp8(model: nn.Module, options: Fp8Options, device: torch.device) 
     recipe = fp8.Fp8Recipe(
         grad_format=fp8.fp8_format(options.grad_format),
         backend="triton" if device.type == "cuda" else "reference",
+        gemm=options.gemm,
     )
     history = options.amax_history if options.scaling == "delayed" else 0
     converted = []

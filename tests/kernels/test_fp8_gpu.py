@@ -14,7 +14,7 @@ pytestmark = [
 
 
 def _rel(a, b):
-    return float((a.float() - b.float()).norm() / b.float().norm())
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm())
 
 
 @pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=lambda f: f.name)
@@ -39,14 +39,14 @@ def test_gemm_matches_dequantized_fp32():
     assert _rel(got, ref) < 5e-3  # bf16 output rounding
 
 
-@pytest.mark.parametrize("grad", ["e4m3", "e5m2"])
-def test_mlp_and_grouped_ops(grad):
-    x = torch.randn(2000, 256, device="cuda", requires_grad=True)
+@pytest.mark.parametrize("grad,gemm", [("e4m3", "triton"), ("e5m2", "triton"), ("e4m3", "cublas")])
+def test_mlp_and_grouped_ops(grad, gemm):
+    x = torch.randn(2048, 256, device="cuda", requires_grad=True)  # whole 128-row blocks: cuBLAS takes them
     w1 = (torch.randn(512, 256, device="cuda") / 16).requires_grad_()
     b1 = torch.zeros(512, device="cuda", requires_grad=True)
     w2 = (torch.randn(256, 512, device="cuda") / 22).requires_grad_()
-    dy = torch.randn(2000, 256, device="cuda")
-    recipe = fp8.Fp8Recipe(fp8.fp8_format(grad))
+    dy = torch.randn(2048, 256, device="cuda")
+    recipe = fp8.Fp8Recipe(fp8.fp8_format(grad), gemm=gemm)
     y = fp8.fp8_mlp(x, w1, b1, w2, None, recipe, fp8.Fp8Stats(fp8.MLP_ROLES, 0, x.device))
     got = torch.autograd.grad(y, [x, w1, w2], dy)
     ref_y = F.linear(F.gelu(F.linear(x, w1, b1)), w2)
@@ -54,7 +54,7 @@ def test_mlp_and_grouped_ops(grad):
     assert _rel(y, ref_y) < 0.06
     for a, b in zip(got, ref):
         assert _rel(a, b) < (0.08 if grad == "e4m3" else 0.15)
-    counts = torch.tensor([700, 0, 1300], device="cuda")
+    counts = torch.tensor([700, 0, 1348], device="cuda")
     e1, e3 = ((torch.randn(3, 256, 384, device="cuda") / 16).requires_grad_() for _ in range(2))
     e2 = (torch.randn(3, 384, 256, device="cuda") / 20).requires_grad_()
     y = fp8.fp8_grouped_swiglu(x, counts, e1, e3, e2, recipe, fp8.Fp8Stats(fp8.EXPERT_ROLES, 0, x.device))
