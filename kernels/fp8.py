@@ -695,10 +695,8 @@ def _rows_gemm(a, sa, b, sb, out_dtype, recipe: Fp8Recipe) -> torch.Tensor:
     """a (M, K) @ b (N, K)^T, both 1x128-scaled along K (weight gradients: K is the tokens)."""
     if not _cublas_fits(a, b.shape[0], recipe):
         return gemm(a, sa, b, sb, out_dtype, backend=recipe.backend)
-    kinds = F.ScalingType
-    out = F.scaled_mm(
-        a, b.mT, sa, kinds.BlockWise1x128, sb.contiguous(), kinds.BlockWise1x128, output_dtype=torch.bfloat16
-    )
+    kinds = F.ScalingType  # both scales column-major (stride (1, rows)), as `quantize` stores them
+    out = F.scaled_mm(a, b.mT, sa, kinds.BlockWise1x128, sb, kinds.BlockWise1x128, output_dtype=torch.bfloat16)
     return out.to(out_dtype)
 
 
