@@ -106,6 +106,7 @@ class ModelConfig:
     seq_layers: int = 2
     seq_attention: str = "softmax"  # "softmax" | "silu" (pointwise SiLU, normalised by the key count)
     seq_causal: bool = True
+    dropout: float = 0.0  # on the sequence tower's input tokens and residual branches (training only)
     attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA) | "reference" (PyTorch everywhere)
     rotary: bool = True
     rotary_base: float = 10000.0
@@ -163,6 +164,8 @@ class ModelConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model config: dropout must be in [0, 1), got {self.dropout}")
         for name in ("seq_layers", "nonseq_layers", "interaction_layers", "moe_every", "recency_buckets"):
             if getattr(self, name) < 0:
                 raise ValueError(f"model config: {name} must be >= 0, got {getattr(self, name)}")

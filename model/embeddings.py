@@ -140,6 +140,14 @@ class SparseEmbeddings(nn.Module):
         pooled = self.tables(values, lengths, batch + tokens)
         return pooled[:batch], pooled[batch:].index_select(1, self.token_columns)
 
+    def tokens(self, seq_item_ids: torch.Tensor, seq_item_features=None) -> torch.Tensor:
+        """Token embeddings alone, (T, 1 + num_seq_features, dim): items as history tokens, without examples."""
+        from gemrec.model.inputs import JaggedFeatures
+
+        empty = seq_item_ids.new_zeros(0, dtype=torch.long)
+        no_examples = JaggedFeatures(self.features, empty, empty, stride=0)
+        return self(no_examples, seq_item_ids, seq_item_features, batch_size=0)[1]
+
     def _reorder(self, features, batch: int, names: list[str] | None = None, what: str = "sparse_features"):
         """The features' rows in the order of `names` (default: the schema's keys)."""
         device = features.values().device

@@ -139,9 +139,10 @@ class SeqInput(nn.Module):
             nn.init.normal_(self.recency.weight, std=0.02)
 
     def forward(self, token_emb, seq_actions, seconds_before_target, events_before_target, target_emb=None):
-        """token_emb, target_emb: (T, 1 + num_seq_features, dim); target_emb is the token's example's target."""
+        """token_emb, target_emb: (T, 1 + num_seq_features, dim); target_emb is the token's example's target
+        (None for a history without a target: retrieval)."""
         x = self.token_proj(token_emb.flatten(1))
-        if self.target_proj is not None:
+        if self.target_proj is not None and target_emb is not None:
             x = x + self.target_proj((token_emb * target_emb).flatten(1))
         if self.action_proj is not None:
             x = x + self.action_proj(seq_actions.to(x.dtype))
@@ -196,8 +197,10 @@ class GEMModel(nn.Module):
         self.embeddings = SparseEmbeddings(schema, config)
         self.seq_input = SeqInput(schema, config)
         self.rotary = Rotary(d // heads, config.rotary_base, config.rotary_max_positions) if config.rotary else None
+        self.seq_dropout = nn.Dropout(config.dropout)
         self.seq_tower = nn.ModuleList(
-            SeqLayer(d, heads, hidden, config.seq_attention, config.seq_causal) for _ in range(config.seq_layers)
+            SeqLayer(d, heads, hidden, config.seq_attention, config.seq_causal, config.dropout)
+            for _ in range(config.seq_layers)
         )
         self.seq_norm = nn.LayerNorm(d)
         self.pma = PMA(d, heads, hidden, config.pma_seeds, config.seq_attention, config.init_std)
@@ -222,28 +225,54 @@ class GEMModel(nn.Module):
             return None
         return MoEFeedForward(c.d_model, c.moe_hidden, c.moe_num_experts, c.moe_top_k, c.init_std)
 
+    def _token_example(self, inp: ModelInput) -> torch.Tensor:
+        """The example index of every history token, (T,)."""
+        batch = torch.arange(inp.batch_size, device=inp.seq_offsets.device)
+        return torch.repeat_interleave(batch, inp.seq_lengths(), output_size=inp.num_tokens)
+
+    def _sequence(self, inp: ModelInput, token_emb, token_example, target_emb) -> torch.Tensor:
+        """The sequence tower's output per history token, (T, d_model)."""
+        offsets, max_len, tokens = inp.seq_offsets, inp.max_seq_len, inp.num_tokens
+        device = offsets.device
+        positions = torch.arange(tokens, device=device) - offsets[token_example]
+        rope = self.rotary(positions, max_len) if self.rotary is not None else None
+        from_end = offsets[1:][token_example] - 1 - torch.arange(tokens, device=device)
+        seconds = inp.timestamps[token_example] - inp.seq_timestamps
+        seq = self.seq_dropout(self.seq_input(token_emb, inp.seq_actions, seconds, from_end, target_emb))
+        for layer in self.seq_tower:
+            seq = layer(seq, offsets, max_len, rope)
+        return self.seq_norm(seq)
+
+    def sequence_vectors(self, inp: ModelInput) -> torch.Tensor:
+        """Retrieval: the sequence tower's output at every history token, (T, d_model), from the history alone.
+
+        With a causal tower token t sees tokens <= t only, so it can be trained to predict token t + 1 and the
+        last token of a history is the user vector; score items with `item_vectors`. There is no target item, so
+        the target-aware term of the tokens is left out; the non-sequence features are not read.
+        """
+        _check_input(inp, self.schema, with_sequence=True)
+        token_emb = self.embeddings.tokens(inp.seq_item_ids, inp.seq_item_features)
+        return self._sequence(inp, token_emb, self._token_example(inp), None)
+
+    def item_vectors(self, item_ids: torch.Tensor, item_features=None) -> torch.Tensor:
+        """Retrieval: items as the vectors `sequence_vectors` is scored against, (N, d_model): the projection
+        history tokens get of their item and side-feature embeddings (input and output items tied, as SASRec).
+        `item_features`: the schema's `seq_item_features` of these items, stride N."""
+        return self.seq_input.token_proj(self.embeddings.tokens(item_ids, item_features).flatten(1))
+
     def forward(self, inp: ModelInput) -> ModelOutput:
         _check_input(inp, self.schema, with_sequence=True)
-        batch, tokens = inp.batch_size, inp.num_tokens
+        batch = inp.batch_size
         offsets, max_len = inp.seq_offsets, inp.max_seq_len
         device = offsets.device
         example_emb, token_emb = self.embeddings(
             inp.sparse_features, inp.seq_item_ids, inp.seq_item_features, batch_size=batch
         )
-        token_example = torch.repeat_interleave(
-            torch.arange(batch, device=device), inp.seq_lengths(), output_size=tokens
-        )
-        positions = torch.arange(tokens, device=device) - offsets[token_example]
-        rope = self.rotary(positions, max_len) if self.rotary is not None else None
-        from_end = offsets[1:][token_example] - 1 - torch.arange(tokens, device=device)
-        seconds = inp.timestamps[token_example] - inp.seq_timestamps
+        token_example = self._token_example(inp)
         target_emb = None
         if self.seq_input.target_proj is not None:
             target_emb = example_emb.index_select(1, self.embeddings.token_columns)[token_example]
-        seq = self.seq_input(token_emb, inp.seq_actions, seconds, from_end, target_emb)
-        for layer in self.seq_tower:
-            seq = layer(seq, offsets, max_len, rope)
-        seq = self.seq_norm(seq)
+        seq = self._sequence(inp, token_emb, token_example, target_emb)
         summaries = self.pma(seq, offsets, max_len, batch)
         x = self.feature_input(example_emb, inp.dense_features)
         for layer in self.nonseq_tower:

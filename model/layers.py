@@ -149,18 +149,19 @@ class JaggedAttention(nn.Module):
 
 
 class SeqLayer(nn.Module):
-    """Pre-norm self-attention + MLP over the jagged history tokens."""
+    """Pre-norm self-attention + MLP over the jagged history tokens; `dropout` on both residual branches."""
 
-    def __init__(self, dim: int, heads: int, hidden: int, kind: str, causal: bool):
+    def __init__(self, dim: int, heads: int, hidden: int, kind: str, causal: bool, dropout: float = 0.0):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = JaggedAttention(dim, heads, kind, causal)
         self.mlp = Mlp(dim, hidden)
+        self.dropout = nn.Dropout(dropout)
 
     def forward(self, x, offsets, max_len, rope=None):
         y = self.norm1(x)
-        x = x + self.attn(y, y, offsets, offsets, max_len, max_len, rope)
-        return x + self.mlp(self.norm2(x))
+        x = x + self.dropout(self.attn(y, y, offsets, offsets, max_len, max_len, rope))
+        return x + self.dropout(self.mlp(self.norm2(x)))
 
     def flops(self, seq: Jagged) -> tuple[int, int]:
         return add(self.attn.flops(seq, seq), self.mlp.flops(seq.tokens))

@@ -1,4 +1,4 @@
-"""`gemrec train`, `gemrec bench quality` and `gemrec bench train`."""
+"""`gemrec train`, `gemrec bench quality`, `gemrec bench seqrec` and `gemrec bench train`."""
 
 from __future__ import annotations
 
@@ -41,6 +41,21 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
         q.add_argument("--arms", default="gem,dlrm", help="comma-separated model arms (default gem,dlrm)")
         q.add_argument("--out", type=Path, help="write all arms' metrics as JSON here")
         q.set_defaults(func=cmd_bench_quality)
+
+        s = groups["bench"].add_parser(
+            "seqrec",
+            help="leave-one-out next-item ranking (sampled-99 or full) against the published S3-Rec/ICLRec tables",
+            description="Train GEM (pointwise ranker for sampled99, retrieval head for full) and the SASRec "
+            "baseline on a leave-one-out dataset (gemrec data prepare s3rec), early-stopped on validation "
+            "NDCG@10; test HR@{5,10,20}, NDCG@{5,10,20}, MRR; everything in one MLflow run.",
+        )
+        s.add_argument("--dataset", type=Path, required=True, help="leave-one-out dataset directory")
+        s.add_argument("--protocol", choices=["sampled99", "full"], required=True, help="ranking protocol")
+        _add_common(s, default_recipe="s3rec")
+        s.add_argument("--arms", default="gem,sasrec", help="comma-separated arms among gem, sasrec (default both)")
+        s.add_argument("--metrics-out", type=Path, help="write the results as JSON here")
+        s.add_argument("--no-tracking", action="store_true", help="no MLflow run (for machines without mlflow)")
+        s.set_defaults(func=cmd_bench_seqrec)
 
         g = groups["bench"].add_parser(
             "train",
@@ -128,4 +143,37 @@ def cmd_bench_quality(args: argparse.Namespace) -> int:
             args.dataset, args.recipe, arms, args.overrides, args.tracking_uri, args.experiment, args.device, args.out
         )
     )
+    return 0
+
+
+def cmd_bench_seqrec(args: argparse.Namespace) -> int:
+    from gemrec.components.data_service.errors import DataError
+    from gemrec.components.trainer.config import RecipeError, load_recipe
+    from gemrec.components.trainer.seqrec import ARMS, run_seqrec_bench
+    from gemrec.components.trainer.trainer import TrainingError
+
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or sorted(set(arms) - set(ARMS)) or len(set(arms)) != len(arms):
+        raise CLIError(f"--arms takes distinct names among {', '.join(ARMS)}, got {args.arms!r}")
+    if not args.dataset.is_dir():
+        raise CLIError(f"--dataset {args.dataset}: no such directory")
+    try:
+        config = load_recipe(args.recipe, args.overrides)
+    except RecipeError as err:
+        raise CLIError(str(err)) from err
+    try:
+        results = run_seqrec_bench(
+            args.dataset,
+            args.protocol,
+            config,
+            arms,
+            tracking_uri=args.tracking_uri,
+            experiment=args.experiment,
+            tracking=not args.no_tracking,
+            device=args.device,
+            metrics_out=args.metrics_out,
+        )
+    except (DataError, TrainingError) as err:
+        raise CLIError(str(err)) from err
+    print(results["table"])
     return 0

@@ -81,15 +81,35 @@ class BenchConfig:
 
 
 @dataclass
+class SeqRecConfig:
+    """`gemrec bench seqrec`: leave-one-out next-item benchmarks (components/trainer/seqrec.py)."""
+
+    epochs: int = 200  # upper bound: early stopping on validation NDCG@10 ends a run sooner
+    patience: int = 5  # validations in a row without a better NDCG@10 before stopping
+    eval_every: float = 1.0  # epochs between validations
+    batch_size: int = 256  # user sequences (retrieval arms) or positive examples (ranker) per step
+    max_seq_len: int = 50  # most recent history items the models see
+    ranker_negatives: int = 4  # sampled negatives per positive for the pointwise GEM ranker (sampled99)
+    gem_loss: str = "softmax"  # GEM retrieval head (full): softmax | sampled | bce
+    sasrec_loss: str = "bce"  # SASRec baseline: bce (its paper: one negative per position) | softmax | sampled
+    sampled_negatives: int = 512  # negatives shared by a batch for the "sampled" loss
+    valid_users: int = 0  # users drawn for each validation (0: all); the test always uses all
+    eval_batch_size: int = 256  # users per evaluation batch
+    sparse_optimizer: bool = True  # row-wise Adagrad on embedding tables; false: AdamW over every parameter
+
+
+@dataclass
 class TrainConfig:
     recipe: str = "custom"
     model: dict[str, Any] = field(default_factory=lambda: {"arch": "gem"})  # -> gemrec.model.ModelConfig
     parallel: dict[str, Any] = field(default_factory=dict)  # -> trainer.parallel.ParallelConfig (multi-rank)
+    sasrec: dict[str, Any] = field(default_factory=dict)  # -> gemrec.model.sasrec.SASRecConfig (bench seqrec)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    seqrec: SeqRecConfig = field(default_factory=SeqRecConfig)
 
     @property
     def arch(self) -> str:
@@ -116,6 +136,7 @@ SECTIONS = {
     "train": LoopConfig,
     "checkpoint": CheckpointConfig,
     "bench": BenchConfig,
+    "seqrec": SeqRecConfig,
 }
 
 
@@ -201,20 +222,22 @@ def build_config(raw: dict[str, Any], recipe: str = "custom", overrides: list[st
     for text in overrides:
         (section, key), value = parse_override(text)
         raw.setdefault(section, {})[key] = value
-    unknown = sorted(set(raw) - set(SECTIONS) - {"model", "parallel"})
+    unknown = sorted(set(raw) - set(SECTIONS) - {"model", "parallel", "sasrec"})
     if unknown:
         raise RecipeError(
-            f"unknown section(s) {', '.join(unknown)}; recipes take {', '.join(['model', 'parallel', *SECTIONS])}"
+            f"unknown section(s) {', '.join(unknown)}; recipes take "
+            f"{', '.join(['model', 'parallel', 'sasrec', *SECTIONS])}"
         )
     model = dict(raw.get("model", {}))
     model.setdefault("arch", "gem")
     if model["arch"] not in ("gem", "dlrm"):
         raise RecipeError(f"model.arch must be 'gem' or 'dlrm', got {model['arch']!r}")
     sections = {name: _build_section(cls, raw.get(name, {}), name) for name, cls in SECTIONS.items()}
-    parallel = raw.get("parallel", {})
-    if not isinstance(parallel, dict):
-        raise RecipeError("[parallel] must be a table")
-    config = TrainConfig(recipe=recipe, model=model, parallel=dict(parallel), **sections)
+    parallel, sasrec = raw.get("parallel", {}), raw.get("sasrec", {})
+    for name, table in (("parallel", parallel), ("sasrec", sasrec)):
+        if not isinstance(table, dict):
+            raise RecipeError(f"[{name}] must be a table")
+    config = TrainConfig(recipe=recipe, model=model, parallel=dict(parallel), sasrec=dict(sasrec), **sections)
     validate(config)
     return config
 
@@ -231,10 +254,27 @@ def validate(config: TrainConfig) -> None:
         (config.optim.dense_lr >= 0 and config.optim.sparse_lr >= 0, "learning rates must be >= 0"),
         (0.0 <= config.optim.min_lr_ratio <= 1.0, "optim.min_lr_ratio must be in [0, 1]"),
         (config.checkpoint.keep >= 1, "checkpoint.keep must be >= 1"),
+        (config.seqrec.epochs > 0 and config.seqrec.patience > 0, "seqrec.epochs and seqrec.patience must be > 0"),
+        (config.seqrec.eval_every > 0, "seqrec.eval_every must be > 0"),
+        (config.seqrec.batch_size > 0 and config.seqrec.eval_batch_size > 0, "seqrec batch sizes must be > 0"),
+        (config.seqrec.max_seq_len > 0, "seqrec.max_seq_len must be > 0"),
+        (config.seqrec.ranker_negatives > 0, "seqrec.ranker_negatives must be > 0"),
+        (config.seqrec.sampled_negatives > 0, "seqrec.sampled_negatives must be > 0"),
+        (config.seqrec.valid_users >= 0, "seqrec.valid_users must be >= 0"),
+        (
+            {config.seqrec.gem_loss, config.seqrec.sasrec_loss} <= {"softmax", "sampled", "bce"},
+            "seqrec.gem_loss and seqrec.sasrec_loss must be softmax, sampled or bce",
+        ),
     ]
     for ok, message in checks:
         if not ok:
             raise RecipeError(message)
+    from gemrec.model.sasrec import SASRecConfig
+
+    try:
+        SASRecConfig.from_dict(config.sasrec)
+    except (TypeError, ValueError) as err:
+        raise RecipeError(f"[sasrec]: {err}") from err
     model = _model_config(config)
     if model.rotary and config.data.max_seq_len > model.rotary_max_positions:
         raise RecipeError(

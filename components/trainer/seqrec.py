@@ -1,0 +1,454 @@
+"""`gemrec bench seqrec`: leave-one-out next-item benchmarks against the published sequential-recommendation tables.
+
+Protocols (definitions in `ranking.py`):
+- `sampled99`: the target among 99 sampled unseen items. Arm `gem` is the pointwise GEM ranker (the model's
+  CTR forward: user, candidate item and its attributes, the history with target-aware tokens), trained on the
+  observed next items as positives and `seqrec.ranker_negatives` sampled negatives each (binary cross-entropy).
+- `full`: the target among all items, history items removed. Arm `gem` is GEM's retrieval head: the causal
+  sequence tower's output at the last history token, dot product with the item vectors
+  (`GEMModel.sequence_vectors` / `item_vectors`), trained on next-item prediction at every position with
+  `seqrec.gem_loss` (full softmax, sampled softmax or BCE).
+- Arm `sasrec`, under either protocol: the SASRec baseline (`gemrec.model.sasrec`), trained with
+  `seqrec.sasrec_loss` (its paper's BCE with one negative per position by default).
+
+Every arm trains with the trainer's optimizers (row-wise Adagrad on embedding tables, AdamW on the rest),
+validates on the `valid` split every `seqrec.eval_every` epochs, stops after `seqrec.patience` validations
+without a better NDCG@10, and is tested on the `test` split with its best validated weights. Everything goes
+to one MLflow run (params, per-validation metrics, test metrics, a PNG of the metrics, the results JSON).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import platform
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from gemrec.components.trainer.config import TrainConfig
+from gemrec.components.trainer.ranking import KS, SAMPLED_NEGATIVES, ranking_metrics, sample_unseen, target_ranks
+from gemrec.components.trainer.seqrec_data import Jagged, SeqRecData, Targets
+from gemrec.components.trainer.tracking import Tracker, git_commit, resolve_tracking_uri
+from gemrec.components.trainer.trainer import TrainingError, autocast_for, finite_or_none, set_determinism
+from tqdm import tqdm
+
+log = logging.getLogger(__name__)
+
+PROTOCOLS = ("sampled99", "full")
+ARMS = ("gem", "sasrec")
+CANDIDATE_SEEDS = {"valid": 12346, "test": 12345}  # sampled-99 candidates: fixed, the same for every arm and run
+
+# Published numbers (test split) the results are compared with; see docs/benchmarks.md for the sources.
+PUBLISHED = {
+    ("Beauty", "sampled99"): {
+        "S3-Rec": {"hr@5": 0.4502, "ndcg@5": 0.3407, "hr@10": 0.5506, "ndcg@10": 0.3732, "mrr": 0.3340},
+        "SASRec": {"hr@5": 0.3741, "ndcg@5": 0.2848, "hr@10": 0.4696, "ndcg@10": 0.3156, "mrr": 0.2852},
+    },
+    ("Sports_and_Outdoors", "sampled99"): {
+        "S3-Rec": {"hr@5": 0.4267, "ndcg@5": 0.3104, "hr@10": 0.5614, "ndcg@10": 0.3538, "mrr": 0.3071},
+        "SASRec": {"hr@5": 0.3466, "ndcg@5": 0.2497, "hr@10": 0.4622, "ndcg@10": 0.2869, "mrr": 0.2520},
+    },
+    ("Beauty", "full"): {
+        "ICLRec": {"hr@10": 0.0744, "ndcg@10": 0.0403},
+        "S3-Rec": {"hr@10": 0.0647, "ndcg@10": 0.0327},
+        "SASRec": {"hr@10": 0.0605, "ndcg@10": 0.0318},
+    },
+    ("Sports_and_Outdoors", "full"): {"ICLRec": {"hr@10": 0.0437, "ndcg@10": 0.0238}},
+}
+
+
+def _metric_name(key: str) -> str:
+    return key.replace("@", "_at_")  # MLflow metric names take no '@'
+
+
+class RetrievalArm:
+    """A model with `sequence_vectors` / `item_vectors`, trained on next-item prediction at every position."""
+
+    def __init__(self, name: str, model, data: SeqRecData, loss: str, config: TrainConfig, device: torch.device):
+        self.name, self.model, self.data, self.loss_kind = name, model, data, loss
+        self.config, self.device = config.seqrec, device
+        ids, features = data.catalog()
+        self.catalog = (ids.to(device), features.to(device) if features is not None else None)
+        lengths = data.train_sequences.lengths
+        self.users = np.flatnonzero(lengths >= 2)  # a single train event predicts nothing
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, math.ceil(len(self.users) / self.config.batch_size))
+
+    def batches(self, rng: np.random.Generator):
+        """(history input, next item of every history token, user of every token) per batch of users."""
+        sequences = self.data.train_sequences
+        order = rng.permutation(self.users)
+        for start in range(0, len(order), self.config.batch_size):
+            users = order[start : start + self.config.batch_size]
+            lengths = np.minimum(sequences.lengths[users], self.config.max_seq_len + 1)
+            ends = sequences.offsets[users + 1]
+            inputs = Jagged.from_lengths(sequences.values[_ranges(ends - lengths, lengths - 1)], lengths - 1)
+            targets = sequences.values[_ranges(ends - lengths + 1, lengths - 1)]
+            yield self.data.model_input(inputs), targets, np.repeat(users, lengths - 1)
+
+    def loss(self, batch, rng: np.random.Generator) -> torch.Tensor:
+        from gemrec.model.retrieval import bce_loss, sampled_softmax_loss, softmax_loss
+
+        inp, targets, users = batch
+        hidden = self.model.sequence_vectors(inp.to(self.device)).float()
+        items = self.model.item_vectors(*self.catalog).float()
+        targets_t = torch.from_numpy(targets).to(self.device)
+        if self.loss_kind == "softmax":
+            return softmax_loss(hidden, items, targets_t)
+        if self.loss_kind == "sampled":
+            negatives = torch.from_numpy(rng.integers(self.data.num_items, size=self.config.sampled_negatives))
+            negatives = negatives.to(self.device)
+            hits = negatives[None, :] == targets_t[:, None]
+            return sampled_softmax_loss(hidden, items[targets_t], items[negatives], hits)
+        negatives = torch.from_numpy(self.data.train_negatives(users, 1, rng)[:, 0]).to(self.device)
+        return bce_loss(hidden, items[targets_t], items[negatives])
+
+    @torch.no_grad()
+    def scores(self, targets: Targets, candidates: np.ndarray | None) -> torch.Tensor:
+        inp = self.data.model_input(targets.history).to(self.device)
+        hidden = self.model.sequence_vectors(inp).float()
+        lengths = inp.seq_lengths()
+        last = hidden[(inp.seq_offsets[1:] - 1).clamp(min=0)] * (lengths > 0)[:, None]
+        items = self.model.item_vectors(*self.catalog).float()
+        if candidates is None:
+            return last @ items.t()
+        chosen = items[torch.from_numpy(candidates).to(self.device)]
+        return (chosen * last[:, None, :]).sum(-1)
+
+
+class RankerArm:
+    """The pointwise GEM ranker: P(candidate is the next item | user, history), binary cross-entropy."""
+
+    def __init__(self, name: str, model, data: SeqRecData, config: TrainConfig, device: torch.device):
+        self.name, self.model, self.data, self.config, self.device = name, model, data, config.seqrec, device
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return max(1, math.ceil(len(self.data.splits["train"]) / self.config.batch_size))
+
+    def _input(self, targets: Targets, candidates: np.ndarray):
+        rows = np.repeat(np.arange(len(targets)), candidates.shape[1])
+        return self.data.model_input(targets.history.take(rows), targets.users[rows], candidates.reshape(-1))
+
+    def batches(self, rng: np.random.Generator):
+        """(input, labels) per batch of positives, each followed by its sampled negatives."""
+        train = self.data.splits["train"]
+        order = rng.permutation(len(train))
+        k = self.config.ranker_negatives
+        for start in range(0, len(order), self.config.batch_size):
+            positives = train.take(order[start : start + self.config.batch_size])
+            negatives = self.data.train_negatives(positives.users, k, rng)
+            candidates = np.concatenate([positives.items[:, None], negatives], axis=1)
+            labels = np.zeros(candidates.shape, dtype=np.float32)
+            labels[:, 0] = 1.0
+            yield self._input(positives, candidates), torch.from_numpy(labels.reshape(-1, 1))
+
+    def loss(self, batch, rng: np.random.Generator) -> torch.Tensor:
+        from gemrec.model import loss
+
+        inp, labels = batch
+        return loss(self.model(inp.to(self.device)), labels.to(self.device))
+
+    @torch.no_grad()
+    def scores(self, targets: Targets, candidates: np.ndarray | None) -> torch.Tensor:
+        if candidates is None:
+            raise ValueError("the pointwise ranker scores sampled candidates; full ranking uses GEM's retrieval head")
+        logits = self.model(self._input(targets, candidates).to(self.device)).logits[:, 0]
+        return logits.float().view(candidates.shape)
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    from gemrec.components.common import jagged
+
+    return jagged.ranges(starts, lengths)
+
+
+def build_arm(name: str, protocol: str, config: TrainConfig, data: SeqRecData, device: torch.device):
+    from gemrec.model import ModelConfig, build_model
+    from gemrec.model.sasrec import SASRec, SASRecConfig
+
+    if name == "sasrec":
+        model = SASRec(SASRecConfig.from_dict(config.sasrec), data.schema).to(device)
+        return RetrievalArm(name, model, data, config.seqrec.sasrec_loss, config, device)
+    model = build_model(ModelConfig.from_dict(config.model), data.schema).to(device)
+    if protocol == "full":
+        return RetrievalArm(name, model, data, config.seqrec.gem_loss, config, device)
+    return RankerArm(name, model, data, config, device)
+
+
+class Evaluator:
+    """Ranks of the `valid` or `test` targets under one protocol; sampled candidates are drawn once."""
+
+    def __init__(self, data: SeqRecData, protocol: str, batch_users: int, device: torch.device):
+        self.data, self.protocol, self.batch_users, self.device = data, protocol, batch_users, device
+        self.candidates: dict[str, np.ndarray] = {}
+
+    def _candidates(self, split: str) -> np.ndarray:
+        if split not in self.candidates:
+            targets = self.data.splits[split]
+            seen = self.data.user_items.take(targets.users)
+            negatives = sample_unseen(
+                seen.values, seen.offsets, self.data.num_items, SAMPLED_NEGATIVES, CANDIDATE_SEEDS[split]
+            )
+            self.candidates[split] = np.concatenate([targets.items[:, None], negatives], axis=1)
+        return self.candidates[split]
+
+    def ranks(self, arm, split: str, rows: np.ndarray | None = None) -> np.ndarray:
+        targets = self.data.splits[split]
+        rows = np.arange(len(targets)) if rows is None else rows
+        candidates = self._candidates(split) if self.protocol == "sampled99" else None
+        arm.model.eval()
+        out = []
+        try:
+            for start in range(0, len(rows), self.batch_users):
+                chunk = rows[start : start + self.batch_users]
+                part = targets.take(chunk)
+                if candidates is not None:
+                    scores = arm.scores(part, candidates[chunk])
+                    target = torch.zeros(len(chunk), dtype=torch.long, device=scores.device)
+                    out.append(target_ranks(scores, target).cpu().numpy())
+                    continue
+                scores = arm.scores(part, None)
+                masked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
+                user_rows = np.repeat(np.arange(len(chunk)), part.before.lengths)
+                masked[torch.from_numpy(user_rows), torch.from_numpy(part.before.values)] = True
+                target = torch.from_numpy(part.items).to(scores.device)
+                out.append(target_ranks(scores, target, masked).cpu().numpy())
+        finally:
+            arm.model.train()
+        return np.concatenate(out)
+
+
+def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, device: torch.device) -> dict:
+    """Train with early stopping on validation NDCG@10, then test the best weights; the arm's results."""
+    from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+
+    cfg = config.seqrec
+    set_determinism(config.train.seed, config.train.deterministic)
+    rng = np.random.default_rng(config.train.seed)
+    model = arm.model
+    sparse_kind = apply_sparse_optimizer(model, config.optim) if cfg.sparse_optimizer else "none (AdamW on all)"
+    steps_per_epoch = arm.steps_per_epoch
+    optimizers = Optimizers(model, config.optim, cfg.epochs * steps_per_epoch)
+    _, autocast = autocast_for(config, device)
+    eval_interval = max(1, round(cfg.eval_every * steps_per_epoch))
+    valid_rows = None
+    if cfg.valid_users and cfg.valid_users < len(evaluator.data.splits["valid"]):
+        pick = np.random.default_rng(CANDIDATE_SEEDS["valid"])
+        valid_rows = np.sort(pick.choice(len(evaluator.data.splits["valid"]), cfg.valid_users, replace=False))
+    params = sum(p.numel() for p in model.parameters())
+    log.info(
+        "%s (%s, %.2fM params): %d steps/epoch, validation every %d steps, sparse optimizer %s",
+        arm.name,
+        type(model).__name__,
+        params / 1e6,
+        steps_per_epoch,
+        eval_interval,
+        sparse_kind,
+    )
+    history: list[dict] = []
+    best, best_state, best_step, stale = -1.0, None, 0, 0
+    step, losses, train_seconds, eval_seconds = 0, [], 0.0, 0.0
+    bar = tqdm(total=cfg.epochs * steps_per_epoch, desc=f"{arm.name}", unit="step", mininterval=2.0, dynamic_ncols=True)
+    model.train()
+    started = time.perf_counter()
+    done = False
+    for _ in range(cfg.epochs):
+        for batch in arm.batches(rng):
+            with autocast():
+                loss = arm.loss(batch, rng)
+            loss.backward()
+            optimizers.clip_and_step()
+            step += 1
+            losses.append(loss.detach())
+            bar.update(1)
+            if step % eval_interval:
+                continue
+            mean_loss = float(torch.stack(losses).float().mean())
+            losses = []
+            if not math.isfinite(mean_loss):
+                raise TrainingError(f"{arm.name}: loss is {mean_loss} before step {step}")
+            eval_start = time.perf_counter()
+            with autocast():
+                metrics = ranking_metrics(evaluator.ranks(arm, "valid", valid_rows))
+            eval_seconds += time.perf_counter() - eval_start
+            record = {"step": step, "epoch": step / steps_per_epoch, "train_loss": mean_loss, **metrics}
+            history.append(record)
+            tracker.log_metrics(
+                {f"{arm.name}/valid_{_metric_name(k)}": v for k, v in metrics.items() if k != "users"}
+                | {f"{arm.name}/train_loss": mean_loss},
+                step=step,
+            )
+            if metrics["ndcg@10"] > best:
+                best, best_step, stale = metrics["ndcg@10"], step, 0
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            else:
+                stale += 1
+            bar.set_postfix(loss=f"{mean_loss:.4f}", ndcg10=f"{metrics['ndcg@10']:.4f}", best=f"{best:.4f}")
+            log.info(
+                "%s epoch %.2f: loss %.4f, valid HR@10 %.4f NDCG@10 %.4f (best %.4f at epoch %.2f)",
+                arm.name,
+                record["epoch"],
+                mean_loss,
+                metrics["hr@10"],
+                metrics["ndcg@10"],
+                best,
+                best_step / steps_per_epoch,
+            )
+            if stale >= cfg.patience:
+                done = True
+                break
+        if done:
+            break
+    bar.close()
+    train_seconds = time.perf_counter() - started - eval_seconds
+    if best_state is None:
+        raise TrainingError(f"{arm.name}: no validation ran (seqrec.eval_every is longer than seqrec.epochs)")
+    model.load_state_dict(best_state)
+    test_start = time.perf_counter()
+    with autocast():
+        test = ranking_metrics(evaluator.ranks(arm, "test"))
+    test_seconds = time.perf_counter() - test_start
+    tracker.log_metrics({f"{arm.name}/test_{_metric_name(k)}": v for k, v in test.items() if k != "users"}, step=step)
+    log.info("%s test: %s", arm.name, ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != "users"))
+    return {
+        "test": test,
+        "valid_best": next(h for h in history if h["step"] == best_step),
+        "best_epoch": best_step / steps_per_epoch,
+        "epochs": step / steps_per_epoch,
+        "steps": step,
+        "params": params,
+        "train_seconds": train_seconds,
+        "valid_seconds": eval_seconds,
+        "test_seconds": test_seconds,
+        "history": history,
+    }
+
+
+def plot_results(results: dict, published: dict):
+    """Validation NDCG@10 over epochs per arm, and test HR@10 / NDCG@10 beside the published numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (curves, bars) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in results["arms"].items():
+        curves.plot([h["epoch"] for h in r["history"]], [h["ndcg@10"] for h in r["history"]], "o-", ms=3, label=name)
+    curves.set_xlabel("epoch")
+    curves.set_ylabel("valid NDCG@10")
+    curves.set_title(f"{results['dataset']} ({results['protocol']})")
+    curves.legend()
+    rows = [(f"{n} (ours)", r["test"]) for n, r in results["arms"].items()]
+    rows += [(f"{n} (published)", m) for n, m in published.items()]
+    x = np.arange(len(rows))
+    for i, key in enumerate(("hr@10", "ndcg@10")):
+        values = [m.get(key, np.nan) for _, m in rows]
+        bars.bar(x + (i - 0.5) * 0.4, values, 0.4, label=key.upper())
+    bars.set_xticks(x, [name for name, _ in rows], rotation=20, ha="right")
+    bars.set_ylabel("test")
+    bars.legend()
+    fig.tight_layout()
+    return fig
+
+
+def results_table(results: dict, published: dict) -> str:
+    keys = [*(f"hr@{k}" for k in KS), *(f"ndcg@{k}" for k in KS), "mrr"]
+    lines = [
+        "| model | " + " | ".join(k.upper() for k in keys) + " | best epoch | train s |",
+        "|---" * (len(keys) + 3) + "|",
+    ]
+    for name, r in results["arms"].items():
+        cells = " | ".join(f"{r['test'][k]:.4f}" for k in keys)
+        lines.append(f"| {name} (ours) | {cells} | {r['best_epoch']:.1f} | {r['train_seconds']:.0f} |")
+    for name, m in published.items():
+        cells = " | ".join(f"{m[k]:.4f}" if k in m else "-" for k in keys)
+        lines.append(f"| {name} (published) | {cells} | - | - |")
+    return "\n".join(lines)
+
+
+def run_seqrec_bench(
+    dataset: Path,
+    protocol: str,
+    config: TrainConfig,
+    arms: list[str],
+    *,
+    tracking_uri: str | None,
+    experiment: str,
+    tracking: bool,
+    device: str,
+    metrics_out: Path | None,
+) -> dict:
+    """Train and test every arm on one protocol; the results (also written to `metrics_out` and MLflow)."""
+    from gemrec.components.data_service.dataset import Dataset
+
+    if protocol not in PROTOCOLS:
+        raise ValueError(f"protocol must be one of {PROTOCOLS}, got {protocol!r}")
+    unknown = sorted(set(arms) - set(ARMS))
+    if unknown or not arms:
+        raise ValueError(f"arms must be among {ARMS}, got {arms}")
+    started = time.perf_counter()
+    load_start = os.getloadavg()
+    dev = torch.device(
+        "cuda" if device == "auto" and torch.cuda.is_available() else "cpu" if device == "auto" else device
+    )
+    if dev.type == "cpu":
+        torch.set_num_threads(config.train.threads or os.cpu_count() or 1)
+    data = SeqRecData(Dataset.open(dataset), config.seqrec.max_seq_len)
+    published = PUBLISHED.get((data.name, protocol), {})
+    uri = resolve_tracking_uri(tracking_uri)
+    tracker = Tracker(tracking, uri, experiment, run_name=f"seqrec-{protocol}-{data.name}-{config.recipe}")
+    try:
+        tracker.log_params(
+            {**config.flat(), "protocol": protocol, "arms": ",".join(arms), "dataset": data.name, "device": str(dev)}
+        )
+        tracker.set_tags({"git_commit": git_commit(), "dataset_checksum": data.checksum, "recipe": config.recipe})
+        evaluator = Evaluator(data, protocol, config.seqrec.eval_batch_size, dev)
+        arm_results = {}
+        for name in arms:
+            arm = build_arm(name, protocol, config, data, dev)
+            arm_results[name] = train_arm(arm, evaluator, config, tracker, dev)
+        headline = arm_results[arms[0]]["test"]
+        results = {
+            "protocol": protocol,
+            "dataset": data.name,
+            "recipe": config.recipe,
+            "arm": arms[0],
+            **{k: v for k, v in headline.items()},
+            "arms": arm_results,
+            "published": published,
+            "seed": config.train.seed,
+            "device": str(dev),
+            "threads": torch.get_num_threads(),
+            "machine": platform.node(),
+            "load_average": {"start": load_start, "end": os.getloadavg()},
+            "wall_seconds": time.perf_counter() - started,
+            "git_commit": git_commit(),
+            "dataset_checksum": data.checksum,
+            "mlflow": {"tracking_uri": uri, "experiment": experiment, "run_id": tracker.run_id},
+        }
+        if tracker.enabled:
+            import matplotlib.pyplot as plt
+
+            fig = plot_results(results, published)
+            tracker.log_figure(fig, "plots/seqrec_metrics.png")
+            plt.close(fig)
+            tracker.log_dict(finite_or_none(results), "metrics/seqrec.json")
+    except BaseException:
+        tracker.finish("FAILED")
+        raise
+    tracker.finish()
+    if metrics_out is not None:
+        metrics_out = Path(metrics_out)
+        metrics_out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = metrics_out.with_name(f".{metrics_out.name}.tmp")
+        tmp.write_text(json.dumps(finite_or_none(results), indent=2))
+        os.replace(tmp, metrics_out)
+    results["table"] = results_table(results, published)
+    return results

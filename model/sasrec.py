@@ -1,0 +1,96 @@
+"""SASRec (Kang and McAuley, ICDM 2018), the next-item baseline of the sequential-recommendation tables.
+
+As S3-Rec's and ICLRec's implementation of it: item embedding plus a learned position embedding (counted
+from the end of the history, as their left-padded windows do), LayerNorm and dropout, causal transformer
+layers, and items scored by the dot product with the same item table. The layers are the model's own
+`SeqLayer` (pre-norm; attention through the one dispatch point, so no attention-probability dropout).
+It has the retrieval interface of `GEMModel`: `sequence_vectors(inp)` and `item_vectors(item_ids)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+from gemrec.model.config import FeatureSchema
+from gemrec.model.inputs import ModelInput
+from gemrec.model.layers import JaggedAttention, SeqLayer
+from torch import nn
+
+
+@dataclass
+class SASRecConfig:
+    """The published SASRec settings of the S3-Rec/ICLRec tables (hidden 64, 2 layers, 2 heads, dropout 0.5)."""
+
+    d_model: int = 64
+    num_heads: int = 2
+    layers: int = 2
+    mlp_ratio: float = 4.0
+    dropout: float = 0.5
+    max_positions: int = 50  # longest history; longer ones must be cut before the model
+    init_std: float = 0.02
+    attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA) | "reference"
+
+    def __post_init__(self):
+        for name in ("d_model", "num_heads", "layers", "max_positions"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"sasrec config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"sasrec config: d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"sasrec config: dropout must be in [0, 1), got {self.dropout}")
+        if self.attention_backend not in ("auto", "reference"):
+            raise ValueError(
+                f"sasrec config: attention_backend must be auto or reference, got {self.attention_backend!r}"
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> SASRecConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"sasrec config: unknown keys {unknown} (known: {sorted(known)})")
+        return cls(**values)
+
+
+class SASRec(nn.Module):
+    def __init__(self, config: SASRecConfig, schema: FeatureSchema):
+        super().__init__()
+        self.config = config
+        d = config.d_model
+        self.items = nn.Embedding(schema.feature("item_id").num_embeddings, d)
+        self.positions = nn.Embedding(config.max_positions, d)
+        self.norm_in, self.norm_out = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.dropout = nn.Dropout(config.dropout)
+        hidden = int(config.mlp_ratio * d)
+        self.layers = nn.ModuleList(
+            SeqLayer(d, config.num_heads, hidden, "softmax", causal=True, dropout=config.dropout)
+            for _ in range(config.layers)
+        )
+        for table in (self.items, self.positions):
+            nn.init.normal_(table.weight, std=config.init_std)
+        for module in self.modules():
+            if isinstance(module, JaggedAttention):
+                module.backend = config.attention_backend
+
+    def sequence_vectors(self, inp: ModelInput) -> torch.Tensor:
+        """The output at every history token, (T, d_model); token t sees tokens <= t (causal)."""
+        offsets, max_len, tokens = inp.seq_offsets, inp.max_seq_len, inp.num_tokens
+        if max_len > self.config.max_positions:
+            raise ValueError(
+                f"sasrec: a history of {max_len} items is longer than max_positions={self.config.max_positions}"
+            )
+        device = offsets.device
+        example = torch.repeat_interleave(
+            torch.arange(inp.batch_size, device=device), inp.seq_lengths(), output_size=tokens
+        )
+        from_end = offsets[1:][example] - 1 - torch.arange(tokens, device=device)
+        x = self.dropout(self.norm_in(self.items(inp.seq_item_ids) + self.positions(from_end)))
+        for layer in self.layers:
+            x = layer(x, offsets, max_len)
+        return self.norm_out(x)
+
+    def item_vectors(self, item_ids: torch.Tensor, item_features=None) -> torch.Tensor:
+        """Items as scored against `sequence_vectors`: rows of the input item table (tied), (N, d_model)."""
+        return self.items(item_ids)
