@@ -22,14 +22,13 @@ ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust
   tensors needs TRITON_INTERPRET=1 set before triton is first imported; "reference" always the reference.
 - The Triton path is the custom ops `gemrec::attention_fwd` / `gemrec::attention_bwd` (fake impls for
   `torch.compile(fullgraph=True)`, FLOP formulas for `FlopCounterMode` counting real pairs only),
-  autotuned on (bucketed max length, head dim, variant); GEMREC_KERNEL_AUTOTUNE=0 uses fixed tiles;
-  GEMREC_KERNEL_TMA=0 drops the tensor-descriptor (TMA) tiles from the candidates;
-  GEMREC_KERNEL_ONE_LAUNCH=1 runs the backward of small problems as one kernel launch (delta and dQ in-kernel;
-  off by default on the GPU, where it was not faster); GEMREC_KERNEL_RESIDENT=0 turns off the resident-side
-  kernels (cross-attention to a few keys, PMA seeds: the short side stays loaded, one-kernel backward).
+  autotuned on (bucketed max length, head dim, variant). How it runs is chosen by `options=KernelOptions(...)`
+  (tma, one_launch, resident, gluon, autotune; see `options.py`), passed down to the kernel choice and the
+  autotuner: no environment variable changes kernel behaviour (TRITON_INTERPRET is Triton's own).
   Eager calls on plain tensors skip the custom-op dispatch and launch the kernels straight from Python.
 """
 
 from gemrec.kernels.ops import RelativeBias, attention_flops, attention_pairs, gdpa, jagged_attention
+from gemrec.kernels.options import KernelOptions
 
-__all__ = ["RelativeBias", "attention_flops", "attention_pairs", "gdpa", "jagged_attention"]
+__all__ = ["KernelOptions", "RelativeBias", "attention_flops", "attention_pairs", "gdpa", "jagged_attention"]

@@ -9,6 +9,8 @@ benchmark config: a first look at register pressure and spills before any GPU ti
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -20,6 +22,7 @@ import torch
 import triton
 from gemrec.kernels import ops
 from gemrec.kernels import triton_attention as kernels
+from gemrec.kernels.options import KernelOptions
 from triton._C.libtriton import native_specialize_impl
 from triton.compiler import make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -33,14 +36,16 @@ class Launch:
     args: tuple
     consts: dict
     tma: bool
+    options: KernelOptions
 
     @property
     def kind(self) -> str:
         return self.kernel.kind
 
     def candidates(self) -> list[dict]:
-        return kernels._candidates(self.kind, self.consts["HEAD_DIM"], self.tma) + kernels.gluon_candidates(
-            self.kind, self.consts, self.args[0].dtype, self.tma
+        tma = self.tma and self.options.tma
+        return kernels._candidates(self.kind, self.consts["HEAD_DIM"], tma) + kernels.gluon_candidates(
+            self.kind, self.consts, self.args[0].dtype, tma, self.options
         )
 
 
@@ -50,27 +55,14 @@ def _captured(recorded: list[Launch]):
         raise RuntimeError("ahead-of-time compilation needs triton's compiler: unset TRITON_INTERPRET")
     launch, pick = kernels._Kernel.__call__, ops._kernels
 
-    def record(self, grid, args, consts, bucket, reset=(), tma=False):
-        recorded.append(Launch(self, args, dict(consts), tma))
+    def record(self, grid, args, consts, bucket, options, reset=(), tma=False):
+        recorded.append(Launch(self, args, dict(consts), tma, options))
 
     kernels._Kernel.__call__, ops._kernels = record, (lambda device: kernels)
     try:
         yield
     finally:
         kernels._Kernel.__call__, ops._kernels = launch, pick
-
-
-@contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def record_launches(call) -> list[Launch]:
@@ -154,9 +146,9 @@ def resource_usage(compiled) -> dict[str, int]:
     }
 
 
-def static_report(config_names: list[str], progress=print) -> list[dict]:
-    """For each benchmark config and variant: every kernel its fwd+bwd launches (plus the one-launch backward where
-    it applies, if GEMREC_KERNEL_ONE_LAUNCH left it off) x every candidate tile config, compiled for sm_90, with its
+def static_report(config_names: list[str], options: KernelOptions = KernelOptions(), progress=print) -> list[dict]:
+    """For each benchmark config and variant: every kernel its fwd+bwd launches with `options` (plus the one-launch
+    backward where it applies, if `options` leave it off) x every candidate tile config, compiled for sm_90, with its
     registers, spill stack and shared memory."""
     from gemrec.kernels.bench import CONFIGS, make_case, run_ours
 
@@ -166,14 +158,18 @@ def static_report(config_names: list[str], progress=print) -> list[dict]:
         for op, causal in cfg.variants:
             case = make_case(cfg, 0, torch.device("cpu"), num_seqs=min(cfg.num_seqs, 8))
 
-            def fwd_bwd(op=op, case=case, causal=causal):
+            def fwd_bwd(options, op=op, case=case, causal=causal):
                 leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-                run_ours(op, case, causal, "triton", *leaves).sum().backward()
+                run_ours(op, case, causal, "triton", *leaves, options=options).sum().backward()
 
-            launches = record_launches(fwd_bwd)
+            launches = record_launches(functools.partial(fwd_bwd, options))
             if all(launch.kind != "bwd1" for launch in launches):  # the one-launch backward too, where it applies
-                with _env("GEMREC_KERNEL_ONE_LAUNCH", "1"):
-                    launches += [launch for launch in record_launches(fwd_bwd) if launch.kind == "bwd1"]
+                one_launch = dataclasses.replace(options, one_launch=True)
+                launches += [
+                    launch
+                    for launch in record_launches(functools.partial(fwd_bwd, one_launch))
+                    if launch.kind == "bwd1"
+                ]
             for launch in launches:
                 for tiles in launch.candidates():
                     compiled = compile_launch(launch, tiles)

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from gemrec.kernels.ops import attention_flops, gdpa, jagged_attention
+from gemrec.kernels.options import KernelOptions
 
 
 @dataclass(frozen=True)
@@ -126,11 +127,20 @@ def make_case(cfg: Config, seed: int, device, dtype=torch.bfloat16, num_seqs: in
     )
 
 
-def run_ours(op: str, case: Case, causal: bool, backend="auto", q=None, k=None, v=None):
+def run_ours(op: str, case: Case, causal: bool, backend="auto", q=None, k=None, v=None, options=None):
     q, k, v = (case.q if q is None else q), (case.k if k is None else k), (case.v if v is None else v)
     if op == "jfa":
         return jagged_attention(
-            q, k, v, case.q_offsets, case.kv_offsets, case.max_q, case.max_kv, causal=causal, backend=backend
+            q,
+            k,
+            v,
+            case.q_offsets,
+            case.kv_offsets,
+            case.max_q,
+            case.max_kv,
+            causal=causal,
+            backend=backend,
+            options=options,
         )
     return gdpa(
         q,
@@ -144,14 +154,15 @@ def run_ours(op: str, case: Case, causal: bool, backend="auto", q=None, k=None, 
         causal=causal,
         normalize="kv_len",
         backend=backend,
+        options=options,
     )
 
 
-def check_correctness(cfg: Config, op: str, causal: bool, device, seed: int) -> dict:
+def check_correctness(cfg: Config, op: str, causal: bool, device, seed: int, options: KernelOptions) -> dict:
     """bf16 kernel vs fp32 reference on a few sequences of the config: output and all input grads."""
     case = make_case(cfg, seed, device, num_seqs=4)
     leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-    out = run_ours(op, case, causal, "triton", *leaves)
+    out = run_ours(op, case, causal, "triton", *leaves, options=options)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, grad)
     ref_leaves = [t.detach().float().requires_grad_() for t in (case.q, case.k, case.v)]
@@ -286,7 +297,7 @@ def _time(fn, leaves, backward: bool, graph: bool = False) -> float:
             cuda_graph.reset()  # its memory pool goes back, captured or not
 
 
-def profile_ours(config_names: list[str], seed: int = 0, progress=print) -> None:
+def profile_ours(config_names: list[str], options: KernelOptions, seed: int = 0, progress=print) -> None:
     """Per-kernel device time of one fwd+bwd of our kernels, for each config and variant."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -297,11 +308,11 @@ def profile_ours(config_names: list[str], seed: int = 0, progress=print) -> None
         for op, causal in cfg.variants:
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
             for _ in range(3):  # autotune and warm up outside the profile
-                out = run_ours(op, case, causal, "auto", *leaves)
+                out = run_ours(op, case, causal, "auto", *leaves, options=options)
                 torch.autograd.grad(out, leaves, torch.ones_like(out))
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = run_ours(op, case, causal, "auto", *leaves)
+                out = run_ours(op, case, causal, "auto", *leaves, options=options)
                 torch.autograd.grad(out, leaves, torch.ones_like(out))
                 torch.cuda.synchronize()
             progress(f"profile {name}/{op}{'-causal' if causal else ''}")
@@ -347,9 +358,14 @@ def _timings(fwd_flops: int, bwd_flops: int):
 
 
 def run_benchmark(
-    config_names: list[str], out_dir: Path, seed: int = 0, with_peers: bool = True, progress=print
+    config_names: list[str],
+    out_dir: Path,
+    options: KernelOptions,
+    seed: int = 0,
+    with_peers: bool = True,
+    progress=print,
 ) -> list[dict]:
-    """Correctness of every variant first, then fwd and fwd+bwd timings of ours and the peers."""
+    """Correctness of every variant first, then fwd and fwd+bwd timings of ours (run with `options`) and the peers."""
     device = torch.device("cuda")
     # every config and grad mode compiles the peers' flex_attention and padded GDPA again; past dynamo's default
     # limit of 8 recompiles they silently ran uncompiled (the C-pma Flex row at 20 ms)
@@ -361,7 +377,7 @@ def run_benchmark(
         cfg = CONFIGS[name]
         for op, causal in cfg.variants:
             key = f"{name}/{op}{'-causal' if causal else ''}"
-            checks[key] = check_correctness(cfg, op, causal, device, seed + 1)
+            checks[key] = check_correctness(cfg, op, causal, device, seed + 1, options)
             progress(f"check {key}: {'ok' if checks[key]['ok'] else 'FAIL'} {checks[key]['errors']}")
     from gemrec.kernels.triton_attention import tuned_configs
 
@@ -375,7 +391,9 @@ def run_benchmark(
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
             impls = {
                 "ours (triton)": (
-                    lambda q, k, v, op=op, causal=causal, case=case: run_ours(op, case, causal, "auto", q, k, v),
+                    lambda q, k, v, op=op, causal=causal, case=case: run_ours(
+                        op, case, causal, "auto", q, k, v, options=options
+                    ),
                     leaves,
                 )
             }
@@ -427,6 +445,7 @@ def run_benchmark(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "checks": checks,
+        "kernel_options": options.as_dict(),
     }
     import triton
 
@@ -455,7 +474,7 @@ def format_row(row: dict) -> str:
 def markdown(meta: dict, rows: list[dict]) -> str:
     lines = [
         f"Date {meta['date']}, commit {meta['commit']}, {meta['device']}, torch {meta['torch']}, "
-        f"triton {meta.get('triton')}.",
+        f"triton {meta.get('triton')}, kernel options {meta.get('kernel_options')}.",
         "",
         "Correctness (bf16 kernel vs fp32 reference, relative L2 error): "
         + "; ".join(

@@ -1,6 +1,7 @@
 """`gemrec bench kernels`: correctness, then timings of the attention kernels against PyTorch peers."""
 
 import argparse
+import dataclasses
 from pathlib import Path
 
 
@@ -9,6 +10,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     from gemrec.cli import CLIError
     from gemrec.kernels.bench import CONFIGS, format_row, run_benchmark
 
+    options = kernel_options(args)
     names = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [n for n in names if n not in CONFIGS]
     if unknown:
@@ -18,7 +20,7 @@ def _bench_kernels(args: argparse.Namespace) -> int:
 
         from gemrec.kernels.aot import static_report
 
-        rows = static_report(names, progress=lambda line: print(line, flush=True))
+        rows = static_report(names, options, progress=lambda line: print(line, flush=True))
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "kernels_static.json").write_text(json.dumps(rows, indent=2))
         print(f"wrote {Path(args.out) / 'kernels_static.json'}")
@@ -31,11 +33,12 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     if args.profile:
         from gemrec.kernels.bench import profile_ours
 
-        profile_ours(names, seed=args.seed, progress=lambda line: print(line, flush=True))
+        profile_ours(names, options, seed=args.seed, progress=lambda line: print(line, flush=True))
         return 0
     rows = run_benchmark(
         names,
         Path(args.out),
+        options,
         seed=args.seed,
         with_peers=not args.no_peers,
         progress=lambda line: print(line, flush=True),
@@ -43,6 +46,13 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     print("\n".join(format_row(r) for r in rows))
     print(f"wrote {Path(args.out) / 'kernels_bench.json'} and kernels_bench.md")
     return 0
+
+
+def kernel_options(args: argparse.Namespace):
+    """The `KernelOptions` of the parsed flags (one flag per field)."""
+    from gemrec.kernels.options import KernelOptions
+
+    return KernelOptions(**{f.name: getattr(args, f.name) for f in dataclasses.fields(KernelOptions)})
 
 
 def register(groups: dict) -> None:
@@ -58,6 +68,17 @@ def register(groups: dict) -> None:
         help="no GPU needed: compile every kernel and candidate tile for sm_90, report registers, "
         "spill stack, shared memory and SASS instruction counts",
     )
+    from gemrec.kernels.options import KernelOptions
+
+    defaults = KernelOptions()
+    for field in dataclasses.fields(KernelOptions):
+        p.add_argument(
+            f"--{field.name.replace('_', '-')}",
+            dest=field.name,
+            action=argparse.BooleanOptionalAction,
+            default=getattr(defaults, field.name),
+            help=f"KernelOptions.{field.name} (default: {'on' if getattr(defaults, field.name) else 'off'})",
+        )
     p.set_defaults(func=_bench_kernels)
 
 

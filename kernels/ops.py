@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 from gemrec.kernels import triton_attention
+from gemrec.kernels.options import KernelOptions
 from gemrec.kernels.reference import attention_reference, sequences
 from torch.utils.flop_counter import register_flop_formula
 
@@ -63,6 +64,7 @@ def _problem(
     kv_timestamps,
     pos_max_distance,
     time_log_base,
+    options,
 ):
     module = _kernels(q.device)
     return module, module.Problem(
@@ -84,6 +86,7 @@ def _problem(
         kv_timestamps,
         pos_max_distance,
         time_log_base,
+        options,
     )
 
 
@@ -113,6 +116,7 @@ def attention_fwd(
     kv_timestamps: torch.Tensor | None,
     pos_max_distance: int,
     time_log_base: float,
+    options: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse); lse is the log2-domain logsumexp per (row, head) for softmax, unused otherwise."""
     module, problem = _problem(
@@ -134,6 +138,7 @@ def attention_fwd(
         kv_timestamps,
         pos_max_distance,
         time_log_base,
+        KernelOptions.from_flags(options),
     )
     return module.forward(problem)
 
@@ -158,6 +163,7 @@ def _(
     kv_timestamps,
     pos_max_distance,
     time_log_base,
+    options,
 ):
     rows = _num_out_rows(q, q_offsets, kv_offsets)
     return q.new_empty((rows, q.shape[1], q.shape[2])), q.new_empty((rows, q.shape[1]), dtype=torch.float32)
@@ -186,6 +192,7 @@ def attention_bwd(
     kv_timestamps: torch.Tensor | None,
     pos_max_distance: int,
     time_log_base: float,
+    options: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); absent biases get empty tensors."""
     module, problem = _problem(
@@ -207,6 +214,7 @@ def attention_bwd(
         kv_timestamps,
         pos_max_distance,
         time_log_base,
+        KernelOptions.from_flags(options),
     )
     grads = module.backward(problem, grad_out, out, lse)
     return tuple(g if g is not None else q.new_empty(0) for g in grads)
@@ -235,6 +243,7 @@ def _(
     kv_timestamps,
     pos_max_distance,
     time_log_base,
+    options,
 ):
     def like(t):
         return torch.empty_like(t) if t is not None else q.new_empty(0)
@@ -262,6 +271,7 @@ def _setup_context(ctx, inputs, output):
         kv_timestamps,
         pos_max_distance,
         time_log_base,
+        options,
     ) = inputs
     out, lse = output
     ctx.save_for_backward(
@@ -270,6 +280,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # lse gets no gradient: skip allocating zeros for it
     ctx.params = (max_q_len, max_kv_len, mode, causal, scale, norm)
     ctx.bias_params = (pos_max_distance, time_log_base)
+    ctx.options = options
 
 
 def _backward(ctx, grad_out, grad_lse):
@@ -292,6 +303,7 @@ def _backward(ctx, grad_out, grad_lse):
         q_timestamps,
         kv_timestamps,
         *ctx.bias_params,
+        ctx.options,
     )
     return (
         dq,
@@ -308,6 +320,7 @@ def _backward(ctx, grad_out, grad_lse):
         dab if attn_bias is not None else None,
         dpt if pos_table is not None else None,
         dtt if time_table is not None else None,
+        None,
         None,
         None,
         None,
@@ -346,6 +359,7 @@ class _Attention(torch.autograd.Function):
         kv_timestamps,
         params,
         bias_params,
+        options,
     ):
         # None: the same tensor as q_offsets (torch.compile refuses one tensor passed twice to a Function)
         kv_offsets = q_offsets if kv_offsets is None else kv_offsets
@@ -364,14 +378,14 @@ class _Attention(torch.autograd.Function):
             *bias_params,
         )
         if _direct(q):
-            module, problem = _problem(*args)
+            module, problem = _problem(*args, options)
             out, lse = module.forward(problem)
         else:
-            out, lse = attention_fwd(*args)
+            out, lse = attention_fwd(*args, options.flags)
         ctx.save_for_backward(
             q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps
         )
-        ctx.params, ctx.bias_params = params, bias_params
+        ctx.params, ctx.bias_params, ctx.options = params, bias_params, options
         return out
 
     @staticmethod
@@ -393,6 +407,7 @@ class _Attention(torch.autograd.Function):
                 q_timestamps,
                 kv_timestamps,
                 *ctx.bias_params,
+                ctx.options,
             )
             dq, dk, dv, dab, dpt, dtt = module.backward(problem, grad_out, out, lse)
         else:
@@ -412,6 +427,7 @@ class _Attention(torch.autograd.Function):
                 q_timestamps,
                 kv_timestamps,
                 *ctx.bias_params,
+                ctx.options.flags,
             )
         return (
             dq,
@@ -420,6 +436,7 @@ class _Attention(torch.autograd.Function):
             dab if attn_bias is not None else None,
             dpt if pos_table is not None else None,
             dtt if time_table is not None else None,
+            None,
             None,
             None,
             None,
@@ -586,6 +603,7 @@ def _attention(
     attn_bias,
     rel_bias,
     backend,
+    options,
 ):
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
@@ -595,6 +613,10 @@ def _attention(
         backend = "triton" if q.is_cuda and 16 <= q.shape[2] <= MAX_HEAD_DIM else "reference"
     if backend not in ("triton", "reference"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'reference'")
+    if options is None:
+        options = KernelOptions()
+    elif not isinstance(options, KernelOptions):
+        raise ValueError(f"options must be a gemrec.kernels.KernelOptions, got {type(options).__name__}")
     if isinstance(rel_bias, torch.Tensor):
         rel_bias = RelativeBias(position=rel_bias)
     rel = rel_bias if rel_bias is not None else RelativeBias()
@@ -631,7 +653,7 @@ def _attention(
     # the H200 trace showed the model cut at every attention call). Eagerly, the Function, unless one tensor has
     # two roles (k is v, say).
     if not torch.compiler.is_compiling() and len({id(t) for t in present}) == len(present):
-        return _Attention.apply(*inputs, params, bias_params)
+        return _Attention.apply(*inputs, params, bias_params, options)
     out, _ = attention_fwd(
         *contiguous[:3],
         q_offsets,
@@ -643,6 +665,7 @@ def _attention(
         rel.q_timestamps,
         rel.kv_timestamps,
         *bias_params,
+        options.flags,
     )
     return out
 
@@ -661,6 +684,7 @@ def jagged_attention(
     attn_bias=None,
     rel_bias=None,
     backend="auto",
+    options=None,
 ):
     """Softmax attention of each query sequence over its own key/value sequence (jagged, no padding).
 
@@ -670,7 +694,8 @@ def jagged_attention(
     of a length-Lq sequence sees keys j <= i + (Lkv - Lq). `attn_bias`: (output rows, H, max_kv_len) dense
     per-query-row bias; `rel_bias`: a `[H, num_buckets]` position table or a `RelativeBias`.
     backend: "auto" (Triton on CUDA for head dims 16..256, the reference otherwise), "triton" (the interpreter on
-    CPU) or "reference" (`reference.attention_reference`).
+    CPU) or "reference" (`reference.attention_reference`). options: a `KernelOptions` for the Triton path (tiles,
+    kernel variants, autotuning; never the result beyond rounding), its defaults when None.
     """
     return _attention(
         q,
@@ -687,6 +712,7 @@ def jagged_attention(
         attn_bias,
         rel_bias,
         backend,
+        options,
     )
 
 
@@ -706,11 +732,13 @@ def gdpa(
     attn_bias=None,
     rel_bias=None,
     backend="auto",
+    options=None,
 ):
     """Generalized dot-product attention: out = act(scale * q k^T + bias) v * norm, no softmax.
 
     activation: silu, gelu, gelu_tanh, relu, relu2. normalize: "kv_len" (1 / the sequence's key count),
-    "max_len" (1 / max_kv_len, as HSTU) or "none". Layout, sharing, causal and bias as `jagged_attention`.
+    "max_len" (1 / max_kv_len, as HSTU) or "none". Layout, sharing, causal, bias, backend and options as
+    `jagged_attention`.
     """
     if activation == "softmax":
         raise ValueError("gdpa takes a pointwise activation; use jagged_attention for softmax")
@@ -729,4 +757,5 @@ def gdpa(
         attn_bias,
         rel_bias,
         backend,
+        options,
     )

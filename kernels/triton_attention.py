@@ -8,8 +8,8 @@ padded. Scores are `scale * q.k + attn_bias + pos_table[bucket(rel_pos)] + time_
 Backward: without score biases one kernel per key block computes dK, dV and adds its share of dQ into an
 fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients come from dQ-side tiles) or
 when the key sequences are short (few key blocks per query, where the atomics would cost more than the
-recompute) a second kernel per query block computes dQ (7 matmuls per tile pair). With GEMREC_KERNEL_ONE_LAUNCH=1
-(off by default on the GPU, where it was not faster; on in the interpreter), problems below ONE_LAUNCH_MAX_WORK, which
+recompute) a second kernel per query block computes dQ (7 matmuls per tile pair). With `KernelOptions.one_launch`
+(off by default: on the GPU it was not faster), problems below ONE_LAUNCH_MAX_WORK, which
 are bound by host launch time rather than by the GPU, with head dims up to 128 run the whole backward as one launch
 (`_bwd_one_launch_kernel`: the dK/dV and the dQ programs in one grid, the softmax delta computed in-kernel, dQ
 stored directly; biases allowed): 2 launches per forward+backward instead of 4-5 (torch's zero fills of bias
@@ -21,7 +21,7 @@ while this one computes (programs with a single tile each cannot overlap their l
 a single kernel that stores the streamed side's gradients and adds the resident side's into fp32 buffers (atomics).
 
 Tiles that an inner loop streams (K/V in the forward and dQ kernels, Q/dO in dK/dV) come either through pointer
-tensors or, where the layout allows (`tma_ok`) unless GEMREC_KERNEL_TMA=0, through per-sequence tensor descriptors
+tensors or, where the layout allows (`tma_ok`) and `KernelOptions.tma` is on, through per-sequence tensor descriptors
 built on the device (TMA on Hopper: no per-element addresses in registers, zeros past the sequence's end); the
 autotuner picks per kernel.
 
@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 import triton
 import triton.language as tl
+from gemrec.kernels.options import KernelOptions
 from triton.runtime.errors import OutOfResources
 
 INTERPRET = bool(triton.knobs.runtime.interpret)
@@ -2486,10 +2487,10 @@ def _rq(block, chunk, warps, stages, tma=False):
 
 # Candidate tiles per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), all compiled in parallel and timed on
 # the first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory. The first
-# entry of each list is the default when autotuning is off (GEMREC_KERNEL_AUTOTUNE=0). TMA: the tiles the inner
+# entry of each list is the default when autotuning is off (`KernelOptions.autotune`). TMA: the tiles the inner
 # loop streams (K/V forward and in dQ, Q/dO in dK/dV) come through per-sequence tensor descriptors (TMA) instead of
 # pointer tensors; those candidates are dropped when a tensor's layout does not allow a descriptor, or with
-# GEMREC_KERNEL_TMA=0.
+# `KernelOptions.tma` off.
 CONFIGS = {
     "fwd": [
         _cfg(128, 64, 8, 3),
@@ -2610,7 +2611,7 @@ RESIDENT_MAX_TILE = 64 * 128
 # Fused dQ (atomics) pays when each query block meets several key blocks; with short key sequences (cross-
 # attention to a few tokens) the recompute kernel is cheaper than an fp32 atomic per dQ element per key block.
 FUSE_DQ_MIN_KV = 128
-# With GEMREC_KERNEL_ONE_LAUNCH, problems whose padded work (sequences x max query length x max key length x heads x
+# With `KernelOptions.one_launch`, problems whose padded work (sequences x max query length x max key length x heads x
 # head dim) is below this take the one-launch backward: bound by host launch time, not by the GPU (configs B and C
 # of `gemrec bench kernels` are 2^32-2^36, A is 2^39).
 ONE_LAUNCH_MAX_WORK = 2**37
@@ -2630,41 +2631,14 @@ def _candidates(kind: str, head_dim: int, tma: bool = True) -> list[dict]:
     return [c for c in configs if tma or not c.get("TMA")]
 
 
-def _switch(name: str, default: bool) -> bool:
-    """A kernel path's switch: $name=1/0 turns it on/off; unset, `default`."""
-    flag = os.environ.get(name)
-    return default if flag is None else flag != "0"
-
-
-def _tma_enabled() -> bool:
-    """GEMREC_KERNEL_TMA: the tensor-descriptor tile candidates (on unless =0)."""
-    return _switch("GEMREC_KERNEL_TMA", True)
-
-
-def _resident_enabled() -> bool:
-    """GEMREC_KERNEL_RESIDENT: the resident-side kernels (`Problem.resident`) where they apply (on unless =0)."""
-    return _switch("GEMREC_KERNEL_RESIDENT", True)
-
-
-def _gluon_enabled() -> bool:
-    """GEMREC_KERNEL_GLUON: the Gluon candidates (`GLUON_CONFIGS`) where they apply (on unless =0)."""
-    return _switch("GEMREC_KERNEL_GLUON", True)
-
-
-def gluon_candidates(kind: str, consts: dict, dtype, tma: bool) -> list[dict]:
-    """The Gluon tiles of a call with descriptor-ready tensors, in what they cover (they need Hopper: sm_90)."""
-    if INTERPRET or not tma or kind not in GLUON_CONFIGS or not _gluon_enabled():
+def gluon_candidates(kind: str, consts: dict, dtype, tma: bool, options: KernelOptions) -> list[dict]:
+    """The Gluon tiles of a call with descriptor-ready tensors, in what they cover (they need Hopper: sm_90), where
+    `options.gluon` is on."""
+    if INTERPRET or not tma or kind not in GLUON_CONFIGS or not options.gluon:
         return []
     from gemrec.kernels import gluon_attention
 
     return GLUON_CONFIGS[kind] if gluon_attention.covers(consts, dtype) else []
-
-
-def _one_launch_enabled() -> bool:
-    """GEMREC_KERNEL_ONE_LAUNCH: the one-launch backward (`Problem.one_launch`). On in the CPU interpreter, where
-    the tests check it; off on the GPU, where its device time was no better than the separate launches (H200,
-    2026-11-30) and the launches' host cost is small since they skip triton's argument binding."""
-    return _switch("GEMREC_KERNEL_ONE_LAUNCH", INTERPRET)
 
 
 def tma_ok(*tensors) -> bool:
@@ -2693,10 +2667,6 @@ def launch_hooked() -> bool:
     own path, which calls the hooks. Triton 3.6 keeps the hooks as chains that are never None, empty when unused."""
     hooks = triton.knobs.runtime
     return any(bool(getattr(hook, "calls", hook)) for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook))
-
-
-def _autotune_enabled() -> bool:
-    return os.environ.get("GEMREC_KERNEL_AUTOTUNE", "1") != "0"
 
 
 def _spec_key(args) -> tuple:
@@ -2739,10 +2709,10 @@ class _Kernel:
         tiles = {k: v for k, v in config.items() if k not in ("GLUON", "num_stages")}
         return gluon_attention.KERNELS[self.kind], {**tiles, "STAGES": config["num_stages"]}
 
-    def __call__(self, grid, args: tuple, consts: dict, bucket: int, reset=(), tma: bool = False):
+    def __call__(self, grid, args: tuple, consts: dict, bucket: int, options: KernelOptions, reset=(), tma=False):
         """grid: config -> launch grid; args: the runtime arguments in order; consts: constexprs but tiles;
-        tma: whether the tensors allow the tensor-descriptor candidates (used where `_tma_enabled`)."""
-        tma = tma and _tma_enabled()
+        tma: whether the tensors allow the tensor-descriptor candidates (used where `options.tma`)."""
+        tma = tma and options.tma
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
             first = _candidates(self.kind, consts["HEAD_DIM"], tma)[0]
             tiles = {
@@ -2756,13 +2726,14 @@ class _Kernel:
             return
         if tma:  # per call: the allocator is a context variable, and backward runs on autograd's own thread
             triton.set_allocator(_scratch)
-        tune = _autotune_enabled()
-        tune_key = (tuple(consts.values()), bucket if tune else None, tma, torch.cuda.current_device())
+        tune = options.autotune
+        # what changes the candidates: tma, gluon; without autotuning the first candidate, whatever the lengths
+        tune_key = (tuple(consts.values()), bucket if tune else None, tma, options.gluon, torch.cuda.current_device())
         config = self.best.get(tune_key)
         if config is None:
             candidates = _candidates(self.kind, consts["HEAD_DIM"], tma)
-            if tune and torch.cuda.get_device_capability(tune_key[3]) == (9, 0):
-                candidates += gluon_candidates(self.kind, consts, args[0].dtype, tma)
+            if tune and torch.cuda.get_device_capability(tune_key[-1]) == (9, 0):
+                candidates += gluon_candidates(self.kind, consts, args[0].dtype, tma, options)
             tuned = tune and len(candidates) > 1
             config = self._tune(tune_key, grid, args, consts, candidates, reset) if tuned else candidates[0]
             self.best[tune_key] = config
@@ -2776,7 +2747,7 @@ class _Kernel:
             self.compiled[key] = (kernel, tail)
             return
         kernel, tail = entry
-        stream = triton.runtime.driver.active.get_current_stream(tune_key[3])
+        stream = triton.runtime.driver.active.get_current_stream(tune_key[-1])
         grid_x, grid_y, grid_z = (*g, 1, 1)[:3]  # grids may have fewer than 3 dimensions (the delta kernel's has 1)
         kernel.run(
             grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail
@@ -2950,8 +2921,10 @@ class Problem:
         kv_timestamps,
         pos_max_distance,
         time_log_base,
+        options,
     ):
         self.q, self.k, self.v = q, k, v
+        self.options = options
         self.heads, self.head_dim = q.shape[1], q.shape[2]
         self.q_shared = q_offsets.numel() == 2 and kv_offsets.numel() > 2
         self.kv_shared = kv_offsets.numel() == 2 and q_offsets.numel() > 2
@@ -2994,9 +2967,9 @@ class Problem:
     def resident(self) -> str | None:
         """Which side a program keeps loaded while it walks the other (`RESIDENT_MAX_TILE`): "kv" where every key
         sequence fits one tile (cross-attention to a few tokens; forward and backward), else "q" where every query
-        sequence does (PMA seeds; backward, whose forward already keeps its query block); None otherwise or with
-        GEMREC_KERNEL_RESIDENT=0. Their backward is one launch with the softmax delta computed in-kernel."""
-        if not _resident_enabled():
+        sequence does (PMA seeds; backward, whose forward already keeps its query block); None otherwise or without
+        `options.resident`. Their backward is one launch with the softmax delta computed in-kernel."""
+        if not self.options.resident:
             return None
         if _resident_block(self.max_kv_len) * self.block_d <= RESIDENT_MAX_TILE:
             return "kv"
@@ -3008,11 +2981,11 @@ class Problem:
         return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
 
     def one_launch(self) -> bool:
-        """Whether the backward is one launch (`_bwd_one_launch_kernel`): where GEMREC_KERNEL_ONE_LAUNCH is on, for
+        """Whether the backward is one launch (`_bwd_one_launch_kernel`): with `options.one_launch`, for
         problems below ONE_LAUNCH_MAX_WORK with head dims up to 128 (above, its tiles spill 1.5-2.5 KB per thread on
         sm_90), with or without score biases."""
         work = self.num_seqs * self.max_q_len * self.max_kv_len * self.heads * self.head_dim
-        return _one_launch_enabled() and self.head_dim <= 128 and work < ONE_LAUNCH_MAX_WORK
+        return self.options.one_launch and self.head_dim <= 128 and work < ONE_LAUNCH_MAX_WORK
 
     def bias_args(self):
         dummy = self.q_off
@@ -3075,13 +3048,15 @@ def forward(p: Problem):
         def grid(meta):
             return (triton.cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
-        _KERNELS["fwd_rkv"](grid, args, {**consts, "BLOCK_N": _resident_block(p.max_kv_len)}, p.bucket, tma=tma_ok(q))
+        _KERNELS["fwd_rkv"](
+            grid, args, {**consts, "BLOCK_N": _resident_block(p.max_kv_len)}, p.bucket, p.options, tma=tma_ok(q)
+        )
     else:
 
         def grid(meta):
             return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-        _KERNELS["fwd"](grid, args, consts, p.bucket, tma=tma_ok(k, v))
+        _KERNELS["fwd"](grid, args, consts, p.bucket, p.options, tma=tma_ok(k, v))
     return out, lse
 
 
@@ -3103,7 +3078,7 @@ def _delta(p: Problem, out, grad_out):
         grad_out.stride(1),
         p.heads,
     )
-    _KERNELS["delta"](grid, args, {"HEAD_DIM": p.head_dim, "BLOCK_D": p.block_d}, 0)
+    _KERNELS["delta"](grid, args, {"HEAD_DIM": p.head_dim, "BLOCK_D": p.block_d}, 0, p.options)
     return delta
 
 
@@ -3181,6 +3156,7 @@ def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
         args,
         {**p.consts, "BLOCK_D": p.block_d},
         p.bucket,
+        p.options,
         reset=tuple(t for t in (dpt, dtt) if t is not None),
         tma=tma_ok(q, go, out, k, v),
     )
@@ -3248,6 +3224,7 @@ def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
         args,
         {**p.consts, "BLOCK_D": p.block_d, "BLOCK_N": _resident_block(p.max_kv_len)},
         p.bucket,
+        p.options,
         reset=tuple(t for t in (dka, dva, dpt, dtt) if t is not None),
         tma=tma_ok(q, go, out),
     )
@@ -3317,6 +3294,7 @@ def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
         args,
         {**p.consts, "BLOCK_D": p.block_d, "BLOCK_M": _resident_block(p.max_q_len)},
         p.bucket,
+        p.options,
         reset=tuple(t for t in (dqa, dpt, dtt) if t is not None),
         tma=tma_ok(k, v),
     )
@@ -3406,6 +3384,7 @@ def backward(p: Problem, grad_out, out, lse):
             args,
             {**p.consts, "FUSE_DQ": fused, "DELTA_INLINE": False, "BLOCK_D": p.block_d},
             p.bucket,
+            p.options,
             reset=(dqa,) if fused else (),
             tma=tma_ok(q, go),
         )
@@ -3465,6 +3444,7 @@ def backward(p: Problem, grad_out, out, lse):
                 args,
                 {**p.consts, "DELTA_INLINE": False, "BLOCK_D": p.block_d},
                 p.bucket,
+                p.options,
                 reset=tuple(t for t in (dpt, dtt) if t is not None),
                 tma=tma_ok(k, v),
             )

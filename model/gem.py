@@ -20,6 +20,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from gemrec.kernels import KernelOptions
 from gemrec.model.config import FeatureSchema, ModelConfig
 from gemrec.model.embeddings import SparseEmbeddings
 from gemrec.model.inputs import ModelInput, ModelOutput
@@ -189,7 +190,7 @@ class FeatureTokens(nn.Module):
 
 
 class GEMModel(nn.Module):
-    def __init__(self, config: ModelConfig, schema: FeatureSchema):
+    def __init__(self, config: ModelConfig, schema: FeatureSchema, kernel_options: KernelOptions | None = None):
         super().__init__()
         self.config, self.schema = config, schema
         d, heads = config.d_model, config.num_heads
@@ -217,7 +218,7 @@ class GEMModel(nn.Module):
         self.heads = TaskHeads(self.num_tokens * d, config.head_hidden, schema.num_tasks)
         for module in self.modules():
             if isinstance(module, JaggedAttention):
-                module.backend = config.attention_backend
+                module.backend, module.kernel_options = config.attention_backend, kernel_options
 
     def _moe(self, layer: int) -> MoEFeedForward | None:
         c = self.config
@@ -374,10 +375,11 @@ class DLRMModel(nn.Module):
         return counts
 
 
-def build_model(config: ModelConfig, schema: FeatureSchema) -> nn.Module:
-    """The model named by `config.arch`, on the default device; parameters drawn from torch's RNG."""
+def build_model(config: ModelConfig, schema: FeatureSchema, kernel_options: KernelOptions | None = None) -> nn.Module:
+    """The model named by `config.arch`, on the default device; parameters drawn from torch's RNG. `kernel_options`
+    (the recipe's `[kernels]` table) go to every attention call's Triton kernels; None: their defaults."""
     if config.arch == "gem":
-        return GEMModel(config, schema)
+        return GEMModel(config, schema, kernel_options)
     if config.arch == "dlrm":
         return DLRMModel(config, schema)
     raise ValueError(f"unknown model arch {config.arch!r} (choose gem or dlrm)")

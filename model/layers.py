@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 import torch.nn.functional as F
-from gemrec.kernels import attention_flops, gdpa, jagged_attention
+from gemrec.kernels import KernelOptions, attention_flops, gdpa, jagged_attention
 from gemrec.model.moe import MoEFeedForward
 from torch import nn
 
@@ -99,6 +99,7 @@ class JaggedAttention(nn.Module):
     """Multi-head attention from query tokens to key/value tokens, jagged on both sides."""
 
     backend = "auto"  # the kernels' backend ("auto" | "reference"); the model sets it from its config
+    kernel_options: KernelOptions | None = None  # the kernels' options; the model sets them from its constructor
 
     def __init__(self, dim: int, heads: int, kind: str = "softmax", causal: bool = False):
         super().__init__()
@@ -129,9 +130,10 @@ class JaggedAttention(nn.Module):
         """The kernels' op for this layer's kind: softmax is `jagged_attention`; silu is `gdpa` with SiLU normalised
         by each sequence's key count (HSTU-style)."""
         args = (q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len)
+        kw = dict(causal=self.causal, backend=self.backend, options=self.kernel_options)
         if self.kind == "softmax":
-            return jagged_attention(*args, causal=self.causal, backend=self.backend)
-        return gdpa(*args, activation="silu", causal=self.causal, normalize="kv_len", backend=self.backend)
+            return jagged_attention(*args, **kw)
+        return gdpa(*args, activation="silu", normalize="kv_len", **kw)
 
     def flops(self, q: Jagged, kv: Jagged, query_proj_grad: bool = True) -> tuple[int, int]:
         d = self.dim

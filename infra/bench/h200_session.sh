@@ -3,7 +3,7 @@
 #   tests    GPU tests of the kernels and the model dispatch
 #   kernels  `gemrec bench kernels` on GPU 1; on GPU 0 at the same time (or after the trainer when `trainer` runs)
 #            the per-kernel device times of ours on B and C (--profile), then C with the resident-side kernels off
-#            (GEMREC_KERNEL_RESIDENT=0, ours only: their before/after)
+#            (--no-resident, ours only: their before/after)
 #   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
 #   scaling  scaling_bench (compiled, ZeRO-2, bf16 reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile
 #            cache) with nothing else running, and its report
@@ -41,7 +41,7 @@ fi
 if want kernels; then
   kernel_extras() {
     run kernels_profile python3 -m gemrec.kernels.cli --configs B,C-cross,C-pma --profile
-    GEMREC_KERNEL_RESIDENT=0 run kernels_tiled python3 -m gemrec.kernels.cli --configs C-cross,C-pma --no-peers \
+    run kernels_tiled python3 -m gemrec.kernels.cli --configs C-cross,C-pma --no-peers --no-resident \
       --out "$out/kernels_tiled"
   }
   if (( gpus < 2 )); then

@@ -1,10 +1,10 @@
 """GPU checks of the compiled Triton kernels: bf16 against an fp64 reference (relative L2 error < 1e-2)."""
 
-import os
+import dataclasses
 
 import pytest
 import torch
-from gemrec.kernels import RelativeBias, gdpa, jagged_attention
+from gemrec.kernels import KernelOptions, RelativeBias, gdpa, jagged_attention
 
 pytestmark = [
     pytest.mark.gpu,
@@ -15,20 +15,16 @@ LENGTHS = [0, 1, 37, 300, 129, 1000, 64]
 
 
 @pytest.fixture(
-    autouse=True,
     params=[(False, False), (True, False), (False, True), (True, True)],
     ids=["pointers", "tma", "one_launch", "one_launch_tma"],
 )
-def _default_tiles(request, monkeypatch):
-    """The first candidate tile of each kernel (one compile per specialization keeps this quick), through pointer
-    loads or the tensor-descriptor (TMA) candidates, with the backward in separate launches or in one
-    (GEMREC_KERNEL_ONE_LAUNCH; every problem here is small enough for it)."""
+def options(request, monkeypatch) -> KernelOptions:
+    """The first candidate tile of each kernel (no autotuning: one compile per specialization keeps this quick),
+    through pointer loads or the tensor-descriptor (TMA) candidates, with the backward in separate launches or in one
+    (`one_launch`; every problem here is small enough for it)."""
     from gemrec.kernels import triton_attention as kernels
 
     tma, one_launch = request.param
-    monkeypatch.setenv("GEMREC_KERNEL_AUTOTUNE", "0")
-    monkeypatch.setenv("GEMREC_KERNEL_TMA", "1" if tma else "0")
-    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "1" if one_launch else "0")
     for table in ("CONFIGS", "LARGE_HEAD_DIM_CONFIGS"):
         configs = getattr(kernels, table)
         monkeypatch.setattr(
@@ -39,6 +35,7 @@ def _default_tiles(request, monkeypatch):
     for kernel in kernels._KERNELS.values():  # the chosen configs and compiled kernels of the other parameter
         monkeypatch.setattr(kernel, "best", {})
         monkeypatch.setattr(kernel, "compiled", {})
+    return KernelOptions(tma=tma, one_launch=one_launch, autotune=False)
 
 
 def offsets_of(lengths):
@@ -57,7 +54,17 @@ def rel_err(a, b):
 
 
 def check(
-    op, q_lens, kv_lens, heads=2, head_dim=128, causal=False, activation="silu", normalize="kv_len", bias=False, seed=0
+    op,
+    q_lens,
+    kv_lens,
+    options,
+    heads=2,
+    head_dim=128,
+    causal=False,
+    activation="silu",
+    normalize="kv_len",
+    bias=False,
+    seed=0,
 ):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shared_q = len(q_lens) == 1 and len(kv_lens) > 1
@@ -93,7 +100,7 @@ def check(
             if bias
             else None
         )
-        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend)
+        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend, options=options)
         if op == "jfa":
             out = jagged_attention(*leaves, q_off, kv_off, max(q_lens), max(kv_lens), **kw)
         else:
@@ -114,64 +121,66 @@ def check(
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("op", ["jfa", "gdpa"])
-def test_self_attention_bf16(op, causal):
-    check(op, LENGTHS, LENGTHS, causal=causal, seed=hash((op, causal)) % 1000)
+def test_self_attention_bf16(op, causal, options):
+    check(op, LENGTHS, LENGTHS, options, causal=causal, seed=hash((op, causal)) % 1000)
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 256])
-def test_head_dims(head_dim):
-    check("jfa", LENGTHS, LENGTHS, head_dim=head_dim, causal=True, seed=head_dim)
-    check("gdpa", LENGTHS, LENGTHS, head_dim=head_dim, seed=head_dim + 1)
+def test_head_dims(head_dim, options):
+    check("jfa", LENGTHS, LENGTHS, options, head_dim=head_dim, causal=True, seed=head_dim)
+    check("gdpa", LENGTHS, LENGTHS, options, head_dim=head_dim, seed=head_dim + 1)
 
 
 @pytest.mark.parametrize("op", ["jfa", "gdpa"])
-def test_biases(op):
-    check(op, LENGTHS, LENGTHS, causal=True, bias=True, seed=7)
+def test_biases(op, options):
+    check(op, LENGTHS, LENGTHS, options, causal=True, bias=True, seed=7)
 
 
 @pytest.mark.parametrize("activation", ["gelu", "gelu_tanh", "relu", "relu2"])
-def test_activations(activation):
-    check("gdpa", LENGTHS, LENGTHS, activation=activation, normalize="max_len", seed=11)
+def test_activations(activation, options):
+    check("gdpa", LENGTHS, LENGTHS, options, activation=activation, normalize="max_len", seed=11)
 
 
 @pytest.mark.parametrize("op", ["jfa", "gdpa"])
-def test_asymmetric(op):
-    check(op, [32], [700, 1, 0, 2000, 65], seed=3)  # PMA: shared seeds
-    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 33, 17], causal=True, seed=4)  # cross-attention, few keys
-    check(op, [1, 500, 3], [1000, 17, 3], causal=True, bias=True, seed=5)
+def test_asymmetric(op, options):
+    check(op, [32], [700, 1, 0, 2000, 65], options, seed=3)  # PMA: shared seeds
+    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 33, 17], options, causal=True, seed=4)  # cross-attention, few keys
+    check(op, [1, 500, 3], [1000, 17, 3], options, causal=True, bias=True, seed=5)
 
 
 @pytest.mark.parametrize("op", ["jfa", "gdpa"])
-def test_resident_side_kernels(op):
+def test_resident_side_kernels(op, options):
     # resident keys with every bias; queries up to 300 rows keep relative positions within the table's 512 (far
     # beyond, every pair of a row lands in the last bucket, whose softmax gradient then cancels to a residual that
     # bf16 cannot resolve)
-    check(op, [300, 1, 0, 280, 65], [16, 64, 5, 33, 17], bias=True, seed=12)
-    check(op, [3000, 5, 0], [100, 128, 7], head_dim=64, causal=True, seed=13)  # a 128-row resident key tile
-    check(op, [32], [700, 1, 0, 2000, 65], head_dim=256, bias=True, seed=14)  # resident seeds, widest head dim
-    check(op, [20, 0, 7], [1500, 3, 0], causal=True, seed=15)  # resident queries of their own per sequence
+    check(op, [300, 1, 0, 280, 65], [16, 64, 5, 33, 17], options, bias=True, seed=12)
+    check(op, [3000, 5, 0], [100, 128, 7], options, head_dim=64, causal=True, seed=13)  # a 128-row resident key tile
+    check(op, [32], [700, 1, 0, 2000, 65], options, head_dim=256, bias=True, seed=14)  # resident seeds, widest head dim
+    check(op, [20, 0, 7], [1500, 3, 0], options, causal=True, seed=15)  # resident queries of their own per sequence
 
 
 @pytest.mark.parametrize("op", ["jfa", "gdpa"])
-def test_asymmetric_tiled(op, monkeypatch):
-    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")  # the same shapes through the tiled kernels
-    check(op, [32], [700, 1, 0, 2000, 65], seed=3)
-    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 33, 17], causal=True, seed=4)
+def test_asymmetric_tiled(op, options):
+    options = dataclasses.replace(options, resident=False)  # the same shapes through the tiled kernels
+    check(op, [32], [700, 1, 0, 2000, 65], options, seed=3)
+    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 33, 17], options, causal=True, seed=4)
 
 
-def test_compile_fullgraph_and_flops():
+def test_compile_fullgraph_and_flops(options):
     from gemrec.kernels import attention_flops
     from torch.utils.flop_counter import FlopCounterMode
 
     lens = [5, 300, 77]
     off = offsets_of(lens)
     q, k, v = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    fn = torch.compile(lambda q, k, v: jagged_attention(q, k, v, off, off, 300, 300, causal=True), fullgraph=True)
+    fn = torch.compile(
+        lambda q, k, v: jagged_attention(q, k, v, off, off, 300, 300, causal=True, options=options), fullgraph=True
+    )
     out = fn(q, k, v)
-    eager = jagged_attention(q, k, v, off, off, 300, 300, causal=True)
+    eager = jagged_attention(q, k, v, off, off, 300, 300, causal=True, options=options)
     assert rel_err(out.float(), eager.double()) < 1e-3
     with FlopCounterMode(display=False) as counter:
-        jagged_attention(q, k, v, off, off, 300, 300, causal=True).sum().backward()
+        jagged_attention(q, k, v, off, off, 300, 300, causal=True, options=options).sum().backward()
     fwd, bwd = attention_flops(off, off, 4, 64, causal=True)
     assert counter.get_total_flops() >= fwd + bwd
 
@@ -198,22 +207,22 @@ def _gluon_configs():
         ("gdpa", False, "relu", 64, "max_len"),
     ],
 )
-def test_gluon_forward(config, op, causal, activation, head_dim, normalize, monkeypatch):
+def test_gluon_forward(config, op, causal, activation, head_dim, normalize, options, monkeypatch):
     """Each Gluon forward tile forced as the only candidate (once, in the tma fixture variant); the backward
     checks the softmax forward's logsumexp."""
     from gemrec.kernels import triton_attention as kernels
 
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the Gluon kernels need Hopper (sm_90)")
-    if os.environ["GEMREC_KERNEL_TMA"] != "1" or os.environ["GEMREC_KERNEL_ONE_LAUNCH"] != "0":
+    if not options.tma or options.one_launch:
         pytest.skip("one fixture variant is enough: the Gluon tile replaces the forward's")
     monkeypatch.setitem(kernels.CONFIGS, "fwd", [config])
-    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")  # short keys through the tiled forward too
+    options = dataclasses.replace(options, resident=False)  # short keys through the tiled forward too
     kw = dict(head_dim=head_dim, causal=causal)
     if op == "gdpa":
         kw.update(activation=activation, normalize=normalize)
-    check(op, LENGTHS, LENGTHS, seed=21, **kw)
-    check(op, [32], [700, 1, 0, 2000, 65], seed=22, **kw)  # PMA: shared seeds
-    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 333, 17], seed=23, **kw)  # longer queries than keys
-    check(op, [3, 129, 1], [1000, 130, 0], seed=24, **kw)  # longer keys than queries
+    check(op, LENGTHS, LENGTHS, options, seed=21, **kw)
+    check(op, [32], [700, 1, 0, 2000, 65], options, seed=22, **kw)  # PMA: shared seeds
+    check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 333, 17], options, seed=23, **kw)  # longer queries than keys
+    check(op, [3, 129, 1], [1000, 130, 0], options, seed=24, **kw)  # longer keys than queries
     assert {c.get("GLUON") for c in kernels._KERNELS["fwd"].best.values()} == {True}

@@ -2,15 +2,17 @@
 
 Forward and every gradient (q, k, v, attn_bias, position and time tables). The interpreter must be chosen
 before triton is first imported, so when this process imported triton without it these tests are skipped
-here and run in a subprocess by test_attention_interpreter_subprocess.py. Under the interpreter the one-launch
-backward (GEMREC_KERNEL_ONE_LAUNCH) and the tensor-descriptor tiles (GEMREC_KERNEL_TMA) are on unless a test
-switches them off. With 16-wide head dims nearly every shape here fits the resident-K/V kernels, so the main tests
-run each shape three ways (`kernel_path`).
+here and run in a subprocess by test_attention_interpreter_subprocess.py. The kernels run with `ONE_LAUNCH`
+options (the one-launch backward and the tensor-descriptor tiles on) unless a test passes others. With 16-wide head
+dims nearly every shape here fits the resident-K/V kernels, so the main tests run each shape three ways
+(`kernel_path`).
 """
+
+import dataclasses
 
 import pytest
 import torch
-from gemrec.kernels import RelativeBias, attention_flops, gdpa, jagged_attention
+from gemrec.kernels import KernelOptions, RelativeBias, attention_flops, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -19,6 +21,8 @@ pytestmark = pytest.mark.skipif(
     not kernels_module.INTERPRET, reason="triton was imported without TRITON_INTERPRET=1 (run in a subprocess)"
 )
 HEADS, DIM = 2, 16
+ONE_LAUNCH = KernelOptions(one_launch=True)
+SEPARATE = KernelOptions(one_launch=False, resident=False)  # the delta, dK/dV and dQ kernels
 
 
 def offsets_of(lengths):
@@ -36,6 +40,7 @@ def compare(
     dtype=torch.float32,
     seed=0,
     tol=2e-5,
+    options=ONE_LAUNCH,
 ):
     gen = torch.Generator().manual_seed(seed)
     shared_q = len(q_lens) == 1 and len(kv_lens) > 1
@@ -70,7 +75,7 @@ def compare(
             if bias
             else None
         )
-        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend)
+        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend, options=options)
         if op == "jfa":
             out = jagged_attention(*leaves, offsets_of(q_lens), offsets_of(kv_lens), max_q, max_kv, **kw)
         else:
@@ -108,38 +113,43 @@ EDGE = [5, 0, 17, 1, 33]  # empty, length 1, lengths not multiples of the 16-wid
 
 
 @pytest.fixture(params=["resident_kv", "resident_q", "tiled"])
-def kernel_path(request, monkeypatch):
-    """resident_kv: the defaults (K/V resident wherever the keys fit, 32 query rows per program); resident_q: only
-    query sequences of up to 16 rows fit, so those shapes keep the queries resident; tiled: resident kernels off."""
+def kernel_path(request, monkeypatch) -> KernelOptions:
+    """The options of a path. resident_kv: K/V resident wherever the keys fit, 32 query rows per program;
+    resident_q: only query sequences of up to 16 rows fit, so those shapes keep the queries resident; tiled:
+    resident kernels off."""
     if request.param == "resident_q":
         monkeypatch.setattr(kernels_module, "RESIDENT_MAX_TILE", 16 * DIM)
-    elif request.param == "tiled":
-        monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
-    return request.param
+    return KernelOptions(one_launch=True, resident=request.param != "tiled")
 
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("op", ["jfa", "silu"])
 def test_self_attention_with_all_biases(op, causal, kernel_path):
-    compare(EDGE, EDGE, op=op, causal=causal, bias=True, seed=int(causal))
+    compare(EDGE, EDGE, op=op, causal=causal, bias=True, seed=int(causal), options=kernel_path)
 
 
 @pytest.mark.parametrize(
     "op,normalize", [("gelu", "max_len"), ("gelu_tanh", "none"), ("relu", "kv_len"), ("relu2", "max_len")]
 )
 def test_activations(op, normalize, kernel_path):
-    compare([7, 18], [7, 18], op=op, causal=True, normalize=normalize, seed=3)
-    compare([5, 40], [9, 3], op=op, causal=True, normalize=normalize, seed=30)
+    compare([7, 18], [7, 18], op=op, causal=True, normalize=normalize, seed=3, options=kernel_path)
+    compare([5, 40], [9, 3], op=op, causal=True, normalize=normalize, seed=30, options=kernel_path)
 
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
 def test_asymmetric_lengths(op, kernel_path):
-    compare([4], [20, 0, 37], op=op, bias=True, seed=4)  # PMA: shared seeds, never copied B times
-    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, bias=True, seed=5)  # cross-attention: long q over few keys
-    compare([20, 3], [6], op=op, seed=6)  # one key/value sequence shared by every query sequence
-    compare([1, 50], [50, 1], op=op, causal=True, bias=True, seed=7)  # very unequal, both ways
-    compare([70, 0, 33], [3, 4, 0], op=op, seed=24)  # 3 query chunks of 32 rows over resident keys; no keys at all
-    compare([3, 0, 9], [70, 5, 0], op=op, causal=True, bias=True, seed=25)  # 3 key chunks over resident queries
+    compare([4], [20, 0, 37], op=op, bias=True, seed=4, options=kernel_path)  # PMA: shared seeds, never copied B times
+    compare(
+        [20, 3, 40], [5, 1, 2], op=op, causal=True, bias=True, seed=5, options=kernel_path
+    )  # cross-attention: long q over few keys
+    compare([20, 3], [6], op=op, seed=6, options=kernel_path)  # one key/value sequence shared by every query sequence
+    compare([1, 50], [50, 1], op=op, causal=True, bias=True, seed=7, options=kernel_path)  # very unequal, both ways
+    compare(
+        [70, 0, 33], [3, 4, 0], op=op, seed=24, options=kernel_path
+    )  # 3 query chunks of 32 rows over resident keys; no keys at all
+    compare(
+        [3, 0, 9], [70, 5, 0], op=op, causal=True, bias=True, seed=25, options=kernel_path
+    )  # 3 key chunks over resident queries
 
 
 def test_resident_kernels_are_the_ones_that_run(monkeypatch):
@@ -158,8 +168,7 @@ def test_resident_kernels_are_the_ones_that_run(monkeypatch):
     compare([4], [40, 3], op="silu", seed=27)
     assert launched == ["fwd", "bwd_rq"]
     launched.clear()
-    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
-    compare([4], [40, 3], op="silu", seed=27)
+    compare([4], [40, 3], op="silu", seed=27, options=KernelOptions(one_launch=True, resident=False))
     assert "bwd_rq" not in launched and "fwd_rkv" not in launched
 
 
@@ -186,6 +195,7 @@ def test_resident_side_choice_on_the_benchmark_shapes():
             None,
             128,
             2.0,
+            KernelOptions(),
         )
 
     assert problem(65536, 1280, 32, 4096, 4096).resident() is None  # max lengths 4096 both ways
@@ -196,27 +206,23 @@ def test_resident_side_choice_on_the_benchmark_shapes():
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
 def test_backward_with_dq_fused_into_the_key_block_kernel(op, monkeypatch):
-    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
-    monkeypatch.setattr(kernels_module, "ONE_LAUNCH_MAX_WORK", 0)  # every problem too large for the one-launch path
     monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # dq by atomics from the dK/dV kernel everywhere
-    compare(EDGE, EDGE, op=op, causal=True, seed=11)
-    compare([4], [20, 0, 37], op=op, seed=12)  # shared seeds: dq reduced over the key sequences
-    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=13)
-    compare([20, 3], [6], op=op, seed=14)
-    compare([9, 4], [9, 4], op=op, dim=24, seed=15)
+    compare(EDGE, EDGE, op=op, causal=True, seed=11, options=SEPARATE)
+    compare([4], [20, 0, 37], op=op, seed=12, options=SEPARATE)  # shared seeds: dq reduced over the key sequences
+    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=13, options=SEPARATE)
+    compare([20, 3], [6], op=op, seed=14, options=SEPARATE)
+    compare([9, 4], [9, 4], op=op, dim=24, seed=15, options=SEPARATE)
 
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
 def test_backward_in_separate_launches(op, monkeypatch):
-    """GEMREC_KERNEL_ONE_LAUNCH=0 (every other test here runs the one-launch backward): delta kernel, dK/dV kernel,
-    dQ kernel with the bias gradients; through tensor descriptors, then through pointer loads."""
-    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
-    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
-    compare(EDGE, EDGE, op=op, causal=True, bias=True, seed=20)
-    compare([4], [20, 0, 37], op=op, bias=True, seed=21)
-    monkeypatch.setenv("GEMREC_KERNEL_TMA", "0")
-    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=22)
-    compare([9, 4], [9, 4], op=op, dim=24, bias=True, seed=23)
+    """The backward in separate launches (every other test here runs the one-launch backward): delta kernel, dK/dV
+    kernel, dQ kernel with the bias gradients; through tensor descriptors, then through pointer loads."""
+    compare(EDGE, EDGE, op=op, causal=True, bias=True, seed=20, options=SEPARATE)
+    compare([4], [20, 0, 37], op=op, bias=True, seed=21, options=SEPARATE)
+    pointers = KernelOptions(one_launch=False, resident=False, tma=False)
+    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=22, options=pointers)
+    compare([9, 4], [9, 4], op=op, dim=24, bias=True, seed=23, options=pointers)
 
 
 def test_batch_of_one_fp16_and_odd_head_dim():
@@ -243,7 +249,7 @@ def test_random_jagged_shapes(lens, op, causal, bias, kernel_path):
     q_lens, kv_lens = [a for a, _ in lens], [b for _, b in lens]
     if max(q_lens) == 0 or max(kv_lens) == 0:
         q_lens, kv_lens = [a + 1 for a in q_lens], [b + 1 for b in kv_lens]
-    compare(q_lens, kv_lens, op=op, causal=causal, bias=bias, seed=sum(q_lens) * 7 + sum(kv_lens))
+    compare(q_lens, kv_lens, op=op, causal=causal, bias=bias, seed=sum(q_lens) * 7 + sum(kv_lens), options=kernel_path)
 
 
 def test_custom_op_compiles_fullgraph_and_counts_flops():
@@ -300,11 +306,11 @@ def test_compiled_op_does_not_recompile_for_new_tensors(monkeypatch):
 
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
-def test_pointer_loads_without_tensor_descriptors(op, kernel_path, monkeypatch):
-    monkeypatch.setenv("GEMREC_KERNEL_TMA", "0")  # the fallback for layouts a TMA descriptor cannot describe
-    compare(EDGE, EDGE, op=op, causal=True, bias=True, seed=16)
-    compare([4], [20, 0, 37], op=op, seed=17)
-    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=18)
+def test_pointer_loads_without_tensor_descriptors(op, kernel_path):
+    options = dataclasses.replace(kernel_path, tma=False)  # the fallback for layouts a TMA descriptor cannot describe
+    compare(EDGE, EDGE, op=op, causal=True, bias=True, seed=16, options=options)
+    compare([4], [20, 0, 37], op=op, seed=17, options=options)
+    compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=18, options=options)
 
 
 def test_tensor_descriptors_only_for_aligned_layouts():

@@ -2,14 +2,17 @@
 the real call builds, goes through triton.compile down to a cubin with the bundled ptxas. Catches what the CPU
 interpreter cannot: type errors in lowering, constexpr misuse, inline PTX (tanh.approx), shared-memory limits."""
 
+import functools
+
 import pytest
 import torch
-from gemrec.kernels import RelativeBias, gdpa, jagged_attention
+from gemrec.kernels import KernelOptions, RelativeBias, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels
 
 pytestmark = pytest.mark.skipif(kernels.INTERPRET, reason="needs triton's compiler, not its interpreter")
 
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on an H100/H200
+DEFAULT = KernelOptions()
 
 
 def offsets_of(lengths):
@@ -21,21 +24,20 @@ def tensors(rows, heads, dim, dtype, seed=0):
     return [torch.randn(rows, heads, dim, generator=gen).to(dtype).requires_grad_() for _ in range(3)]
 
 
-def jfa_causal_fused_dq():  # long keys: dQ folded into the dK/dV kernel
+def jfa_causal_fused_dq(options=DEFAULT):  # long keys: dQ folded into the dK/dV kernel
     q, k, v = tensors(1000, 2, 128, torch.bfloat16)
     off = offsets_of([300, 0, 700])
-    jagged_attention(q, k, v, off, off, 700, 700, causal=True, backend="triton").sum().backward()
+    jagged_attention(q, k, v, off, off, 700, 700, causal=True, backend="triton", options=options).sum().backward()
 
 
-def gdpa_cross_short_keys_fp16():  # long queries over a few keys: the separate dQ kernel
+def gdpa_cross_short_keys_fp16(options=DEFAULT):  # long queries over a few keys: the separate dQ kernel
     q = tensors(900, 4, 64, torch.float16)[0]
     k, v = tensors(60, 4, 64, torch.float16, seed=1)[1:]
-    gdpa(
-        q, k, v, offsets_of([400, 500]), offsets_of([20, 40]), 500, 40, activation="gelu_tanh", backend="triton"
-    ).sum().backward()
+    q_off, kv_off = offsets_of([400, 500]), offsets_of([20, 40])
+    gdpa(q, k, v, q_off, kv_off, 500, 40, activation="gelu_tanh", backend="triton", options=options).sum().backward()
 
 
-def jfa_with_biases_head_dim_256():
+def jfa_with_biases_head_dim_256(options=DEFAULT):
     q, k, v = tensors(300, 2, 256, torch.bfloat16)
     off = offsets_of([100, 200])
     rel = RelativeBias(
@@ -44,10 +46,12 @@ def jfa_with_biases_head_dim_256():
         q_timestamps=torch.arange(300),
         kv_timestamps=torch.arange(300),
     )
-    jagged_attention(q, k, v, off, off, 200, 200, causal=True, rel_bias=rel, backend="triton").sum().backward()
+    jagged_attention(
+        q, k, v, off, off, 200, 200, causal=True, rel_bias=rel, backend="triton", options=options
+    ).sum().backward()
 
 
-def pma_shared_seeds_with_attn_bias():
+def pma_shared_seeds_with_attn_bias(options=DEFAULT):
     q = tensors(16, 2, 64, torch.bfloat16)[0]
     k, v = tensors(500, 2, 64, torch.bfloat16, seed=2)[1:]
     bias = torch.zeros(3 * 16, 2, 300, requires_grad=True)
@@ -63,21 +67,22 @@ def pma_shared_seeds_with_attn_bias():
         attn_bias=bias,
         normalize="max_len",
         backend="triton",
+        options=options,
     ).sum().backward()
 
 
-RESIDENT_OFF = {"GEMREC_KERNEL_RESIDENT": "0"}
-ONE_LAUNCH = {"GEMREC_KERNEL_ONE_LAUNCH": "1", **RESIDENT_OFF}
+RESIDENT_OFF = KernelOptions(resident=False)
+ONE_LAUNCH = KernelOptions(one_launch=True, resident=False)
 
 
 @pytest.mark.parametrize(
-    "call,env,kinds",
+    "call,options,kinds",
     [
-        (jfa_causal_fused_dq, {}, ["fwd", "delta", "dkdv"]),
-        (gdpa_cross_short_keys_fp16, {}, ["fwd_rkv", "bwd_rkv"]),  # keys resident: the whole backward in one kernel
+        (jfa_causal_fused_dq, DEFAULT, ["fwd", "delta", "dkdv"]),
+        (gdpa_cross_short_keys_fp16, DEFAULT, ["fwd_rkv", "bwd_rkv"]),  # keys resident: the whole backward in one
         (gdpa_cross_short_keys_fp16, RESIDENT_OFF, ["fwd", "dkdv", "dq"]),
-        (jfa_with_biases_head_dim_256, {}, ["fwd", "delta", "dkdv", "dq"]),
-        (pma_shared_seeds_with_attn_bias, {}, ["fwd", "bwd_rq"]),  # seeds resident
+        (jfa_with_biases_head_dim_256, DEFAULT, ["fwd", "delta", "dkdv", "dq"]),
+        (pma_shared_seeds_with_attn_bias, DEFAULT, ["fwd", "bwd_rq"]),  # seeds resident
         (pma_shared_seeds_with_attn_bias, RESIDENT_OFF, ["fwd", "dkdv", "dq"]),
         (jfa_causal_fused_dq, ONE_LAUNCH, ["fwd", "bwd1"]),  # the whole fwd+bwd in two launches, biases included
         (gdpa_cross_short_keys_fp16, ONE_LAUNCH, ["fwd", "bwd1"]),
@@ -86,18 +91,15 @@ ONE_LAUNCH = {"GEMREC_KERNEL_ONE_LAUNCH": "1", **RESIDENT_OFF}
     ids=lambda x: (
         x.__name__
         if callable(x)
-        else ("-".join(f"{k[14:].lower()}={v}" for k, v in x.items()) or "default")
-        if isinstance(x, dict)
+        else ("-".join(f"{k}={v}" for k, v in x.as_dict().items() if v != getattr(DEFAULT, k)) or "default")
+        if isinstance(x, KernelOptions)
         else None
     ),
 )
-def test_every_launched_kernel_compiles_for_sm90(call, env, kinds, monkeypatch):
+def test_every_launched_kernel_compiles_for_sm90(call, options, kinds):
     from gemrec.kernels.aot import compile_launch, record_launches
 
-    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    launches = record_launches(call)
+    launches = record_launches(functools.partial(call, options))
     assert [launch.kind for launch in launches] == kinds
     for launch in launches:
         # the default tile, and the first tensor-descriptor (TMA) candidate where the layout allows one
@@ -166,14 +168,13 @@ def test_gluon_forward_compiles_for_sm90_with_async_wgmma(call):
         {"FAST": False},
         {"dtype": torch.float32},
         {"tma": False},
-        {"env": "0"},
+        {"options": KernelOptions(gluon=False)},
         {"kind": "dkdv"},
     ],
 )
-def test_gluon_candidates_only_where_covered(change, monkeypatch):
+def test_gluon_candidates_only_where_covered(change):
     consts = {"MODE": 0, "HAS_AB": False, "HAS_POS": False, "HAS_TIME": False, "HEAD_DIM": 128, "FAST": True}
-    args = {"kind": "fwd", "dtype": torch.bfloat16, "tma": True}
-    assert kernels.gluon_candidates(args["kind"], consts, args["dtype"], args["tma"]) == kernels.GLUON_CONFIGS["fwd"]
-    monkeypatch.setenv("GEMREC_KERNEL_GLUON", change.pop("env", "1"))
+    args = {"kind": "fwd", "dtype": torch.bfloat16, "tma": True, "options": DEFAULT}
+    assert kernels.gluon_candidates(consts=consts, **args) == kernels.GLUON_CONFIGS["fwd"]
     args.update({k: change.pop(k) for k in list(change) if k in args})
-    assert kernels.gluon_candidates(args["kind"], {**consts, **change}, args["dtype"], args["tma"]) == []
+    assert kernels.gluon_candidates(consts={**consts, **change}, **args) == []

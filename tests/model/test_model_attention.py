@@ -3,8 +3,12 @@ whose own semantics tests/kernels/test_attention_reference.py checks."""
 
 import pytest
 import torch
+from gemrec.kernels import KernelOptions
+from gemrec.kernels import triton_attention as kernels
 from gemrec.kernels.reference import attention_reference
+from gemrec.model import FeatureSchema, ModelConfig, build_model, loss
 from gemrec.model.layers import PMA, JaggedAttention
+from gemrec.model.synthetic import random_input
 
 
 def offsets_of(lengths):
@@ -55,6 +59,36 @@ def test_pma_seeds_are_shared_by_every_sequence():
 def test_bad_kind_is_named():
     with pytest.raises(ValueError, match="attention kind must be 'softmax' or 'silu'"):
         JaggedAttention(16, 2, "relu")
+
+
+@pytest.mark.skipif(kernels.INTERPRET, reason="records launches through triton's compiler path")
+def test_kernel_options_reach_every_attention_launch():
+    """build_model's kernel_options go to every attention call's kernels, forward and backward (launches recorded on
+    the CPU, not executed: the outputs are garbage)."""
+    from gemrec.kernels.aot import record_launches
+
+    schema = FeatureSchema.from_manifest(
+        {
+            "labels": ["like"],
+            "actions": ["like"],
+            "sparse_features": [
+                {"name": "user_id", "num_embeddings": 10},
+                {"name": "item_id", "source": "item", "num_embeddings": 20},
+            ],
+            "seq_item_features": [],
+            "dense_features": [],
+        }
+    )
+    options = KernelOptions(resident=False, tma=False, autotune=False)
+    config = ModelConfig(embedding_backend="torch", d_model=32, num_heads=2, embedding_dim=8, moe_every=0)
+    model = build_model(config, schema, kernel_options=options)
+    layers = [m for m in model.modules() if isinstance(m, JaggedAttention)]
+    for layer in layers:
+        layer.backend = "triton"  # the kernels' launch path on CPU tensors
+    inp = random_input(schema, 3, 9, seed=1)
+    launches = record_launches(lambda: loss(model(inp), torch.ones(3, 1)).backward())
+    assert {launch.options for launch in launches} == {options}
+    assert sum(launch.kind == "fwd" for launch in launches) == len(layers)
 
 
 @pytest.mark.gpu
