@@ -6,15 +6,20 @@
   run continues exactly where the checkpoint stopped.
 - `RemoteStream`: batches from the gRPC data service (`--data-addr`); the cursor is the opaque
   `Batch.cursor` of the last batch consumed, handed back to the service on resume.
+- `DeviceFeed`: the host->device pipeline between either stream and the step: batches pinned in a background
+  thread, copied to the GPU on a side stream ahead of use, and the time the step waited for each.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
+import torch
 from gemrec.components.data_service.batch import Batch, KeyedJagged
 from gemrec.model import JaggedFeatures, ModelInput
 
@@ -246,3 +251,105 @@ class RemoteStream:
             raise ValueError(f"checkpoint data cursor is for a {state.get('kind')!r} stream, not {self.kind!r}")
         self.epoch = int(state["epoch"])
         self.cursor = bytes(state["cursor"])
+
+
+class DeviceFeed:
+    """`(host_batch, device_batch, state)` for each `(batch, state)` of `source`, in order, each once.
+
+    A background thread reads `source` and pins each batch (page-locked memory) up to `depth` ahead. On CUDA
+    the consumer issues the host->device copies of up to `depth` batches on a side stream before it hands
+    out the oldest, so each copy overlaps the steps queued before it; the compute stream waits for the copy
+    on the device, never the host. On the CPU, batches pass through (the device batch is the host batch).
+    `waits` holds the seconds each `next` blocked for a batch (what the step waited for data); `in_flight`
+    the batches read ahead (pinned or copying) when the last one was handed out.
+    """
+
+    def __init__(self, source: Iterable[tuple[Batch, object]], device: torch.device, depth: int = 2):
+        if depth < 1:
+            raise ValueError(f"DeviceFeed: depth must be >= 1, got {depth}")
+        self.device = torch.device(device)
+        self.depth = depth
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.waits: list[float] = []
+        self.in_flight = 0
+        self._pinned: queue.Queue = queue.Queue(maxsize=depth)
+        self._copies: deque = deque()  # (host, device, state, copied event), oldest first
+        self._done = False
+        self._error: Exception | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._read, args=(iter(source),), name="device-feed", daemon=True)
+        self._thread.start()
+
+    def _read(self, source: Iterator) -> None:
+        """Background: read and pin; the end of `source` is None, its error the exception itself."""
+        while not self._stop.is_set():
+            try:
+                batch, state = next(source)
+                item = (batch.pin_memory() if self.cuda else batch, state)
+            except StopIteration:
+                item = None
+            except Exception as err:  # noqa: BLE001 - handed to the consumer, re-raised there
+                item = err
+            while not self._stop.is_set():
+                try:
+                    self._pinned.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if not isinstance(item, tuple):
+                return
+
+    def _take(self, block: bool):
+        """The next pinned item, or None when none is ready (`block=False`) or `source` ended or failed."""
+        if self._done:
+            return None
+        try:
+            item = self._pinned.get(block=block)
+        except queue.Empty:
+            return None
+        if not isinstance(item, tuple):  # the end, or the source's error (raised after the batches before it)
+            self._done, self._error = True, item
+            return None
+        return item
+
+    def _start_copy(self, host: Batch, state) -> None:
+        if not self.cuda:
+            self._copies.append((host, host, state, None))
+            return
+        with torch.cuda.stream(self.copy_stream):
+            on_device = host.to(self.device, non_blocking=True)
+            copied = torch.cuda.Event()
+            copied.record(self.copy_stream)
+        self._copies.append((host, on_device, state, copied))
+
+    def __iter__(self) -> DeviceFeed:
+        return self
+
+    def __next__(self) -> tuple[Batch, Batch, object]:
+        start = time.perf_counter()
+        if not self._copies:
+            item = self._take(block=True)
+            if item is None:
+                if self._error is not None:
+                    raise self._error
+                raise StopIteration
+            self._start_copy(*item)
+        waited = time.perf_counter() - start
+        while len(self._copies) < self.depth:  # queue the copies of what is already pinned
+            item = self._take(block=False)
+            if item is None:
+                break
+            self._start_copy(*item)
+        host, on_device, state, copied = self._copies.popleft()
+        if copied is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            on_device.record_stream(compute)  # its memory is not reused before the step is done with it
+        self.waits.append(waited)
+        self.in_flight = len(self._copies) + self._pinned.qsize()
+        return host, on_device, state
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
