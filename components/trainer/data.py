@@ -256,7 +256,7 @@ class RemoteStream:
 class DeviceFeed:
     """`(host_batch, device_batch, state)` for each `(batch, state)` of `source`, in order, each once.
 
-    A background thread reads `source` and pins each batch (page-locked memory) up to `depth` ahead. On CUDA
+    A background thread reads `source` and pins each batch (page-locked memory), up to `depth` ahead. On CUDA
     the consumer issues the host->device copies of up to `depth` batches on a side stream before it hands
     out the oldest, so each copy overlaps the steps queued before it; the compute stream waits for the copy
     on the device, never the host. On the CPU, batches pass through (the device batch is the host batch).
