@@ -3,8 +3,9 @@
 - E2E MFU: model FLOPs of the training steps (forward + backward from the real jagged lengths, no
   recomputation counted) / wall time / (peak x number of ranks).
 - Local MFU: every layer run alone on one device on a captured real input (forward + backward, no
-  communication, no recomputation), per-layer MFU = its FLOPs / its time / peak; the local MFU is the
-  FLOP-weighted mean of the per-layer MFUs.
+  communication, no recomputation), with the step's precision and, when the step is compiled, compiled
+  itself (`torch.compile` of the layer), so that it bounds the step from above; per-layer MFU = its FLOPs /
+  its time / peak; the local MFU is the FLOP-weighted mean of the per-layer MFUs.
 - Scaling ratio = E2E MFU / local MFU: what the whole system keeps of the single-layer efficiency.
 
 Nothing here imports torchrec, so the GPU benchmark can use it on a machine without torchrec.
@@ -115,13 +116,15 @@ def measure_local_mfu(
     device: torch.device,
     autocast: contextlib.AbstractContextManager | Callable[[], contextlib.AbstractContextManager] | None = None,
     repeats: int = 3,
+    compile: bool = False,
 ) -> tuple[float, list[LayerMFU]]:
     """Local MFU (FLOP-weighted mean of per-layer MFUs) and the per-layer table.
 
     Each layer named in `layer_flops` that is a submodule of `model` runs alone, forward + backward, on
-    the input it saw in `run_forward()`. Parameters that carry an in-backward optimizer (the fused sparse
-    optimizer) are frozen meanwhile so the measurement never updates the model; dense grads are cleared.
-    FLOP entries that are not submodules (DLRM's dot interaction) are left out of the table and the mean.
+    the input it saw in `run_forward()`; `compile`: each layer through `torch.compile` (as a compiled step
+    runs it; compiling is in the warm-up, not the timing). Parameters that carry an in-backward optimizer
+    (the fused sparse optimizer) are frozen meanwhile so the measurement never updates the model; dense grads
+    are cleared. FLOP entries that are not submodules (DLRM's dot interaction) are left out of the table and the mean.
     """
     names = [n for n, (f, b) in layer_flops.items() if f + b > 0]
     captured = capture_layer_inputs(model, names, run_forward)
@@ -136,6 +139,8 @@ def measure_local_mfu(
             if name not in captured:
                 continue
             module = model.get_submodule(name)
+            if compile:
+                module = torch.compile(module)
             args, kwargs = captured[name]
             leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
 
@@ -148,7 +153,8 @@ def measure_local_mfu(
                 for t in leaves:
                     t.grad = None
 
-            step()  # warm-up
+            for _ in range(2 if compile else 1):  # warm-up; compiled: the first compiles forward and backward
+                step()
             sync()
             times = []
             for _ in range(max(1, repeats)):

@@ -159,3 +159,19 @@ def test_rowwise_adagrad_without_torchrec_matches_torchrec():
     assert opt_ours.state[ours]["sum"].shape == (50, 1)
     with pytest.raises(ValueError, match="lr must be > 0"):
         RowWiseAdagrad([ours], lr=0.0)
+
+
+def test_local_mfu_of_compiled_layers_compiles_each_layer_once():
+    """A compiled step's layers are measured compiled (local MFU must bound the compiled step's E2E MFU)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = _toy_model()
+    ids = torch.tensor([1, 2, 3])
+    flops = {"dense": (2 * 3 * 4, 4 * 3 * 4)}
+    _, rows = measure_local_mfu(
+        model, flops, lambda: model["dense"](model["table"](ids)), 1e9, torch.device("cpu"), repeats=2, compile=True
+    )
+    assert [r.name for r in rows] == ["dense"] and rows[0].seconds > 0
+    assert counters["stats"]["unique_graphs"] == 1  # one compiled graph, reused by the warm-up and the timing
