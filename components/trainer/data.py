@@ -174,7 +174,11 @@ def eval_row_chunks(num_examples: int, max_examples: int, batch_size: int, rank:
 
 
 class RemoteStream:
-    """Training batches of one rank from the gRPC data service, epoch after epoch, resumable by cursor."""
+    """Training batches of one rank from the gRPC data service, epoch after epoch, resumable by cursor.
+
+    As `DatasetStream`, an epoch is its full global batches: the short last one is left out (the same on every
+    rank), so every step has the recipe's batch size. `client_options` go to each `DataClient` (stall and
+    wait timeouts); `last_info` is the stream bookkeeping of the last batch (`build_cpu_s`, ...)."""
 
     kind = "remote"
 
@@ -187,6 +191,7 @@ class RemoteStream:
         rank: int = 0,
         world_size: int = 1,
         token: str | None = None,
+        client_options: dict | None = None,
     ):
         from gemrec.components.data_service.client import DataClient
 
@@ -197,6 +202,7 @@ class RemoteStream:
         self.rank = rank
         self.world_size = world_size
         self.token = token
+        self.client_options = dict(client_options or {})
         self._client_cls = DataClient
         info = self._client(TRAIN_SPLIT, epoch=0, shuffle=True).info()
         self.manifest = info["manifest"]
@@ -204,10 +210,16 @@ class RemoteStream:
         for split in (TRAIN_SPLIT, EVAL_SPLIT):
             if split not in sizes:
                 raise ValueError(f"the data service at {address} has no {split!r} split (has {sorted(sizes)})")
-        self.batches_per_epoch = -(-sizes[TRAIN_SPLIT] // (batch_size * world_size))
+        self.batches_per_epoch = sizes[TRAIN_SPLIT] // (batch_size * world_size)
+        if self.batches_per_epoch == 0:
+            raise ValueError(
+                f"split {TRAIN_SPLIT!r} has {sizes[TRAIN_SPLIT]} examples, fewer than one global batch "
+                f"({batch_size} x {world_size} ranks)"
+            )
         self.eval_examples = sizes[EVAL_SPLIT]
         self.epoch = 0
         self.cursor = b""
+        self.last_info = None
 
     def _client(self, split: str, epoch: int, shuffle: bool, cursor: bytes = b"", batch_size: int | None = None):
         return self._client_cls(
@@ -222,14 +234,20 @@ class RemoteStream:
             shuffle=shuffle,
             cursor=cursor,
             token=self.token,
+            **self.client_options,
         )
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
             client = self._client(TRAIN_SPLIT, self.epoch, shuffle=True, cursor=self.cursor)
-            for batch in client:
-                self.cursor = client.cursor
-                yield batch
+            try:
+                for batch in client:
+                    if client.last_info.step >= self.batches_per_epoch:  # the short last global batch
+                        break
+                    self.cursor, self.last_info = client.cursor, client.last_info
+                    yield batch
+            finally:
+                client.close()
             self.epoch += 1
             self.cursor = b""
 

@@ -1,6 +1,7 @@
-"""DeviceFeed on the CPU: every batch once, in order, with its stream state; errors after the batches before
-them; read-ahead bounded by depth; the time the consumer waited. (The overlap of copies with steps is
-measured on the GPU: infra/bench/h200_session.sh, part `services`.)"""
+"""The trainer's data path on the CPU. DeviceFeed: every batch once, in order, with its stream state; errors after
+the batches before them; read-ahead bounded by depth; the time the consumer waited (the overlap of copies with
+steps is measured on the GPU: infra/bench/h200_session.sh, part `services`). RemoteStream: full global batches
+only, epoch after epoch, resumable from its state, through DeviceFeed from a real data service."""
 
 import threading
 import time
@@ -100,3 +101,49 @@ def test_cuda_copies_are_the_pinned_batches_in_order():
         assert on_device.sparse_features.values().is_cuda
         assert int(on_device.user_ids.sum()) == 2 * i  # read on the compute stream, after the copy
     feed.close()
+
+
+def test_remote_stream_through_the_feed_gives_full_batches_once_per_epoch_and_resumes(synth_dataset):
+    from collections import Counter
+
+    from gemrec.components.common.grpc_server import Server, ServerOptions
+    from gemrec.components.data_service.dataset import Dataset
+    from gemrec.components.data_service.service import DataLoaderCore, register
+    from gemrec.components.trainer.data import RemoteStream
+
+    ds = Dataset.open(synth_dataset)
+    core = DataLoaderCore(ds)
+    server = Server(ServerOptions(port=0, max_workers=8), register(core))
+
+    def keys(b):
+        return Counter(zip(b.user_ids.tolist(), b.timestamps.tolist(), b.item_ids.tolist()))
+
+    try:
+        address, batch = f"127.0.0.1:{server.port}", 700
+        stream = RemoteStream(address, batch, 32, seed=5)
+        per_epoch = ds.num_examples("train") // batch
+        assert stream.batches_per_epoch == per_epoch
+
+        def with_state(s):
+            for b in s:
+                yield b, s.state()
+
+        feed = DeviceFeed(with_state(stream), "cpu", depth=2)
+        seen, states = Counter(), []
+        for _, (host, _, state) in zip(range(per_epoch + 2), feed):
+            assert host.batch_size == batch and stream.last_info.build_cpu_s > 0
+            if len(states) < per_epoch:
+                seen.update(keys(host))
+            states.append(state)
+        feed.close()
+        epoch_rows = core.epoch_order("train", 0, 5, True)[: per_epoch * batch]
+        assert seen == keys(ds.collate("train", epoch_rows, 1))  # epoch 0: its full global batches, each example once
+        assert states[per_epoch - 1]["epoch"] == 0 and states[per_epoch]["epoch"] == 1  # the short batch is left out
+        # Resume from the state after batch 3: the same batches follow.
+        resumed = RemoteStream(address, batch, 32, seed=5)
+        resumed.load_state(states[2])
+        again = RemoteStream(address, batch, 32, seed=5)
+        first = [b.user_ids.tolist() for _, b in zip(range(5), again)]
+        assert [b.user_ids.tolist() for _, b in zip(range(2), resumed)] == first[3:5]
+    finally:
+        server.stop(0)
