@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import os
 import platform
 import shutil
 import socket
@@ -61,18 +62,84 @@ def _percentiles(latencies_s: list[float]) -> dict:
 
 
 def _load_worker(address: str, num_ids: int, seconds: float, barrier, results) -> None:
-    """One load-generating process: single-id lookups of all item features for `seconds`."""
+    """One load-generating process: single-id lookups of all item features for `seconds`, no retries;
+    puts (requests, elapsed s, errors, latencies in s), or the exception that stopped it."""
+    import grpc
     from gemrec.components.feature_service.client import FeatureClient
 
     rng = np.random.default_rng()
+    latencies, errors = [], 0
+    try:
+        with FeatureClient(address, retries=8) as warm:  # connecting may be slow on a loaded machine
+            warm.lookup("item", [0])
+        with FeatureClient(address, retries=0) as client:
+            client.lookup("item", [0])
+            barrier.wait()
+            start = time.perf_counter()
+            while (sent := time.perf_counter()) - start < seconds:
+                try:
+                    client.lookup("item", rng.integers(0, num_ids, size=1))
+                except grpc.RpcError:
+                    errors += 1
+                latencies.append(time.perf_counter() - sent)
+            results.put((len(latencies), time.perf_counter() - start, errors, np.asarray(latencies, np.float32)))
+    except Exception as err:
+        barrier.abort()
+        results.put(RuntimeError(f"load client failed: {type(err).__name__}: {err}"))
+
+
+def _drive(address: str, num_ids: int, clients: int, seconds: float) -> list[tuple]:
+    """`clients` load processes at once; their (requests, elapsed, errors, latencies)."""
+    ctx = mp.get_context("spawn")
+    barrier, results = ctx.Barrier(clients), ctx.Queue()
+    procs = [
+        ctx.Process(target=_load_worker, args=(address, num_ids, seconds, barrier, results)) for _ in range(clients)
+    ]
+    for p in procs:
+        p.start()
+    done = [results.get(timeout=seconds + 300) for _ in procs]
+    for p in procs:
+        p.join()
+    failed = [d for d in done if isinstance(d, Exception)]
+    if failed:
+        raise failed[0]
+    return done
+
+
+def _rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def bench_load(address: str, pid: int, clients: list[int], seconds: float) -> list[dict]:
+    """Sustained load: per client count, total req/s, latency percentiles, errors and the server's RSS
+    before and after."""
+    from gemrec.components.feature_service.client import FeatureClient
+
     with FeatureClient(address) as client:
-        client.lookup("item", [0])
-        barrier.wait()
-        count, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            client.lookup("item", rng.integers(0, num_ids, size=1))
-            count += 1
-        results.put((count, time.perf_counter() - start))
+        num_items = client.list_features()["item"]["num_ids"]
+    rows = []
+    for n in clients:
+        rss_start, load_start = _rss_mb(pid), os.getloadavg()[0]
+        done = _drive(address, num_items, n, seconds)
+        latencies = np.concatenate([d[3] for d in done])
+        rows.append(
+            {
+                "clients": n,
+                "seconds": seconds,
+                "qps": round(sum(d[0] / d[1] for d in done), 1),
+                **{k: v for k, v in _percentiles(latencies).items() if k != "requests"},
+                "requests": int(sum(d[0] for d in done)),
+                "errors": int(sum(d[2] for d in done)),
+                "rss_start_MB": rss_start,
+                "rss_end_MB": _rss_mb(pid),
+                "load_avg_1min": [round(load_start, 2), round(os.getloadavg()[0], 2)],
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
 
 
 def bench_features(address: str, requests: int, seconds: float, concurrency: list[int]) -> dict:
@@ -94,19 +161,8 @@ def bench_features(address: str, requests: int, seconds: float, concurrency: lis
                 client.lookup("item", ids)
                 latencies.append(time.perf_counter() - start)
             result[f"latency_{n}_ids"] = _percentiles(latencies)
-    ctx = mp.get_context("spawn")
     for clients in concurrency:
-        barrier, results = ctx.Barrier(clients), ctx.Queue()
-        procs = [
-            ctx.Process(target=_load_worker, args=(address, num_items, seconds, barrier, results))
-            for _ in range(clients)
-        ]
-        for p in procs:
-            p.start()
-        done = [results.get(timeout=300) for _ in procs]
-        for p in procs:
-            p.join()
-        qps = sum(count / elapsed for count, elapsed in done)
+        qps = sum(count / elapsed for count, elapsed, _, _ in _drive(address, num_items, clients, seconds))
         result[f"throughput_{clients}_clients_qps"] = round(qps, 1)
     return result
 
@@ -156,13 +212,11 @@ def bench_balance(dataset, world_size: int, batch_size: int, max_seq_len: int, s
     }
 
 
-def _datasets(args, out: Path) -> tuple[Path, Path]:
+def _features_dataset(args, out: Path) -> Path:
     from gemrec.cli import CLIError
 
-    from .builder import SplitConfig
     from .errors import DataError
     from .movielens import prepare_movielens
-    from .synth import SynthConfig, synthesize
 
     features = Path(args.dataset) if args.dataset else out / "movielens"
     if not (features / "manifest.json").is_file():
@@ -172,6 +226,13 @@ def _datasets(args, out: Path) -> tuple[Path, Path]:
             prepare_movielens(features, overwrite=True)
         except DataError as err:
             raise CLIError(f"cannot prepare MovieLens for the feature benchmark: {err} (or pass --dataset)") from None
+    return features
+
+
+def _synth_dataset(args, out: Path) -> Path:
+    from .builder import SplitConfig
+    from .synth import SynthConfig, synthesize
+
     synth = out / f"synth-{args.synth_events}"
     if not (synth / "manifest.json").is_file():
         synthesize(
@@ -180,7 +241,7 @@ def _datasets(args, out: Path) -> tuple[Path, Path]:
             split=SplitConfig(eval_fraction=0.1, by="events"),
             overwrite=True,
         )
-    return features, synth
+    return synth
 
 
 def _redis(out: Path):
@@ -203,15 +264,13 @@ def run(args) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    features_dir, synth_dir = _datasets(args, out)
+    features_dir = _features_dataset(args, out)
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": _machine(),
         "commit": _commit(),
         "features_dataset": str(features_dir),
-        "data_dataset": str(synth_dir),
         "feature_service": {},
-        "data_service": [],
     }
 
     stores = ["memory"]
@@ -224,18 +283,29 @@ def run(args) -> int:
             port = _free_port()
             extra = ["--store", store] + (["--redis-url", redis_url] if store == "redis" else [])
             proc = _serve(["features", "--dataset", str(features_dir), *extra], port)
+            address = f"127.0.0.1:{port}"
             try:
                 print(f"feature service, {store} store ...", flush=True)
-                report["feature_service"][store] = bench_features(
-                    f"127.0.0.1:{port}", args.requests, args.seconds, args.concurrency
-                )
+                if args.load:
+                    report["feature_service"][store] = bench_load(address, proc.pid, args.load_clients, args.load_s)
+                else:
+                    report["feature_service"][store] = bench_features(
+                        address, args.requests, args.seconds, args.concurrency
+                    )
             finally:
                 _stop(proc)
     finally:
         if redis_proc is not None:
             redis_proc.terminate()
             redis_proc.wait(timeout=30)
+    if args.load:
+        (out / "services-load.json").write_text(json.dumps(report, indent=2) + "\n")
+        _print_load(report)
+        return 0
 
+    synth_dir = _synth_dataset(args, out)
+    report["data_dataset"] = str(synth_dir)
+    report["data_service"] = []
     port = _free_port()
     proc = _serve(["data", "--dataset", str(synth_dir), "--prefetch", "4"], port)
     try:
@@ -301,3 +371,14 @@ def _print(report: dict) -> None:
             f"balance W={r['world_size']} B={r['batch_size']} L<={r['max_seq_len']}: cost max/mean "
             f"{r['balanced_cost_max_over_mean']} balanced vs {r['contiguous_cost_max_over_mean']} contiguous"
         )
+
+
+def _print_load(report: dict) -> None:
+    print(f"\n{report['date']}  commit {report['commit']}  {report['machine']}")
+    print("| store | clients | req/s | p50 ms | p99 ms | errors | server RSS start -> end MB | load avg |")
+    print("|---|---|---|---|---|---|---|---|")
+    for store, rows in report["feature_service"].items():
+        for r in rows:
+            cells = [r["clients"], r["qps"], r["p50_ms"], r["p99_ms"], r["errors"]]
+            cells += [f"{r['rss_start_MB']} -> {r['rss_end_MB']}", " -> ".join(map(str, r["load_avg_1min"]))]
+            print(f"| {store} | " + " | ".join(str(c) for c in cells) + " |")

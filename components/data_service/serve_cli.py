@@ -80,4 +80,7 @@ def register(groups) -> None:
     b.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32], help="concurrent client processes")
     b.add_argument("--synth-events", type=int, default=300_000, help="events of the synthetic stream dataset")
     b.add_argument("--batch-size", type=int, default=256, help="data stream batch size")
+    b.add_argument("--load", action="store_true", help="sustained feature-service load only: req/s, p99, errors, RSS")
+    b.add_argument("--load-s", type=float, default=60.0, help="seconds of each --load run")
+    b.add_argument("--load-clients", type=int, nargs="+", default=[16, 32], help="client processes of --load runs")
     b.set_defaults(func=bench_services)
