@@ -7,10 +7,11 @@
         save(client.cursor)       # resume later with DataClient(..., cursor=saved)
 
 A background thread reads and decodes `prefetch` batches ahead. When the server goes away (UNAVAILABLE),
-a stream deadline passes or an open stream delivers nothing for `stall_s` (a stopped or wedged server), it
-reconnects with exponential backoff and continues from the cursor of the last batch it received, so no
-batch is lost or repeated. While the caller waits for a batch it logs a warning every `warn_every_s`; after
-`wait_timeout_s` without one it raises `DataServiceTimeout`: never a silent hang.
+a stream deadline passes, the server cancels a stream whose reading stalled past its idle limit, or an open
+stream delivers nothing for `stall_s` (a stopped or wedged server), it reconnects with exponential backoff
+and continues from the cursor of the last batch it received, so no batch is lost or repeated. While the
+caller waits for a batch it logs a warning every `warn_every_s`; after `wait_timeout_s` without one it
+raises `DataServiceTimeout`: never a silent hang.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from .batch import Batch
 from .codec import BatchInfo, decode_batch
 
 log = logging.getLogger("gemrec.data_client")
-RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# CANCELLED by the server: it dropped a stream whose reader stalled past its idle limit.
+RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
 _STREAM = "/gemrec.v1.DataLoaderService/StreamBatches"
 _INFO = "/gemrec.v1.DataLoaderService/GetDatasetInfo"
 
