@@ -117,8 +117,44 @@ def add_server_args(parser, default_port: int, default_workers: int = 16) -> Non
     )
     parser.add_argument("--tls-cert", help="PEM certificate chain; with --tls-key serves TLS")
     parser.add_argument("--tls-key", help="PEM private key")
-    parser.add_argument("--auth-token", help=f"require 'authorization: Bearer TOKEN' (default: ${TOKEN_ENV})")
+    add_token_args(parser, "--auth-token", "require 'authorization: Bearer TOKEN'")
     parser.add_argument("--grace-s", type=float, default=10.0, help="shutdown grace for in-flight calls")
+
+
+def add_token_args(parser, flag: str, purpose: str) -> None:
+    """FLAG-file (preferred) and FLAG (visible to every local user in the process table: warns)."""
+    parser.add_argument(f"{flag}-file", metavar="PATH", help=f"{purpose}: the token is this file's content")
+    parser.add_argument(flag, help=f"{purpose} (deprecated: visible in the process table; default: ${TOKEN_ENV})")
+
+
+def token_from_args(args, flag: str) -> str | None:
+    """The token of FLAG-file, else FLAG (with a warning), else $GEMREC_AUTH_TOKEN, else None."""
+    import sys
+
+    from gemrec.cli import CLIError
+
+    dest = flag.lstrip("-").replace("-", "_")
+    value, path = getattr(args, dest), getattr(args, f"{dest}_file")
+    if value and path:
+        raise CLIError(f"give {flag}-file or {flag}, not both")
+    if path:
+        try:
+            token = Path(path).read_text().strip()
+        except FileNotFoundError:
+            raise CLIError(f"{flag}-file {path}: file not found") from None
+        except OSError as err:
+            raise CLIError(f"{flag}-file {path}: cannot read it ({err.strerror})") from None
+        if not token:
+            raise CLIError(f"{flag}-file {path} is empty")
+        return token
+    if value:
+        print(
+            f"gemrec serve: warning: {flag} puts the token in the process table, readable by every local user; "
+            f"use {flag}-file or ${TOKEN_ENV}",
+            file=sys.stderr,
+        )
+        return value
+    return os.environ.get(TOKEN_ENV) or None
 
 
 def options_from_args(args) -> ServerOptions:
@@ -146,7 +182,7 @@ def options_from_args(args) -> ServerOptions:
             stream_idle_s=args.stream_idle_s,
             tls_cert=args.tls_cert,
             tls_key=args.tls_key,
-            auth_token=args.auth_token or os.environ.get(TOKEN_ENV) or None,
+            auth_token=token_from_args(args, "--auth-token"),
             grace_s=args.grace_s,
         )
     except ValueError as err:

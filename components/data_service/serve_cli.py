@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from gemrec.components.common.grpc_server import add_server_args
+from gemrec.components.common.grpc_server import add_server_args, add_token_args
 
 DATA_PORT = 50052
 
 
 def serve_data(args) -> int:
     from gemrec.cli import CLIError
-    from gemrec.components.common.grpc_server import Server, options_from_args
+    from gemrec.components.common.grpc_server import Server, options_from_args, token_from_args
 
     from .dataset import Dataset
     from .errors import DataError
@@ -27,7 +27,10 @@ def serve_data(args) -> int:
         from gemrec.components.feature_service.client import FeatureClient
 
         features = FeatureClient(
-            args.features, token=args.features_token, tls_ca=args.features_tls_ca, timeout_s=args.features_timeout_s
+            args.features,
+            token=token_from_args(args, "--features-token"),
+            tls_ca=args.features_tls_ca,
+            timeout_s=args.features_timeout_s,
         )
         try:
             checksum = features.info()["dataset_checksum"]
@@ -58,7 +61,7 @@ def register(groups) -> None:
     add_server_args(p, DATA_PORT, default_workers=64)  # one thread per open stream
     p.add_argument("--features", metavar="ADDR", help="take user/item features from this feature service")
     p.add_argument("--features-tls-ca", help="PEM to trust for a TLS feature service")
-    p.add_argument("--features-token", help="bearer token for the feature service (default: $GEMREC_AUTH_TOKEN)")
+    add_token_args(p, "--features-token", "bearer token for the feature service")
     p.add_argument("--features-timeout-s", type=float, default=10.0, help="deadline of each feature lookup")
     p.add_argument(
         "--linear-weight",

@@ -162,3 +162,34 @@ def test_token_is_checked_before_a_big_body_is_read(movielens_dataset, free_port
         proc.terminate()
         proc.wait(timeout=30)
         log.close()
+
+
+def _server_args(*argv):
+    from gemrec.cli import build_parser
+
+    return build_parser().parse_args(["serve", "features", "--dataset", "unused", *argv])
+
+
+def test_token_comes_from_a_file_or_the_environment(tmp_path, monkeypatch, capsys):
+    from gemrec.cli import CLIError
+    from gemrec.components.common.grpc_server import options_from_args
+
+    monkeypatch.delenv("GEMREC_AUTH_TOKEN", raising=False)
+    secret = tmp_path / "token"
+    secret.write_text(f"{TOKEN}\n")
+    assert options_from_args(_server_args("--auth-token-file", str(secret))).auth_token == TOKEN
+    monkeypatch.setenv("GEMREC_AUTH_TOKEN", "from-env")
+    assert options_from_args(_server_args()).auth_token == "from-env"
+    assert "warning" not in capsys.readouterr().err
+    assert options_from_args(_server_args("--auth-token", "on-the-command-line")).auth_token == "on-the-command-line"
+    assert "process table" in capsys.readouterr().err
+    for argv, message in [
+        (["--auth-token-file", str(tmp_path / "missing")], "missing"),
+        (["--auth-token-file", str(tmp_path)], "cannot read"),
+        (["--auth-token-file", str(secret), "--auth-token", "x"], "not both"),
+    ]:
+        with pytest.raises(CLIError, match=message):
+            options_from_args(_server_args(*argv))
+    secret.write_text("\n")
+    with pytest.raises(CLIError, match="empty"):
+        options_from_args(_server_args("--auth-token-file", str(secret)))
