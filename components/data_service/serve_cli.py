@@ -39,7 +39,12 @@ def serve_data(args) -> int:
         if checksum != dataset.manifest.get("dataset_checksum"):
             raise CLIError(f"feature service at {args.features} serves another dataset ({checksum})")
     core = DataLoaderCore(
-        dataset, features, linear_weight=args.linear_weight, prefetch=args.prefetch, workers=args.workers
+        dataset,
+        features,
+        linear_weight=args.linear_weight,
+        prefetch=args.prefetch,
+        workers=args.workers,
+        max_message_mb=options.max_message_mb,
     )
     server = Server(options, register(core), on_drain=core.draining.set)
     source = f"features from {args.features}" if args.features else "in-process features"

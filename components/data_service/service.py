@@ -75,8 +75,10 @@ class DataLoaderCore:
         limits: Limits | None = None,
         prefetch: int = 2,
         workers: int = 4,
+        max_message_mb: int = 256,
     ):
         self.dataset = dataset
+        self.max_message_bytes = max_message_mb * 1024 * 1024
         self.features = features  # FeatureSource for non-sequence features; None: the dataset itself
         self.linear_weight = float(linear_weight)
         self.limits = limits or Limits()
@@ -174,6 +176,13 @@ class DataLoaderCore:
         cpu_start = time.thread_time()
         key = plan.key
         rows, parts = self.step_rows(key, step)
+        nbytes = self.dataset.batch_nbytes(key.split, rows, key.max_seq_len)
+        if nbytes > self.max_message_bytes:
+            raise ResourceExhausted(
+                f"batch {step} is estimated at {nbytes / 2**20:.1f} MB, over the message limit of "
+                f"{self.max_message_bytes / 2**20:.0f} MB: lower batch_size {key.batch_size} or max_seq_len "
+                f"{key.max_seq_len}"
+            )
         batch = self.dataset.collate(key.split, rows, key.max_seq_len, self.features)
         return serialize_batch(
             batch,

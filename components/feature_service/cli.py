@@ -42,7 +42,7 @@ def serve_features(args) -> int:
     from .service import FeatureServiceCore, register
 
     options = options_from_args(args)
-    core = FeatureServiceCore(_store(args), max_ids=args.max_ids)
+    core = FeatureServiceCore(_store(args), max_ids=args.max_ids, max_response_mb=options.max_message_mb)
     server = Server(options, register(core))
     print(f"feature service ({core.store.kind} store) listening on {options.host}:{server.port}", flush=True)
     server.wait()

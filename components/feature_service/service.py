@@ -6,31 +6,46 @@ import numpy as np
 from gemrec.components.common.grpc_server import InvalidArgument, ResourceExhausted, ServiceError, abort_on
 from gemrec.proto.gemrec.v1 import features_pb2, features_pb2_grpc
 
+from .store import check_history_args, history_nbytes
 from .wire import ids_from_bytes, to_array
 
 SERVICE_NAME = features_pb2.DESCRIPTOR.services_by_name["FeatureService"].full_name
 
 
 class FeatureServiceCore:
-    """Validates requests and answers them from a `MemoryStore` or `RedisStore`."""
+    """Validates requests and answers them from a `MemoryStore` or `RedisStore`. The work a request asks
+    for is bounded before it is done: repeated feature names count once, and the response size (for Redis
+    histories: the timelines it reads) is estimated from the stored lengths and refused over the limit."""
 
-    def __init__(self, store, max_ids: int = 65536, max_history_len: int = 65536):
+    def __init__(self, store, max_ids: int = 65536, max_history_len: int = 65536, max_response_mb: int = 256):
         self.store = store
         self.max_ids = max_ids
         self.max_history_len = max_history_len
+        self.max_response_bytes = max_response_mb * 1024 * 1024
 
     def _check_count(self, count: int, what: str) -> None:
         if count > self.max_ids:
             raise ResourceExhausted(f"{count} {what} in one request; the limit is {self.max_ids}")
 
+    def _check_size(self, nbytes: int, advice: str) -> None:
+        if nbytes > self.max_response_bytes:
+            raise ResourceExhausted(
+                f"the estimated response is {nbytes / 2**20:.1f} MB, over the limit of "
+                f"{self.max_response_bytes / 2**20:.0f} MB: {advice}"
+            )
+
     def get_features(self, entity: str, ids: np.ndarray, names: list[str]) -> dict:
         self._check_count(len(ids), "ids")
+        _, names = self.store.schema.resolve(entity, ids, list(dict.fromkeys(names)))
+        self._check_size(self.store.feature_nbytes(entity, ids, names), "ask for fewer ids or features")
         return self.store.lookup(entity, ids, names)
 
     def user_history(self, users: np.ndarray, before_ts: np.ndarray, max_len: int) -> dict:
         self._check_count(len(users), "users")
         if max_len > self.max_history_len:
             raise InvalidArgument(f"max_len {max_len} is above the limit {self.max_history_len}")
+        check_history_args(users, before_ts, max_len, self.store.schema.entities["user"].num_ids)
+        self._check_size(history_nbytes(self.store, users, max_len), "ask for fewer users or a smaller max_len")
         return self.store.user_history(users, before_ts, max_len)
 
 

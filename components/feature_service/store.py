@@ -29,6 +29,7 @@ class FeatureInfo:
     dtype: str  # "int64" or "float32"
     multi_valued: bool
     num_embeddings: int = 0
+    max_length: int = 0  # most values of one id (0: unknown, a schema materialized before it was recorded)
 
 
 @dataclass
@@ -105,27 +106,33 @@ def _column_to_jagged(column: pa.ChunkedArray) -> tuple[FeatureInfo | None, np.n
         offsets = np.arange(len(values) + 1, dtype=np.int64)
         multi = False
     dtype = "float32" if values.dtype.kind == "f" else "int64"
-    return FeatureInfo("", dtype, multi), values.astype(dtype, copy=False), offsets
+    max_length = int(np.diff(offsets).max(initial=0))
+    return FeatureInfo("", dtype, multi, max_length=max_length), values.astype(dtype, copy=False), offsets
 
 
 def cut_histories(
-    offsets: np.ndarray, timestamps: np.ndarray, before_ts: np.ndarray, max_len: int
+    starts: np.ndarray, ends: np.ndarray, timestamps: np.ndarray, before_ts: np.ndarray, max_len: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per timeline (sorted by time), the most recent `max_len` events strictly before `before_ts`.
+    """Per row, the most recent `max_len` events strictly before `before_ts` of the timeline
+    timestamps[starts:ends] (sorted by time). Returns (starts, lengths).
 
-    Returns (starts, lengths) into the concatenated timelines. Vectorised: timelines are consecutive and
-    sorted, so (timeline, timestamp) is sorted and one searchsorted finds every cut point.
+    A vectorised binary search over all rows at once, in int64: no packing of time into a wider key.
     """
-    counts = np.diff(offsets)
-    owner = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    keys = (owner << 33) + (timestamps.astype(np.int64) + (1 << 32))
-    probes = (np.arange(len(counts), dtype=np.int64) << 33) + (before_ts.astype(np.int64) + (1 << 32))
-    ends = np.searchsorted(keys, probes, side="left")
-    starts = np.maximum(offsets[:-1], ends - max_len)
-    return starts, (ends - starts).astype(LENGTH_DTYPE)
+    lo, hi = np.array(starts, dtype=np.int64), np.array(ends, dtype=np.int64)
+    before_ts = np.asarray(before_ts, dtype=np.int64)
+    while True:
+        active = lo < hi
+        if not active.any():
+            break
+        mid = (lo + hi) // 2
+        right = active & (timestamps[np.where(active, mid, 0)] < before_ts)
+        lo = np.where(right, mid + 1, lo)
+        hi = np.where(active & ~right, mid, hi)
+    first = np.maximum(starts, lo - max_len)
+    return first, (lo - first).astype(LENGTH_DTYPE)
 
 
-def _check_history_args(users: np.ndarray, before_ts: np.ndarray, max_len: int, num_users: int) -> np.ndarray:
+def check_history_args(users: np.ndarray, before_ts: np.ndarray, max_len: int, num_users: int) -> np.ndarray:
     if max_len <= 0:
         raise InvalidArgument(f"max_len must be positive, got {max_len}")
     if len(before_ts) == 1 and len(users) != 1:
@@ -162,6 +169,7 @@ class MemoryStore:
     """Columnar numpy arrays loaded from a dataset directory (the default store)."""
 
     kind = "memory"
+    fetches_whole_timelines = False
 
     def __init__(self, dataset: str | Path):
         dataset = Path(dataset)
@@ -194,29 +202,48 @@ class MemoryStore:
         _, names = self.schema.resolve(entity, ids, names)
         return {n: jagged.gather(*self.columns[entity][n], ids) for n in names}
 
+    def feature_nbytes(self, entity: str, ids: np.ndarray, names: list[str]) -> int:
+        """Bytes of the values and lengths a lookup would return (exact; known names and ids)."""
+        total = 0
+        for name in names:
+            values, offsets = self.columns[entity][name]
+            total += int((offsets[ids + 1] - offsets[ids]).sum()) * values.dtype.itemsize + 8 * len(ids)
+        return total
+
+    def timeline_lengths(self, users: np.ndarray) -> np.ndarray:
+        return np.diff(self._timelines.offsets)[users]
+
     def timelines(self, users: np.ndarray) -> tuple[np.ndarray, ...]:
-        """(offsets, items, item_ids, timestamps, actions) of the users' whole timelines, concatenated."""
+        """(starts, ends, items, item_ids, timestamps, actions): each user's timeline is rows starts:ends of
+        the arrays, here the store's own arrays (no copy)."""
         t = self._timelines
-        starts = t.offsets[users]
-        lengths = t.offsets[users + 1] - starts
-        rows = jagged.ranges(starts, lengths)
-        offsets = np.zeros(len(users) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        return offsets, t.items[rows], t.item_ids[rows], t.timestamps[rows], t.actions[rows]
+        return t.offsets[users], t.offsets[users + 1], t.items, t.item_ids, t.timestamps, t.actions
 
     def user_history(self, users: np.ndarray, before_ts: np.ndarray, max_len: int) -> dict[str, np.ndarray]:
         return user_history(self, users, before_ts, max_len)
 
 
+def history_nbytes(store, users: np.ndarray, max_len: int) -> int:
+    """Bytes a history request costs before it is answered: the response (each row's events, at most
+    `max_len`), or the whole timelines of the distinct users when the store fetches those (Redis)."""
+    unique, inverse = np.unique(np.asarray(users, dtype=np.int64), return_inverse=True)
+    lengths = store.timeline_lengths(unique)
+    rows = int(np.minimum(lengths[inverse], max_len).sum())
+    if store.fetches_whole_timelines:
+        rows = max(rows, int(lengths.sum()))
+    return rows * (24 + 4 * len(store.actions)) + 8 * (len(users) + 1)
+
+
 def user_history(store, users: np.ndarray, before_ts: np.ndarray, max_len: int) -> dict[str, np.ndarray]:
     """Jagged histories, oldest first: offsets (B+1), items (T, dense item index), item_ids (T, the
-    `item_id` feature), timestamps (T), actions (T, num_actions)."""
+    `item_id` feature), timestamps (T), actions (T, num_actions). Repeated users are read once."""
     users = np.asarray(users, dtype=np.int64)
-    before_ts = _check_history_args(
+    before_ts = check_history_args(
         users, np.asarray(before_ts, dtype=np.int64).reshape(-1), max_len, store.schema.entities["user"].num_ids
     )
-    offsets, items, item_ids, timestamps, actions = store.timelines(users)
-    starts, lengths = cut_histories(offsets, timestamps, before_ts, max_len)
+    unique, inverse = np.unique(users, return_inverse=True)
+    starts, ends, items, item_ids, timestamps, actions = store.timelines(unique)
+    starts, lengths = cut_histories(starts[inverse], ends[inverse], timestamps, before_ts, max_len)
     rows = jagged.ranges(starts, lengths)
     out_offsets = np.zeros(len(users) + 1, dtype=np.int64)
     np.cumsum(lengths, out=out_offsets[1:])
@@ -292,6 +319,7 @@ class RedisStore:
     """Features and timelines materialized in Redis by `materialize` (same answers as `MemoryStore`)."""
 
     kind = "redis"
+    fetches_whole_timelines = True
 
     def __init__(self, redis_url: str, dataset_checksum: str | None = None, dataset_name: str | None = None):
         import redis
@@ -334,16 +362,29 @@ class RedisStore:
         keys = [(f"{self.prefix}:{entity}:{n}", self._dtypes[(entity, n)]) for n in names]
         return dict(zip(names, self._fetch(keys, ids)))
 
+    def feature_nbytes(self, entity: str, ids: np.ndarray, names: list[str]) -> int:
+        """An upper bound from each feature's longest row (0 when the schema predates `max_length`)."""
+        info = self.schema.entities[entity].features
+        return sum(len(ids) * (info[n].max_length * self._dtypes[(entity, n)].itemsize + 8) for n in names)
+
+    def timeline_lengths(self, users: np.ndarray) -> np.ndarray:
+        """Events per user, from the stored value sizes (HSTRLEN), without fetching the timelines."""
+        pipe = self.client.pipeline(transaction=False)
+        key = f"{self.prefix}:history:timestamps"
+        for user in users.tolist():
+            pipe.hstrlen(key, user)
+        return np.asarray(pipe.execute() if len(users) else [], dtype=np.int64) // 8
+
     def timelines(self, users: np.ndarray):
+        """(starts, ends, items, item_ids, timestamps, actions) of the users' whole timelines, concatenated."""
         i64, f32 = np.dtype("<i8"), np.dtype("<f4")
         (items, lengths), (item_ids, _), (timestamps, _), (actions, _) = self._fetch(
             [(f"{self.prefix}:history:{name}", i64) for name in ("items", "item_ids", "timestamps")]
             + [(f"{self.prefix}:history:actions", f32)],
             users,
         )
-        offsets = np.zeros(len(users) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        return offsets, items, item_ids, timestamps, actions.reshape(len(items), len(self.actions))
+        ends = np.cumsum(lengths)
+        return ends - lengths, ends, items, item_ids, timestamps, actions.reshape(len(items), len(self.actions))
 
     def user_history(self, users: np.ndarray, before_ts: np.ndarray, max_len: int) -> dict[str, np.ndarray]:
         return user_history(self, users, before_ts, max_len)

@@ -1,15 +1,18 @@
-"""The data service against clients that open streams and never read: capped per peer, idle streams
-cancelled (the client resumes from its cursor), unary calls and health served all along."""
+"""The data service against hostile and careless clients: streams that are never read are capped per peer
+and cancelled when idle (the client resumes from its cursor), unary calls and health stay served; a batch
+over the message limit is refused from its estimated size, before it is built."""
 
 import time
 
 import grpc
+import numpy as np
 import pytest
 from gemrec.components.common.grpc_channel import open_channel
-from gemrec.components.common.grpc_server import Server, ServerOptions
+from gemrec.components.common.grpc_server import ResourceExhausted, Server, ServerOptions
 from gemrec.components.data_service.client import DataClient
+from gemrec.components.data_service.codec import serialize_batch
 from gemrec.components.data_service.dataset import Dataset
-from gemrec.components.data_service.service import DataLoaderCore, register
+from gemrec.components.data_service.service import DataLoaderCore, StreamRequest, register
 from gemrec.proto.gemrec.v1 import data_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -90,3 +93,21 @@ def test_client_resumes_after_its_idle_stream_was_cancelled(ds):
         assert rows == ds.num_examples("eval") and client.reconnects >= 1
     finally:
         server.stop(0)
+
+
+@pytest.mark.parametrize("dataset", ["movielens_dataset", "synth_dataset"])
+def test_batch_size_estimate_matches_the_message(request, dataset):
+    ds = Dataset.open(request.getfixturevalue(dataset))
+    rows = np.random.default_rng(0).choice(ds.num_examples("train"), size=300, replace=False)
+    for max_seq_len in (1, 64, 4096):
+        sent = len(serialize_batch(ds.collate("train", rows, max_seq_len), cursor=b"c" * 64))
+        assert 0.97 * sent <= ds.batch_nbytes("train", rows, max_seq_len) <= sent
+
+
+def test_batch_over_the_message_limit_is_refused_before_it_is_built(ds):
+    core = DataLoaderCore(ds, max_message_mb=1)
+    plan = core.plan(StreamRequest("train", 0, 1, 2048, 512, 0, 0, True))
+    with pytest.raises(ResourceExhausted, match="estimated .* batch_size 2048 .* max_seq_len 512"):
+        next(core.stream(plan))
+    small = core.plan(StreamRequest("train", 0, 1, 16, 8, 0, 0, True))
+    assert len(next(core.stream(small))) < 2**20

@@ -78,13 +78,13 @@ def test_histories_match_dataset_and_redis(memory, redis_store, ds):
 
 
 def test_cut_histories_is_strictly_before_and_most_recent():
-    offsets = np.array([0, 4, 4, 7])
+    starts, ends = np.array([0, 4, 4]), np.array([4, 4, 7])
     timestamps = np.array([1, 2, 2, 5, 3, 3, 9])
-    starts, lengths = cut_histories(offsets, timestamps, np.array([2, 10, 3]), max_len=2)
-    np.testing.assert_array_equal(starts, [0, 4, 4])
+    first, lengths = cut_histories(starts, ends, timestamps, np.array([2, 10, 3]), max_len=2)
+    np.testing.assert_array_equal(first, [0, 4, 4])
     np.testing.assert_array_equal(lengths, [1, 0, 0])
-    starts, lengths = cut_histories(offsets, timestamps, np.array([6, 0, 10]), max_len=2)
-    np.testing.assert_array_equal(starts, [2, 4, 5])
+    first, lengths = cut_histories(starts, ends, timestamps, np.array([6, 0, 10]), max_len=2)
+    np.testing.assert_array_equal(first, [2, 4, 5])
     np.testing.assert_array_equal(lengths, [2, 0, 2])
 
 
