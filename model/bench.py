@@ -2,7 +2,7 @@
 each layer alone, on random production-shaped batches (torch embeddings, no torchrec, no data service).
 
     gemrec bench model --out DIR [--device cuda] [--batch-size 256] [--mean-len 512] [--max-len 3072]
-                       [--set model_key=value ...]
+                       [--set model.KEY=VALUE ...]
 
 Checks (device vs a float32 reference on the same device): the kernels' attention ops against their
 reference (`backend="reference"`), the MoE grouped path against the per-expert loop, bf16-autocast logits
@@ -17,11 +17,14 @@ import json
 import math
 import statistics
 import time
+import typing
 import warnings
+from collections.abc import Iterable
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from gemrec.config import apply_overrides, build_sections
 from gemrec.kernels import gdpa, jagged_attention
 from gemrec.model.capture import capture_layer_inputs
 from gemrec.model.config import FeatureSchema, ModelConfig, SparseFeature
@@ -160,7 +163,7 @@ def _first_tensor(out) -> torch.Tensor:
 
 def run(args) -> dict:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
-    config = ModelConfig.from_dict({**PRODUCTION, **args.model_overrides})
+    config = args.model_config
     schema = production_schema(args.num_users, args.num_users)
     torch.manual_seed(0)
     model = build_model(config, schema).to(device)
@@ -173,7 +176,7 @@ def run(args) -> dict:
     report: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
-        "config": {k: getattr(config, k) for k in PRODUCTION} | dict(args.model_overrides),
+        "config": config.to_dict(),
         "batch_size": args.batch_size,
         "tokens_per_batch": [inp.num_tokens for inp, _ in inputs],
         "max_seq_len": [inp.max_seq_len for inp, _ in inputs],
@@ -260,20 +263,10 @@ def run(args) -> dict:
     return report
 
 
-def parse_overrides(items: list[str]) -> dict:
-    """`key=value` model-config overrides; values parsed as Python literals when they are one."""
-    import ast
-
-    overrides = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--set expects key=value, got {item!r}")
-        try:
-            overrides[key] = ast.literal_eval(value)
-        except (ValueError, SyntaxError):
-            overrides[key] = value
-    return overrides
+def production_config(overrides: Iterable[str] = ()) -> ModelConfig:
+    """`PRODUCTION` with `model.key=value` overrides, read and checked by the one config parser."""
+    sections = build_sections(apply_overrides({"model": PRODUCTION}, overrides), {"model": ModelConfig})
+    return typing.cast(ModelConfig, sections["model"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -284,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    args.model_overrides = parse_overrides(args.overrides)
+    args.model_config = production_config(args.overrides)
     return run(args)
 
 

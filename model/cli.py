@@ -36,16 +36,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="overrides",
         action="append",
         default=[],
-        metavar="KEY=VALUE",
-        help="override a ModelConfig field, e.g. --set seq_attention=silu",
+        metavar="model.KEY=VALUE",
+        help="override a ModelConfig field, e.g. --set model.seq_attention=silu",
     )
 
 
 def cmd_bench_model(args: argparse.Namespace) -> int:
-    from gemrec.model.bench import parse_overrides, run
+    from gemrec.model.bench import production_config, run
 
     try:
-        args.model_overrides = parse_overrides(args.overrides)
+        args.model_config = production_config(args.overrides)
         if args.batch_size < 1 or args.max_len < 1 or args.mean_len <= 0:
             raise ValueError("--batch-size, --max-len and --mean-len must be positive")
     except ValueError as err:
@@ -55,8 +55,5 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise CLIError("--device cuda but no CUDA device is available (use --device cpu)")
-    try:
-        run(args)
-    except ValueError as err:  # a bad --set (ModelConfig names the field)
-        raise CLIError(str(err)) from err
+    run(args)
     return 0

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from gemrec.config import Section
 
 
 @dataclass(frozen=True)
@@ -92,26 +94,31 @@ class FeatureSchema:
         raise KeyError(f"feature schema has no sparse feature {name!r}")
 
 
-@dataclass
-class ModelConfig:
-    """Every knob of the model; the defaults build a small model that runs on a CPU."""
+Arch = Literal["gem", "dlrm"]
 
-    arch: str = "gem"  # "gem" | "dlrm"
-    embedding_backend: str = "torchrec"  # "torchrec" (EmbeddingBagCollection) | "torch" (no torchrec import)
+
+@dataclass(frozen=True)
+class ModelConfig(Section):
+    """Every knob of the model (the recipe's `[model]` table); the defaults build a small model that runs on a CPU."""
+
+    SECTION: ClassVar[str] = "model"
+
+    arch: Arch = "gem"
+    embedding_backend: Literal["torchrec", "torch"] = "torchrec"  # "torch": no torchrec import
     embedding_dim: int = 32  # every table's row size
     d_model: int = 64  # token width inside the towers
     num_heads: int = 4
     mlp_ratio: float = 4.0
     # Sequence tower over the jagged history.
     seq_layers: int = 2
-    seq_attention: str = "softmax"  # "softmax" | "silu" (pointwise SiLU, normalised by the key count)
+    seq_attention: Literal["softmax", "silu"] = "softmax"  # silu: pointwise SiLU, normalised by the key count
     seq_causal: bool = True
     dropout: float = 0.0  # on the sequence tower's input tokens and residual branches (training only)
-    attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA) | "reference" (PyTorch everywhere)
+    attention_backend: Literal["auto", "reference"] = "auto"  # auto: Triton kernels on CUDA; reference: PyTorch
     rotary: bool = True
     rotary_base: float = 10000.0
     rotary_max_positions: int = 32768  # longest sequence the rotary tables cover
-    time_encoding: str = "log_bucket"  # "log_bucket" | "continuous" (of time since the target event)
+    time_encoding: Literal["log_bucket", "continuous"] = "log_bucket"  # of the time since the target event
     num_time_buckets: int = 64
     recency_buckets: int = 32  # embedding of each token's rank from the end of its history; 0 = off
     target_aware: bool = True  # history tokens see their target item's embeddings (element-wise products)
@@ -133,25 +140,7 @@ class ModelConfig:
     dlrm_top_mlp: tuple[int, ...] = (128, 64)
     init_std: float = 0.02
 
-    def __post_init__(self):
-        choices = {
-            "arch": ("gem", "dlrm"),
-            "embedding_backend": ("torchrec", "torch"),
-            "seq_attention": ("softmax", "silu"),
-            "attention_backend": ("auto", "reference"),
-            "time_encoding": ("log_bucket", "continuous"),
-        }
-        for name, allowed in choices.items():
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"model config: {name} must be one of {allowed}, got {getattr(self, name)!r}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"model config: d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
-        if self.rotary and (self.d_model // self.num_heads) % 2:
-            raise ValueError("model config: rotary positions need an even head dim")
-        if self.moe_every and not 1 <= self.moe_top_k <= self.moe_num_experts:
-            raise ValueError(
-                f"model config: moe_top_k {self.moe_top_k} must be in [1, moe_num_experts={self.moe_num_experts}]"
-            )
+    def check(self) -> None:
         positive = (
             "embedding_dim",
             "d_model",
@@ -162,21 +151,18 @@ class ModelConfig:
             "rotary_max_positions",
         )
         for name in positive:
-            if getattr(self, name) < 1:
-                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model config: dropout must be in [0, 1), got {self.dropout}")
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
         for name in ("seq_layers", "nonseq_layers", "interaction_layers", "moe_every", "recency_buckets"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"model config: {name} must be >= 0, got {getattr(self, name)}")
-        self.dlrm_bottom_mlp = tuple(self.dlrm_bottom_mlp)
-        self.dlrm_top_mlp = tuple(self.dlrm_top_mlp)
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> ModelConfig:
-        """Build from a recipe's `model` table; unknown keys are an error naming them."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"model config: unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**values)
+            self.require(getattr(self, name) >= 0, name, "must be >= 0")
+        self.require(self.d_model % self.num_heads == 0, "d_model", f"must be divisible by num_heads {self.num_heads}")
+        self.require(
+            not self.rotary or (self.d_model // self.num_heads) % 2 == 0,
+            "d_model",
+            f"rotary positions need an even head dim (d_model / num_heads {self.num_heads})",
+        )
+        self.require(
+            not self.moe_every or 1 <= self.moe_top_k <= self.moe_num_experts,
+            "moe_top_k",
+            f"must be in [1, moe_num_experts = {self.moe_num_experts}]",
+        )

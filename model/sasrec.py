@@ -9,19 +9,23 @@ It has the retrieval interface of `GEMModel`: `sequence_vectors(inp)` and `item_
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any
+from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 import torch
+from gemrec.config import Section
 from gemrec.model.config import FeatureSchema
 from gemrec.model.inputs import ModelInput
 from gemrec.model.layers import JaggedAttention, SeqLayer
 from torch import nn
 
 
-@dataclass
-class SASRecConfig:
-    """The published SASRec settings of the S3-Rec/ICLRec tables (hidden 64, 2 layers, 2 heads, dropout 0.5)."""
+@dataclass(frozen=True)
+class SASRecConfig(Section):
+    """The published SASRec settings of the S3-Rec/ICLRec tables (hidden 64, 2 layers, 2 heads, dropout 0.5):
+    the recipe's `[sasrec]` table."""
+
+    SECTION: ClassVar[str] = "sasrec"
 
     d_model: int = 64
     num_heads: int = 2
@@ -30,28 +34,13 @@ class SASRecConfig:
     dropout: float = 0.5
     max_positions: int = 50  # longest history; longer ones must be cut before the model
     init_std: float = 0.02
-    attention_backend: str = "auto"  # "auto" (Triton kernels on CUDA) | "reference"
+    attention_backend: Literal["auto", "reference"] = "auto"  # auto: Triton kernels on CUDA
 
-    def __post_init__(self):
+    def check(self) -> None:
         for name in ("d_model", "num_heads", "layers", "max_positions"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"sasrec config: {name} must be >= 1, got {getattr(self, name)}")
-        if self.d_model % self.num_heads:
-            raise ValueError(f"sasrec config: d_model {self.d_model} is not divisible by num_heads {self.num_heads}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"sasrec config: dropout must be in [0, 1), got {self.dropout}")
-        if self.attention_backend not in ("auto", "reference"):
-            raise ValueError(
-                f"sasrec config: attention_backend must be auto or reference, got {self.attention_backend!r}"
-            )
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> SASRecConfig:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ValueError(f"sasrec config: unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**values)
+            self.require(getattr(self, name) >= 1, name, "must be >= 1")
+        self.require(self.d_model % self.num_heads == 0, "d_model", f"must be divisible by num_heads {self.num_heads}")
+        self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
 
 
 class SASRec(nn.Module):

@@ -27,10 +27,10 @@ def run_quality_bench(
     device: str,
     out: Path | None,
 ) -> str:
+    configs = {arm: load_recipe(recipe, overrides, arch=arm) for arm in arms}  # every arm checked before training
     results = {}
     with tempfile.TemporaryDirectory(prefix="gemrec-bench-") as tmp:
-        for arm in arms:
-            config = load_recipe(recipe, overrides, arch=arm)
+        for arm, config in configs.items():
             start = time.perf_counter()
             summary = run_training(
                 config,

@@ -76,7 +76,7 @@ def _add_common(p: argparse.ArgumentParser, default_recipe: str | None = None) -
     else:
         p.add_argument("--recipe", default=default_recipe, help=f"recipe name or .toml path (default {default_recipe})")
     if default_recipe is None:
-        p.add_argument("--model", choices=["gem", "dlrm"], help="override the recipe's model.arch")
+        p.add_argument("--model", help="override the recipe's model.arch (gem or dlrm)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -91,14 +91,15 @@ def _add_common(p: argparse.ArgumentParser, default_recipe: str | None = None) -
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from gemrec.components.trainer.config import RecipeError, load_recipe
+    from gemrec.components.trainer.config import load_recipe
     from gemrec.components.trainer.run import run_training
+    from gemrec.config import ConfigError
 
     try:
         config = load_recipe(args.recipe, args.overrides, arch=args.model)
-    except RecipeError as err:
+    except ConfigError as err:
         raise CLIError(str(err)) from err
-    run_dir = args.run_dir or Path("runs") / "train" / f"{config.recipe}-{config.arch}"
+    run_dir = args.run_dir or Path("runs") / "train" / f"{config.recipe}-{config.model.arch}"
     run_training(
         config,
         dataset=args.dataset,
@@ -116,8 +117,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_train(args: argparse.Namespace) -> int:
-    from gemrec.components.trainer.config import RecipeError
     from gemrec.components.trainer.gpu_bench import run
+    from gemrec.config import ConfigError
 
     argv = ["--recipe", args.recipe, "--out", str(args.out)]
     for item in args.overrides:
@@ -126,31 +127,34 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         argv += ["--device", args.device]
     try:
         run(argv)
-    except RecipeError as err:
+    except ConfigError as err:
         raise CLIError(str(err)) from err
     return 0
 
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
     from gemrec.components.trainer.bench import run_quality_bench
+    from gemrec.config import ConfigError
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    bad = [a for a in arms if a not in ("gem", "dlrm")]
-    if bad or not arms:
+    if not arms:
         raise CLIError(f"--arms takes gem and/or dlrm, got {args.arms!r}")
-    print(
-        run_quality_bench(
+    try:
+        table = run_quality_bench(
             args.dataset, args.recipe, arms, args.overrides, args.tracking_uri, args.experiment, args.device, args.out
         )
-    )
+    except ConfigError as err:
+        raise CLIError(str(err)) from err
+    print(table)
     return 0
 
 
 def cmd_bench_seqrec(args: argparse.Namespace) -> int:
     from gemrec.components.data_service.errors import DataError
-    from gemrec.components.trainer.config import RecipeError, load_recipe
+    from gemrec.components.trainer.config import load_recipe
     from gemrec.components.trainer.seqrec import ARMS, run_seqrec_bench
     from gemrec.components.trainer.trainer import TrainingError
+    from gemrec.config import ConfigError
 
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     if not arms or sorted(set(arms) - set(ARMS)) or len(set(arms)) != len(arms):
@@ -159,7 +163,7 @@ def cmd_bench_seqrec(args: argparse.Namespace) -> int:
         raise CLIError(f"--dataset {args.dataset}: no such directory")
     try:
         config = load_recipe(args.recipe, args.overrides)
-    except RecipeError as err:
+    except ConfigError as err:
         raise CLIError(str(err)) from err
     try:
         results = run_seqrec_bench(

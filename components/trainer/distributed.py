@@ -76,7 +76,7 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def parallelize_model(model: nn.Module, ctx: DistContext, parallel: dict) -> nn.Module:
+def parallelize_model(model: nn.Module, ctx: DistContext, parallel) -> nn.Module:
     """The model to train, from the unmodified model already on `ctx.device` (sparse optimizer attached).
 
     Alone this is the identity; under torchrun the recipe's [parallel] table (empty = defaults) picks

@@ -11,6 +11,7 @@ scaling ratio, and a profiler table of where the step time goes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -31,7 +32,6 @@ from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
 from gemrec.model import (
     FeatureSchema,
     JaggedFeatures,
-    ModelConfig,
     ModelInput,
     SparseFeature,
     build_model,
@@ -153,7 +153,7 @@ def run(argv: list[str] | None = None) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     schema = synthetic_schema(bench)
-    model_config = ModelConfig.from_dict({**config.model, "embedding_backend": "torch"})
+    model_config = dataclasses.replace(config.model, embedding_backend="torch")
     model = build_model(model_config, schema).to(device)
     sparse_kind = apply_sparse_optimizer(model, config.optim)
     train_model = torch.compile(model) if config.train.compile else model

@@ -170,13 +170,13 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 
 def build_arm(name: str, protocol: str, config: TrainConfig, data: SeqRecData, device: torch.device):
-    from gemrec.model import ModelConfig, build_model
-    from gemrec.model.sasrec import SASRec, SASRecConfig
+    from gemrec.model import build_model
+    from gemrec.model.sasrec import SASRec
 
     if name == "sasrec":
-        model = SASRec(SASRecConfig.from_dict(config.sasrec), data.schema).to(device)
+        model = SASRec(config.sasrec, data.schema).to(device)
         return RetrievalArm(name, model, data, config.seqrec.sasrec_loss, config, device)
-    model = build_model(ModelConfig.from_dict(config.model), data.schema).to(device)
+    model = build_model(config.model, data.schema).to(device)
     if protocol == "full":
         return RetrievalArm(name, model, data, config.seqrec.gem_loss, config, device)
     return RankerArm(name, model, data, config, device)

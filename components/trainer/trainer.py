@@ -140,7 +140,7 @@ class Trainer:
     ):
         """`stream` yields training `Batch`es and has `state()/load_state()`; `eval_source(rows_fn)` gives
         eval batches; `dataset_info` carries name, checksum and the training label base rates."""
-        from gemrec.model import ModelConfig, build_model
+        from gemrec.model import build_model
 
         self.config = config
         self.ctx = ctx
@@ -157,8 +157,7 @@ class Trainer:
             local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
             threads = config.train.threads or max(1, (os.cpu_count() or 1) // local_ranks)
             torch.set_num_threads(threads)
-        model_config = ModelConfig.from_dict(config.model)
-        self.model = build_model(model_config, schema).to(self.device)
+        self.model = build_model(config.model, schema).to(self.device)
         self.sparse_kind = apply_sparse_optimizer(self.model, config.optim)
         self.train_model = parallelize_model(self.model, ctx, config.parallel)
         self.balance = RankBalance(self.device, profile_every=config.train.log_every)
@@ -294,13 +293,13 @@ class Trainer:
         A collective: every rank takes part in gathering sharded parameters (FSDP2 DTensors, torchrec
         ShardedTensors) into full tensors; the other ranks get None.
         """
-        from gemrec.model import ModelConfig, build_model
+        from gemrec.model import build_model
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         state = get_model_state_dict(unwrap(self.train_model), options=options)
         if not self.ctx.is_main:
             return None
-        model = build_model(ModelConfig.from_dict(self.config.model), self.schema)
+        model = build_model(self.config.model, self.schema)
         model.load_state_dict(state)
         return model.eval()
 
@@ -330,7 +329,7 @@ class Trainer:
             ctx.is_main,
             self.options.tracking_uri,
             self.options.experiment,
-            run_name=f"{cfg.recipe}-{cfg.arch}",
+            run_name=f"{cfg.recipe}-{cfg.model.arch}",
             resume_run_id=self.resumed_run_id,
         )
         try:
@@ -360,7 +359,7 @@ class Trainer:
                 "device": peak.device,
                 "world_size": self.ctx.world_size,
                 "recipe": self.config.recipe,
-                "arch": self.config.arch,
+                "arch": self.config.model.arch,
                 "peak_flops": f"{peak.flops:.4g} ({peak.source})",
             }
         )
@@ -386,7 +385,7 @@ class Trainer:
         log.info(
             "training %s (%s, %.2fM params) for %d steps from step %d on %s x%d; peak %.3g FLOP/s (%s)",
             cfg.recipe,
-            cfg.arch,
+            cfg.model.arch,
             self.num_params / 1e6,
             self.total_steps,
             self.step,
@@ -402,7 +401,7 @@ class Trainer:
             total=self.total_steps,
             initial=self.step,
             disable=not (ctx.is_main and self.options.progress),
-            desc=f"train {cfg.arch}",
+            desc=f"train {cfg.model.arch}",
             unit="step",
             mininterval=1.0,
             dynamic_ncols=True,
@@ -516,9 +515,9 @@ class Trainer:
             model = unwrap(self.train_model)
             if hasattr(self.train_model, "gemrec_parallel"):
                 # Sharded layers cannot run alone on one rank: time them on an unsharded single-device replica.
-                from gemrec.model import ModelConfig, build_model
+                from gemrec.model import build_model
 
-                model = build_model(ModelConfig.from_dict(cfg.model), self.schema).to(self.device)
+                model = build_model(cfg.model, self.schema).to(self.device)
             layer_flops = model_flops(model, last_inp)
             local, layers = measure_local_mfu(
                 model,
@@ -535,7 +534,7 @@ class Trainer:
         layer_rows = [{"name": r.name, "flops": r.flops, "seconds": r.seconds, "mfu": r.mfu} for r in layers]
         summary = {
             "recipe": cfg.recipe,
-            "arch": cfg.arch,
+            "arch": cfg.model.arch,
             "steps": self.step,
             "world_size": ctx.world_size,
             "tasks": self.task_names,

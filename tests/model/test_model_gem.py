@@ -213,5 +213,5 @@ def test_attention_backend_reaches_every_attention_layer():
     model = build(attention_backend="reference")
     backends = {m.backend for m in model.modules() if hasattr(m, "backend")}
     assert backends == {"reference"}
-    with pytest.raises(ValueError, match="attention_backend must be one of"):
+    with pytest.raises(ValueError, match="model.attention_backend = .flash.: must be one of .auto., .reference."):
         build(attention_backend="flash")

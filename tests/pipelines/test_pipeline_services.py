@@ -140,8 +140,8 @@ def test_train_step_refuses_a_broken_recipe_before_starting_services(tmp_path):
     from gemrec.pipelines import steps
 
     for text, problem in (
-        ("[data]\nbatch_size = 0\n", "data.batch_size must be > 0"),
-        ("[model]\nd_model = 30\nnum_heads = 4\n", "d_model 30 is not divisible by num_heads 4"),
+        ("[data]\nbatch_size = 0\n", "data.batch_size = 0: must be > 0"),
+        ("[model]\nd_model = 30\nnum_heads = 4\n", "model.d_model = 30: must be divisible by num_heads 4"),
     ):
         recipe = tmp_path / "broken.toml"
         recipe.write_text(text)

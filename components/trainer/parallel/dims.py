@@ -10,51 +10,43 @@ sparse parallelism when `sparse_replicate > 1`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cached_property
+from typing import ClassVar, Literal
 
 import torch
+from gemrec.config import ConfigError, Section
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AC_MODES = ("none", "full")
-SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise")
+ShardingType = Literal["table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise"]
+DType = Literal["bfloat16", "float16", "float32"]
 
 
-class ParallelConfigError(ValueError):
+class ParallelConfigError(ConfigError):
     """An impossible parallel layout; the message shows the arithmetic."""
 
 
-@dataclass
-class ParallelConfig:
+@dataclass(frozen=True)
+class ParallelConfig(Section):
     """The `[parallel]` section of a recipe. -1 means "whatever is left of the world size"."""
+
+    SECTION: ClassVar[str] = "parallel"
 
     dp_replicate: int = 1
     dp_shard: int = -1
     ep: int = 1
     sparse_shard: int = -1  # ranks in one embedding sharding group
-    activation_checkpoint: str = "none"  # "none" | "full" (per FSDP block)
+    activation_checkpoint: Literal["none", "full"] = "none"  # per FSDP block
     compile: bool = False  # torch.compile each block
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3) or keep (ZeRO-2)
-    param_dtype: str | None = None  # FSDP2 mixed precision, e.g. "bfloat16"; None keeps fp32
-    reduce_dtype: str | None = None
+    param_dtype: DType | None = None  # FSDP2 mixed precision; unset ("" in TOML) keeps fp32
+    reduce_dtype: DType | None = None
     # Planner constraint on the embedding tables; empty lets the planner choose per table.
-    sharding_types: list[str] = field(default_factory=list)
+    sharding_types: tuple[ShardingType, ...] = ()
     dmp_sync_interval: int = 1  # 2D sparse: all-reduce embedding replicas every N steps
 
-    def __post_init__(self) -> None:
-        if self.activation_checkpoint not in AC_MODES:
-            raise ParallelConfigError(f"activation_checkpoint {self.activation_checkpoint!r} not in {AC_MODES}")
-        unknown = [t for t in self.sharding_types if t not in SHARDING_TYPES]
-        if unknown:
-            raise ParallelConfigError(f"unknown sharding_types {unknown}; known: {SHARDING_TYPES}")
-        if self.dmp_sync_interval < 1:
-            raise ParallelConfigError(f"dmp_sync_interval must be >= 1, got {self.dmp_sync_interval}")
-        for name in ("param_dtype", "reduce_dtype"):
-            if getattr(self, name) == "":  # TOML has no null: "" means unset
-                setattr(self, name, None)
-            value = getattr(self, name)
-            if value is not None and not isinstance(getattr(torch, value, None), torch.dtype):
-                raise ParallelConfigError(f"{name} {value!r} is not a torch dtype name (e.g. 'bfloat16')")
+    def check(self) -> None:
+        self.require(self.dmp_sync_interval >= 1, "dmp_sync_interval", "must be >= 1")
 
 
 @dataclass

@@ -16,6 +16,7 @@ efficiency; `report` computes it from the files of several runs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -57,7 +58,7 @@ def run(argv: list[str]) -> dict:
     from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
     from gemrec.components.trainer.parallel import ParallelConfig, ParallelDims, parallelize
     from gemrec.components.trainer.parallel.balance import RankBalance
-    from gemrec.model import ModelConfig, build_model, model_flops
+    from gemrec.model import build_model, model_flops
     from gemrec.model import loss as model_loss
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -101,7 +102,7 @@ def run(argv: list[str]) -> dict:
     bench = config.bench
     torch.manual_seed(config.train.seed)
     schema = synthetic_schema(bench)
-    model = build_model(ModelConfig.from_dict({**config.model, "embedding_backend": "torch"}), schema).to(device)
+    model = build_model(dataclasses.replace(config.model, embedding_backend="torch"), schema).to(device)
     apply_sparse_optimizer(model, config.optim)
     layout = "single device, no wrapper"
     train_model = model

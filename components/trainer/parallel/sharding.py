@@ -21,6 +21,7 @@ do, and as a single-process run on the global batch does (checked by test_parall
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -56,7 +57,7 @@ def plan_embedding_sharding(
     model: nn.Module,
     group: dist.ProcessGroup,
     device: torch.device,
-    sharding_types: list[str] | None = None,
+    sharding_types: Sequence[str] | None = None,
     local_world_size: int | None = None,
     batch_size: int | None = None,
     shard_world_size: int | None = None,

@@ -11,6 +11,7 @@ from gemrec.components.trainer.parallel.balance import (
 )
 from gemrec.components.trainer.parallel.expert_parallel import source_major_to_expert_major
 from gemrec.components.trainer.parallel.parallelize import fsdp_blocks
+from gemrec.config import ConfigError
 from torch import nn
 
 
@@ -51,12 +52,12 @@ def test_invalid_layouts_show_the_arithmetic(world, kwargs, message):
 def test_config_validation():
     ParallelConfig(sharding_types=["row_wise", "table_wise"], param_dtype="bfloat16")
     for bad, message in [
-        ({"activation_checkpoint": "some"}, "activation_checkpoint"),
-        ({"sharding_types": ["diagonal"]}, "unknown sharding_types"),
-        ({"param_dtype": "float7"}, "not a torch dtype"),
-        ({"dmp_sync_interval": 0}, "dmp_sync_interval"),
+        ({"activation_checkpoint": "some"}, "parallel.activation_checkpoint = 'some': must be one of 'none', 'full'"),
+        ({"sharding_types": ["diagonal"]}, r"parallel.sharding_types = \['diagonal'\]: must be a list of values in"),
+        ({"param_dtype": "float7"}, "parallel.param_dtype = 'float7': must be one of 'bfloat16'"),
+        ({"dmp_sync_interval": 0}, "parallel.dmp_sync_interval = 0: must be >= 1"),
     ]:
-        with pytest.raises(ParallelConfigError, match=message):
+        with pytest.raises(ConfigError, match=message):
             ParallelConfig(**bad)
 
 
@@ -117,11 +118,10 @@ def test_training_inputs_carry_the_stream_state_after_each_batch(movielens_datas
 
 
 def test_recipe_parallel_table_is_checked():
-    from gemrec.components.trainer.parallel.integration import parallel_config
-
-    assert parallel_config({"dp_replicate": 2, "ep": 2}).ep == 2
-    with pytest.raises(ParallelConfigError, match="unknown setting.*parallel.dp_shards.*takes.*dp_shard"):
-        parallel_config({"dp_shards": 2})
+    assert ParallelConfig.from_dict({"dp_replicate": 2, "ep": 2}).ep == 2
+    assert ParallelConfig.from_dict({"param_dtype": ""}).param_dtype is None  # TOML has no null
+    with pytest.raises(ConfigError, match=r"unknown setting parallel.dp_shards = 2; \[parallel\] takes .*dp_shard"):
+        ParallelConfig.from_dict({"dp_shards": 2})
 
 
 def test_communication_breakdown_names_the_exposed_collectives():

@@ -242,7 +242,7 @@ def test_cli_errors_name_the_problem(tmp_path, capsys, movielens_dataset):
         gemrec_main(["train", "--dataset", str(movielens_dataset), "--recipe", "tiny", "--set", "data.batch_size=0"])
         == 2
     )
-    assert "data.batch_size must be > 0" in capsys.readouterr().err
+    assert "gemrec train: error: data.batch_size = 0: must be > 0" in capsys.readouterr().err
     assert gemrec_main(["train", "--dataset", str(tmp_path), "--recipe", "tiny"]) == 2
     assert "not a complete dataset" in capsys.readouterr().err
 

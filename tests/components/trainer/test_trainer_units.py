@@ -17,6 +17,9 @@ from gemrec.components.trainer.config import (
 from gemrec.components.trainer.data import eval_row_chunks
 from gemrec.components.trainer.mfu import measure_local_mfu
 from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+from gemrec.components.trainer.parallel import ParallelConfig
+from gemrec.config import ConfigError
+from gemrec.model import ModelConfig
 
 
 def test_ne_matches_hand_computation():
@@ -56,22 +59,34 @@ def test_calibration_and_task_metrics():
 def test_recipes_load_and_overrides_are_checked():
     assert {"tiny", "movielens", "synth", "h200-bench"} <= set(available_recipes())
     config = load_recipe("tiny", ["train.steps=7", "optim.dense_lr=0.5", "model.d_model=16"], arch="dlrm")
-    assert (config.train.steps, config.optim.dense_lr, config.arch, config.model["d_model"]) == (7, 0.5, "dlrm", 16)
+    assert (config.train.steps, config.optim.dense_lr, config.model.arch, config.model.d_model) == (7, 0.5, "dlrm", 16)
+    assert isinstance(config.model, ModelConfig) and isinstance(config.parallel, ParallelConfig)
+    assert load_recipe("h200-bench").parallel.param_dtype == "bfloat16"
     with pytest.raises(RecipeError, match="unknown recipe 'nope'"):
         load_recipe("nope")
-    with pytest.raises(RecipeError, match="train.stepz"):
+    with pytest.raises(ConfigError, match=r"unknown setting train.stepz = 3; \[train\] takes .*steps"):
         load_recipe("tiny", ["train.stepz=3"])
-    with pytest.raises(RecipeError, match="train.steps must be an integer"):
+    with pytest.raises(ConfigError, match="train.steps = 'many': must be an integer"):
         load_recipe("tiny", ["train.steps=many"])
-    with pytest.raises(RecipeError, match="section.key"):
+    with pytest.raises(ConfigError, match="section.key"):
         load_recipe("tiny", ["steps=3"])
-    with pytest.raises(RecipeError, match="data.max_seq_len 40000 exceeds model.rotary_max_positions 32768"):
+    with pytest.raises(ConfigError, match="data.max_seq_len = 40000 exceeds model.rotary_max_positions = 32768"):
         load_recipe("tiny", ["data.max_seq_len=40000"])
     assert load_recipe("tiny", ["data.max_seq_len=40000", "model.rotary_max_positions=40000"]).data.max_seq_len == 40000
-    with pytest.raises(RecipeError, match=r"\[model\]: model config: unknown keys \['bogus'\]"):
+    with pytest.raises(ConfigError, match=r"unknown setting model.bogus = 1; \[model\] takes .*arch"):
         load_recipe("tiny", ["model.bogus=1"])
-    with pytest.raises(RecipeError, match=r"\[parallel\]: unknown setting\(s\) parallel.bogus"):
+    with pytest.raises(ConfigError, match=r"unknown setting parallel.bogus = 1; \[parallel\] takes .*dp_shard"):
         load_recipe("tiny", ["parallel.bogus=1"])
+    with pytest.raises(ConfigError, match="model.arch = 'bert': must be one of 'gem', 'dlrm'"):
+        load_recipe("tiny", ['model.arch="bert"'])
+    with pytest.raises(ConfigError, match="parallel.activation_checkpoint = 'some': must be one of 'none', 'full'"):
+        load_recipe("tiny", ["parallel.activation_checkpoint=some"])
+    with pytest.raises(ConfigError, match="train.precision = 'fp16': must be one of 'auto', 'bf16', 'fp32'"):
+        load_recipe("tiny", ["train.precision=fp16"])
+    with pytest.raises(ConfigError, match="data.batch_size = 0: must be > 0"):
+        load_recipe("tiny", ["data.batch_size=0"])
+    with pytest.raises(ConfigError, match="unknown section.*trian; this takes model, parallel, data"):
+        load_recipe("tiny", ["trian.steps=3"])
     # The data service's balancing weight follows the model: causal, 4x MLP -> 12 x d_model; no sequence -> default.
     assert balance_linear_weight(load_recipe("h200-bench")) == 12 * 1024
     assert balance_linear_weight(load_recipe("tiny", ["model.seq_causal=false"])) == 6 * 32
