@@ -1,5 +1,6 @@
 """The GPU training benchmark's code path, run on the CPU with the tiny recipe (the H200 runs it for real)."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -66,7 +67,7 @@ def test_h200_bench_flop_count_matches_flop_counter_per_layer(monkeypatch):
     from gemrec.components.trainer.config import load_recipe
     from gemrec.components.trainer.gpu_bench import synthetic_batch, synthetic_schema
     from gemrec.components.trainer.mfu import _tensors
-    from gemrec.model import ModelConfig, build_model, model_flops
+    from gemrec.model import build_model, model_flops
     from gemrec.model.capture import capture_layer_inputs
     from torch.utils.flop_counter import FlopCounterMode
 
@@ -74,7 +75,7 @@ def test_h200_bench_flop_count_matches_flop_counter_per_layer(monkeypatch):
     torch.manual_seed(0)
     config = load_recipe("h200-bench", ["bench.num_users=100", "bench.num_items=100"])
     narrow = {"d_model": 128, "moe_hidden": 512, "head_hidden": 128, "seq_causal": False}
-    model = build_model(ModelConfig.from_dict({**config.model, **narrow}), synthetic_schema(config.bench))
+    model = build_model(dataclasses.replace(config.model, **narrow), synthetic_schema(config.bench))
     inp, _ = synthetic_batch(model.schema, config.bench, 4, config.data.max_seq_len, torch.Generator().manual_seed(0))
     counted = model_flops(model, inp)
     captured = capture_layer_inputs(model, list(counted), lambda: model(inp))
