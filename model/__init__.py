@@ -4,6 +4,7 @@ from gemrec.model.config import FeatureSchema, ModelConfig, SparseFeature
 from gemrec.model.gem import DLRMModel, GEMModel, build_model, loss, model_flops
 from gemrec.model.inputs import JaggedFeatures, ModelInput, ModelOutput
 from gemrec.model.moe import GroupedExperts, MoEFeedForward
+from gemrec.model.step import StepResult, train_step
 
 __all__ = [
     "DLRMModel",
@@ -16,7 +17,9 @@ __all__ = [
     "ModelOutput",
     "MoEFeedForward",
     "SparseFeature",
+    "StepResult",
     "build_model",
     "loss",
     "model_flops",
+    "train_step",
 ]

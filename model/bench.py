@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import statistics
 import time
 import typing
@@ -27,9 +26,10 @@ import torch
 from gemrec.config import apply_overrides, build_sections
 from gemrec.kernels import gdpa, jagged_attention
 from gemrec.model.capture import capture_layer_inputs
-from gemrec.model.config import FeatureSchema, ModelConfig, SparseFeature
-from gemrec.model.gem import build_model, loss, model_flops
-from gemrec.model.synthetic import random_input
+from gemrec.model.config import ModelConfig
+from gemrec.model.gem import build_model, model_flops
+from gemrec.model.step import train_step
+from gemrec.model.synthetic import bench_schema, lognormal_lengths, random_input, random_labels
 
 PRODUCTION = dict(
     arch="gem",
@@ -47,33 +47,7 @@ PRODUCTION = dict(
     head_hidden=1024,
     pma_seeds=16,
 )
-
-
-def production_schema(num_users: int = 1_000_000, num_items: int = 1_000_000) -> FeatureSchema:
-    sparse = (
-        SparseFeature("user_id", num_users, source="user"),
-        SparseFeature("item_id", num_items, source="item"),
-        SparseFeature("item_category", 1000, source="item"),
-        SparseFeature("item_brand", 50_000, source="item"),
-        SparseFeature("item_tags", 20_000, multi_valued=True, source="item"),
-        SparseFeature("user_interests", 1000, multi_valued=True, source="user"),
-        SparseFeature("user_segment", 10_000, source="user"),
-        SparseFeature("ctx_position", 64, source="event"),
-    )
-    return FeatureSchema(
-        sparse_features=sparse,
-        seq_item_features=("item_category", "item_brand", "item_tags"),
-        dense_features=tuple(f"dense_{i}" for i in range(8)),
-        labels=("click", "convert"),
-        actions=("click", "convert", "like", "dwell"),
-    )
-
-
-def lognormal_lengths(batch: int, mean: float, cap: int, seed: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    sigma = 0.8
-    mu = math.log(mean) - sigma**2 / 2
-    return torch.exp(mu + sigma * torch.randn(batch, generator=gen)).long().clamp(1, cap)
+LENGTH_SIGMA = 0.8  # of the lognormal history lengths
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -164,15 +138,16 @@ def _first_tensor(out) -> torch.Tensor:
 def run(args) -> dict:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     config = args.model_config
-    schema = production_schema(args.num_users, args.num_users)
+    schema = bench_schema(args.num_users, args.num_users)
     torch.manual_seed(0)
     model = build_model(config, schema).to(device)
-    amp = torch.autocast(device.type, dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
     inputs = []
     for i in range(args.distinct_batches):
-        lengths = lognormal_lengths(args.batch_size, args.mean_len, args.max_len, seed=i)
-        inp = random_input(schema, args.batch_size, args.max_len, lengths=lengths, seed=i).to(device)
-        inputs.append((inp, torch.randint(0, 2, (args.batch_size, schema.num_tasks), device=device).float()))
+        gen = torch.Generator().manual_seed(i)
+        lengths = lognormal_lengths(args.batch_size, args.mean_len, LENGTH_SIGMA, args.max_len, gen)
+        inp = random_input(schema, args.batch_size, args.max_len, lengths=lengths, generator=gen)
+        inputs.append((inp.to(device), random_labels(args.batch_size, schema.num_tasks, gen).to(device)))
     report: dict = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -189,7 +164,7 @@ def run(args) -> dict:
     with torch.no_grad():
         inp0 = inputs[0][0]
         full = model(inp0).logits
-        with amp:
+        with autocast():
             low = model(inp0).logits
     report["check_bf16_logits_rel_error"] = rel_error(low, full)
     print("checks:", json.dumps({k: v for k, v in report.items() if k.startswith("check")}, indent=None))
@@ -199,9 +174,7 @@ def run(args) -> dict:
     def step():
         inp, labels = inputs[counter["i"] % len(inputs)]
         counter["i"] += 1
-        with amp:
-            out = model(inp)
-        loss(out, labels).backward()
+        train_step(model, inp, labels, autocast=autocast)  # forward + backward: the model alone, no optimizer
 
     if device.type == "cuda":
         step()
@@ -233,7 +206,7 @@ def run(args) -> dict:
         module, (largs, lkwargs) = modules[name], captured[name]
 
         def forward(module=module, largs=largs, lkwargs=lkwargs):
-            with amp:
+            with autocast():
                 return _first_tensor(module(*largs, **lkwargs))
 
         def forward_backward(forward=forward):

@@ -43,11 +43,24 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 class CheckpointManager:
-    def __init__(self, directory: Path, keep: int, rank: int = 0, barrier: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        directory: Path,
+        keep: int,
+        rank: int = 0,
+        barrier: Callable[[], None] = lambda: None,
+        every: int = 0,
+    ):
+        """`every`: steps between checkpoints (0 = none; the last step is always saved when > 0)."""
         self.dir = Path(directory)
         self.keep = keep
         self.rank = rank
         self.barrier = barrier
+        self.every = every
+        self.seconds = 0.0  # wall time of the last `save`, barriers included (the train loop leaves it out)
+
+    def due(self, step: int, last: bool) -> bool:
+        return bool(self.every) and (step % self.every == 0 or last)
 
     def step_dir(self, step: int) -> Path:
         return self.dir / f"step_{step:08d}"
@@ -68,6 +81,7 @@ class CheckpointManager:
         self.barrier()
 
     def save(self, step: int, state: dict, meta: dict | None = None) -> Path:
+        begin = time.perf_counter()
         final = self.step_dir(step)
         tmp = self.dir / f".{final.name}.tmp"
         if self.rank == 0:
@@ -90,6 +104,7 @@ class CheckpointManager:
             self._prune()
             log.info("checkpoint step %d -> %s (%.2fs)", step, final, time.perf_counter() - start)
         self.barrier()
+        self.seconds = time.perf_counter() - begin
         return final
 
     def _prune(self) -> None:

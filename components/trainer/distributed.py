@@ -1,4 +1,4 @@
-"""Process context (alone or under torchrun) and the one seam where parallelism wraps the model."""
+"""Process context: alone or under torchrun (rank, world size, device, the collectives the train loop uses)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 
 @dataclass
@@ -74,27 +73,3 @@ def init_distributed(device: str = "auto") -> DistContext:
 def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def parallelize_model(model: nn.Module, ctx: DistContext, parallel) -> nn.Module:
-    """The model to train, from the unmodified model already on `ctx.device` (sparse optimizer attached).
-
-    Alone this is the identity; under torchrun the recipe's [parallel] table (empty = defaults) picks
-    FSDP2/HSDP, expert parallelism and torchrec sharding (components/trainer/parallel/).
-    """
-    if not ctx.distributed:
-        return model
-    from gemrec.components.trainer.parallel.integration import parallelize_for_training
-
-    return parallelize_for_training(model, ctx.world_size, ctx.device, parallel)
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The plain model under DDP/compile wrappers (for FLOP accounting and export)."""
-    while True:
-        if type(model).__name__ == "DMPCollection":
-            model = model.module
-        elif hasattr(model, "_orig_mod"):
-            model = model._orig_mod
-        else:
-            return model

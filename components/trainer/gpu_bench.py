@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
-from gemrec.components.trainer.config import load_recipe
+from gemrec.components.trainer.config import BenchConfig, load_recipe
 from gemrec.components.trainer.mfu import (
     H200_BF16_DENSE_PEAK_FLOPS,
     device_peak,
@@ -28,93 +27,35 @@ from gemrec.components.trainer.mfu import (
     measure_matmul_ceiling,
     total_flops,
 )
-from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
-from gemrec.model import (
-    FeatureSchema,
-    JaggedFeatures,
-    ModelInput,
-    SparseFeature,
-    build_model,
-    model_flops,
-)
-from gemrec.model import loss as model_loss
+from gemrec.components.trainer.training import set_determinism, setup_training
+from gemrec.model import FeatureSchema, ModelInput, model_flops
 from gemrec.model.bench import count_host_syncs
+from gemrec.model.synthetic import bench_schema, lognormal_lengths, random_input, random_labels
 
 
-def synthetic_schema(bench) -> FeatureSchema:
-    """user/item ids plus side features shaped like an ads model's (sizes from the recipe's [bench])."""
-    sparse = [
-        SparseFeature("user_id", bench.num_users, source="user"),
-        SparseFeature("item_id", bench.num_items, source="item"),
-        SparseFeature("item_category", 1000, source="item"),
-        SparseFeature("item_brand", 50_000, source="item"),
-        SparseFeature("item_tags", 20_000, multi_valued=True, source="item"),
-        SparseFeature("user_interests", 1000, multi_valued=True, source="user"),
-        SparseFeature("user_segment", 10_000, source="user"),
-        SparseFeature("ctx_surface", 16, source="event"),
-        SparseFeature("ctx_position", 64, source="event"),
-    ]
-    return FeatureSchema(
-        sparse_features=tuple(sparse),
-        seq_item_features=("item_category", "item_brand"),
-        dense_features=tuple(f"dense_{i}" for i in range(bench.num_dense)),
-        labels=("click", "convert"),
-        actions=("click", "convert", "like", "dwell"),
-    )
+def synthetic_schema(bench: BenchConfig) -> FeatureSchema:
+    """The benchmark schema with the recipe's `[bench]` table sizes."""
+    return bench_schema(bench.num_users, bench.num_items, bench.num_dense)
 
 
-def _ids(gen: torch.Generator, n: int, rows: int) -> torch.Tensor:
-    return torch.randint(0, rows, (n,), generator=gen, dtype=torch.long)
-
-
-def synthetic_lengths(bench, batch_size: int, max_seq_len: int, gen: torch.Generator) -> torch.Tensor:
-    """Lognormal history lengths (mean `bench.mean_seq_len`) capped at max_seq_len."""
-    mu = math.log(bench.mean_seq_len) - bench.length_sigma**2 / 2
-    lengths = torch.exp(mu + bench.length_sigma * torch.randn(batch_size, generator=gen)).long()
-    return lengths.clamp(1, max_seq_len)
+def synthetic_lengths(bench: BenchConfig, batch_size: int, max_seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    """Lognormal history lengths (mean `bench.mean_seq_len`, sigma `bench.length_sigma`) capped at max_seq_len."""
+    return lognormal_lengths(batch_size, bench.mean_seq_len, bench.length_sigma, max_seq_len, gen)
 
 
 def synthetic_batch(
     schema: FeatureSchema,
-    bench,
+    bench: BenchConfig,
     batch_size: int,
     max_seq_len: int,
     gen: torch.Generator,
     lengths: torch.Tensor | None = None,
-):
+) -> tuple[ModelInput, torch.Tensor]:
     """(ModelInput on the host, labels) with the given history `lengths`, else drawn by `synthetic_lengths`."""
     if lengths is None:
         lengths = synthetic_lengths(bench, batch_size, max_seq_len, gen)
-    elif len(lengths) != batch_size:
-        raise ValueError(f"synthetic_batch: {len(lengths)} lengths for a batch of {batch_size}")
-    offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0))
-    tokens = int(offsets[-1])
-    per_key = {}
-    for f in schema.sparse_features:
-        counts = (
-            torch.randint(1, 5, (batch_size,), generator=gen)
-            if f.multi_valued
-            else torch.ones(batch_size, dtype=torch.long)
-        )
-        per_key[f.name] = (_ids(gen, int(counts.sum()), f.num_embeddings), counts)
-    seq_features = {
-        name: (_ids(gen, tokens, schema.feature(name).num_embeddings), torch.ones(tokens, dtype=torch.long))
-        for name in schema.seq_item_features
-    }
-    now = 1_700_000_000
-    inp = ModelInput(
-        sparse_features=JaggedFeatures.from_dict(per_key, stride=batch_size),
-        dense_features=torch.randn(batch_size, schema.num_dense, generator=gen),
-        seq_offsets=offsets,
-        seq_item_ids=_ids(gen, tokens, schema.feature("item_id").num_embeddings),
-        seq_timestamps=now - torch.randint(1, 90 * 86400, (tokens,), generator=gen),
-        seq_actions=(torch.rand(tokens, schema.num_actions, generator=gen) < 0.3).float(),
-        seq_item_features=JaggedFeatures.from_dict(seq_features, stride=tokens),
-        max_seq_len=int(lengths.max()),
-        timestamps=torch.full((batch_size,), now, dtype=torch.long),
-    )
-    labels = (torch.rand(batch_size, schema.num_tasks, generator=gen) < 0.3).float()
-    return inp, labels
+    inp = random_input(schema, batch_size, max_seq_len, lengths=lengths, generator=gen)
+    return inp, random_labels(batch_size, schema.num_tasks, gen)
 
 
 def profile_steps(step, steps: int, device: torch.device, trace: Path | None = None) -> tuple[str, float]:
@@ -146,23 +87,14 @@ def run(argv: list[str] | None = None) -> dict:
     args.out.mkdir(parents=True, exist_ok=True)
 
     config = load_recipe(args.recipe, args.overrides)
+    # The GPU machine has no torchrec: plain torch embeddings, the rest of the recipe as it is.
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, embedding_backend="torch"))
     bench = config.bench
     device = torch.device(args.device)
-    torch.manual_seed(config.train.seed)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    set_determinism(config.train.seed, False)
     schema = synthetic_schema(bench)
-    model_config = dataclasses.replace(config.model, embedding_backend="torch")
-    model = build_model(model_config, schema).to(device)
-    sparse_kind = apply_sparse_optimizer(model, config.optim)
-    train_model = torch.compile(model) if config.train.compile else model
-    total_steps = bench.warmup_steps + bench.steps
-    optimizers = Optimizers(model, config.optim, total_steps)
-    bf16 = config.train.precision in ("auto", "bf16") and device.type == "cuda" or config.train.precision == "bf16"
-
-    def autocast():
-        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16)
+    training = setup_training(config, schema, device, bench.warmup_steps + bench.steps)
+    model, bf16, autocast = training.model, training.bf16, training.autocast
 
     gen = torch.Generator().manual_seed(config.train.seed)
     host = [
@@ -177,12 +109,7 @@ def run(argv: list[str] | None = None) -> dict:
     def step():
         inp, labels = batches[state["i"] % len(batches)]
         state["i"] += 1
-        with autocast():
-            out = train_model(inp)
-        loss = model_loss(out, labels)
-        loss.backward()
-        optimizers.clip_and_step()
-        state["losses"].append(loss.detach())
+        state["losses"].append(training.step(inp, labels).loss)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     t0 = time.perf_counter()
@@ -231,7 +158,7 @@ def run(argv: list[str] | None = None) -> dict:
         "torch": torch.__version__,
         "precision": "bf16 autocast" if bf16 else "fp32",
         "compile": config.train.compile,
-        "sparse_optimizer": sparse_kind,
+        "sparse_optimizer": training.sparse_optimizer,
         "batch_size": config.data.batch_size,
         "max_seq_len": config.data.max_seq_len,
         "mean_tokens_per_batch": float(np.mean(tokens)),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import subprocess
 import tempfile
@@ -54,7 +55,8 @@ def git_commit() -> str:
 
 
 class Tracker:
-    """Logs to MLflow when `enabled` (rank 0); every method is a no-op on the other ranks."""
+    """Logs to MLflow when `enabled` (rank 0); every method is a no-op on the other ranks. Keeps the run's train
+    and eval records for the curves and the summary."""
 
     def __init__(
         self, enabled: bool, tracking_uri: str, experiment: str, run_name: str, resume_run_id: str | None = None
@@ -63,6 +65,8 @@ class Tracker:
         self.enabled = enabled
         self.run_id: str | None = None
         self.resumed = False
+        self.history: list[dict] = []  # one record per logged training window
+        self.eval_history: list[dict] = []  # one flat record per evaluation
         if not enabled:
             return
         import mlflow
@@ -137,6 +141,75 @@ class Tracker:
             torch.save(model.state_dict(), path)
             self.mlflow.log_artifact(str(path), artifact_path="checkpoint")
 
+    # -- a training run ------------------------------------------------------------------------------------
+
+    def log_start(self, config: dict, params: dict[str, Any], tags: dict[str, Any], seq_lengths, max_seq_len: int):
+        """The resolved config (params and `config/config.json`), the run's tags, the history-length histogram."""
+        self.log_params(params)
+        self.set_tags(tags)
+        self.log_dict(config, "config/config.json")
+        if seq_lengths is not None and self.enabled:
+            self._log_plot(plot_seq_lengths(seq_lengths, max_seq_len), "plots/seq_length_hist.png")
+
+    def log_train(self, record: dict) -> None:
+        """One training window's numbers (`step` plus loss, qps, mfu, ...) as `train/*`."""
+        self.history.append(record)
+        self.log_metrics({f"train/{k}": v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def log_eval(self, step: int, result: dict | None) -> None:
+        """An evaluation (`Evaluator.evaluate`'s result; None on ranks other than 0) as `eval/<metric>_<task>`."""
+        if result is None:
+            return
+        flat: dict[str, Any] = {"step": step}
+        for name, values in result["tasks"].items():
+            for key, value in values.items():
+                flat[f"{key}_{name}"] = value
+        self.eval_history.append(flat)
+        self.log_metrics({f"eval/{k}": v for k, v in flat.items() if k != "step"}, step=step)
+        log.info(
+            "eval at step %d: %s",
+            step,
+            ", ".join(
+                f"{n}: NE {v['ne']:.4f} AUC {v['auc']:.4f} calib {v['calibration']:.3f}"
+                for n, v in result["tasks"].items()
+            ),
+        )
+
+    def log_final(self, summary: dict, layer_rows: list[dict], peak: dict, seq_lengths, max_seq_len: int, model):
+        """The final numbers, the curves, the layer-MFU plot and table, the summary and the model."""
+        mfu = summary["mfu"]
+        self.log_metrics(
+            {
+                "final/qps": summary["qps"],
+                "final/tokens_per_s": summary["tokens_per_s"],
+                "final/mfu_e2e": mfu["e2e"],
+                "final/mfu_local": mfu["local"],
+                "final/scaling_ratio": mfu["scaling_ratio"],
+                **{f"final/ne_{n}": v for n, v in summary["ne"].items()},
+                **{f"final/auc_{n}": v for n, v in summary["auc"].items()},
+            },
+            step=summary["steps"],
+        )
+        if not self.enabled:
+            return
+        self._log_plot(plot_curves(self.history, self.eval_history), "plots/loss_ne_curves.png")
+        if seq_lengths is not None:  # the data service gives no length table: plot what training saw
+            self._log_plot(plot_seq_lengths(seq_lengths, max_seq_len), "plots/seq_length_hist.png")
+        if layer_rows:
+            self._log_plot(plot_layer_mfu(layer_rows, mfu["local"], mfu["e2e"]), "plots/layer_mfu.png")
+        self.log_dict(
+            {"layers": layer_rows, "local_mfu": mfu["local"], "e2e_mfu": mfu["e2e"], "peak": peak}, "mfu/layers.json"
+        )
+        self.log_dict(summary, "metrics/summary.json")
+        if model is not None:
+            self.log_model(model)
+
+    def _log_plot(self, figure, name: str) -> None:
+        import matplotlib.pyplot as plt
+
+        self.log_figure(figure, name)
+        plt.close(figure)
+
     def finish(self, status: str = "FINISHED") -> None:
         if self.enabled:
             self.mlflow.end_run(status=status)
@@ -201,3 +274,82 @@ def plot_seq_lengths(lengths: np.ndarray, max_seq_len: int):
     ax.set_title(f"mean {np.mean(lengths):.1f}, p90 {np.percentile(lengths, 90):.0f}" if len(lengths) else "")
     fig.tight_layout()
     return fig
+
+
+def run_summary(
+    *,
+    recipe: str,
+    arch: str,
+    steps: int,
+    world_size: int,
+    final_eval: dict,
+    totals: dict[str, float],
+    peak: dict,
+    local_mfu: float,
+    layer_rows: list[dict],
+    train_loss: float,
+    checkpoint: str | None,
+    mlflow: dict,
+    dataset: dict,
+) -> dict:
+    """The summary of a training run (the `--metrics-out` JSON, `metrics/summary.json` in MLflow).
+
+    `totals`: examples, tokens, model FLOPs and seconds of the timed training windows, summed over ranks;
+    `peak`: `mfu.Peak.as_dict()` of one device."""
+    seconds = totals["seconds"]
+    tasks = final_eval["tasks"]
+    e2e = totals["flops"] / seconds / (peak["flops"] * world_size) if seconds else float("nan")
+    return {
+        "recipe": recipe,
+        "arch": arch,
+        "steps": steps,
+        "world_size": world_size,
+        "tasks": list(tasks),
+        "ne": {n: v["ne"] for n, v in tasks.items()},
+        "auc": {n: v["auc"] for n, v in tasks.items()},
+        "calibration": {n: v["calibration"] for n, v in tasks.items()},
+        "base_rate": {n: v["base_rate"] for n, v in tasks.items()},
+        # NE of always predicting the training split's positive rate (the "base rate" arm).
+        "ne_train_base_rate": {n: v.get("ne_train_base_rate_predictor") for n, v in tasks.items()},
+        "eval_examples": final_eval["examples"],
+        "qps": totals["examples"] / seconds if seconds else float("nan"),
+        "tokens_per_s": totals["tokens"] / seconds if seconds else float("nan"),
+        "mfu": {
+            "e2e": e2e,
+            "local": local_mfu,
+            "scaling_ratio": e2e / local_mfu if local_mfu and np.isfinite(local_mfu) else float("nan"),
+            "peak_flops": peak["flops"],
+            "peak_source": peak["source"],
+            "measured_peak_flops": peak["measured_flops"],
+            "device": peak["device"],
+            "layers": {r["name"]: r["mfu"] for r in layer_rows},
+        },
+        "train_loss": train_loss,
+        "train_seconds": seconds,
+        "checkpoint": checkpoint,
+        "mlflow": mlflow,
+        "dataset": dataset,
+        "git_commit": git_commit(),
+    }
+
+
+def finite_or_none(value):
+    """JSON-safe copy: NaN/Inf (undefined metrics) become null."""
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    if isinstance(value, (float, np.floating)):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    """The summary as JSON (`--metrics-out`), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(finite_or_none(summary), indent=2))
+    os.replace(tmp, path)

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     sys.meta_path.insert(0, BlockTorchrec())
     import torch
 
-    from gemrec.model import FeatureSchema, ModelConfig, build_model, loss
+    from gemrec.model import FeatureSchema, ModelConfig, build_model, train_step
     from gemrec.model.synthetic import random_input
 
     schema = FeatureSchema.from_manifest({
@@ -29,9 +29,7 @@ SCRIPT = textwrap.dedent(
     })
     for arch in ("gem", "dlrm"):
         model = build_model(ModelConfig(arch=arch, embedding_backend="torch", d_model=16, embedding_dim=8), schema)
-        inp = random_input(schema, 3, 4)
-        out = model(inp)
-        loss(out, torch.ones(3, 1)).backward()
+        out = train_step(model, random_input(schema, 3, 4), torch.ones(3, 1)).output
         assert torch.isfinite(out.logits).all()
     from gemrec.components.trainer.config import load_recipe
     from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
@@ -42,8 +40,7 @@ SCRIPT = textwrap.dedent(
     optimizers = Optimizers(model, optim_config, total_steps=2)
     table = next(iter(optimizers.sparse_params.values()))
     before = table.detach().clone()
-    loss(model(random_input(schema, 3, 4)), torch.ones(3, 1)).backward()
-    optimizers.clip_and_step()
+    train_step(model, random_input(schema, 3, 4), torch.ones(3, 1), optimizer_step=optimizers.clip_and_step)
     changed = (table.detach() != before).any(1)
     assert 0 < int(changed.sum()) < table.shape[0], "the in-backward row-wise Adagrad left the table as it was"
     try:

@@ -2,6 +2,13 @@
 model parallelism (1D or 2D) for the embedding tables. See docs/parallelism.md."""
 
 from gemrec.components.trainer.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims
-from gemrec.components.trainer.parallel.parallelize import ParallelizeReport, parallelize
+from gemrec.components.trainer.parallel.parallelize import Parallelized, ParallelizeReport, parallelize
 
-__all__ = ["ParallelConfig", "ParallelConfigError", "ParallelDims", "ParallelizeReport", "parallelize"]
+__all__ = [
+    "ParallelConfig",
+    "ParallelConfigError",
+    "ParallelDims",
+    "Parallelized",
+    "ParallelizeReport",
+    "parallelize",
+]

@@ -51,6 +51,26 @@ class ParallelizeReport:
         return params
 
 
+@dataclass
+class Parallelized:
+    """What `parallelize` made: the module to train, the layout it follows and what was applied."""
+
+    model: nn.Module  # the model itself, or with 2D sparse parallelism the `DMPCollection` around it
+    dims: ParallelDims
+    config: ParallelConfig
+    report: ParallelizeReport
+
+    @property
+    def module(self) -> nn.Module:
+        """The (sharded, FSDP-wrapped) gemrec model inside `model`."""
+        return self.model.module if self.report.sparse_2d else self.model
+
+    def after_step(self, step: int) -> None:
+        """2D sparse parallelism: all-reduce the embedding replicas every `dmp_sync_interval` steps."""
+        if self.report.sparse_2d and step % self.config.dmp_sync_interval == 0:
+            self.model.sync()
+
+
 def fsdp_blocks(model: nn.Module, skip: set[int] = frozenset()) -> list[tuple[str, nn.Module]]:
     """The FSDP units: every element (with parameters) of the outermost `nn.ModuleList`s, in order, outside
     the modules in `skip` (the sharded embedding tables)."""
@@ -82,16 +102,16 @@ def _module_lists(blocks: list[tuple[str, nn.Module]]) -> list[list[nn.Module]]:
 
 def parallelize(
     model: nn.Module, parallel_dims: ParallelDims, config: ParallelConfig, device: torch.device
-) -> tuple[nn.Module, ParallelizeReport]:
-    """Returns (the model to train, what was applied). The returned model is `model` itself except with 2D
-    sparse parallelism, where it is the `DMPCollection` around it (call `.sync()` every `dmp_sync_interval`)."""
+) -> Parallelized:
+    """Parallelize `model` in place; the result's `model` is what to train: `model` itself except with 2D sparse
+    parallelism, where it is the `DMPCollection` around it (`Parallelized.after_step` syncs its replicas)."""
     report = ParallelizeReport(layout=parallel_dims.describe())
     train_model, root = model, model
 
     # 1. Sparse.
     from gemrec.components.trainer.parallel import sharding
 
-    has_tables = _has_torchrec() and bool(sharding.find_embedding_bag_collections(model))
+    has_tables = sharding.has_torchrec() and bool(sharding.find_embedding_bag_collections(model))
     if has_tables:
         if parallel_dims.sparse_2d:
             if device.type != "cuda":
@@ -191,7 +211,7 @@ def parallelize(
         len(report.expert_parallel),
         report.embedding_plan or "unsharded",
     )
-    return train_model, report
+    return Parallelized(train_model, parallel_dims, config, report)
 
 
 def _average_grad_before_optimizer(param: nn.Parameter) -> None:
@@ -216,11 +236,3 @@ def _average_grad_before_optimizer(param: nn.Parameter) -> None:
 
 def fsdp_modules(model: nn.Module) -> list[FSDPModule]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
-
-
-def _has_torchrec() -> bool:
-    try:
-        import torchrec  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -15,10 +15,14 @@ from __future__ import annotations
 import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from gemrec.components.trainer.parallel import sharding
 from torch import nn
+
+if TYPE_CHECKING:
+    from gemrec.components.trainer.parallel.parallelize import Parallelized
 
 
 def _same_batch(a, b) -> bool:
@@ -136,3 +140,27 @@ class SparseDistPipeline:
     def _wait_copy(self) -> None:
         if self._copy_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
+
+
+def training_inputs(parallel: Parallelized | None, stream: Iterable, device: torch.device, to_model_input: Callable):
+    """Yield `(batch, host_input, device_input, stream_state)` for the train loop.
+
+    With sharded tables (`parallel` made them) the next batch's copy and embedding input all-to-all run during the
+    current step (`SparseDistPipeline`), so the stream is read one batch ahead: `stream_state` is the stream's resume
+    state right after *this* batch, what a checkpoint taken after training it must hold."""
+
+    def with_state():
+        for batch in stream:
+            yield batch, to_model_input(batch), stream.state()
+
+    def move(item):
+        batch, host, state = item
+        return batch, host, host.to(device, non_blocking=True), state
+
+    model = parallel.module if parallel is not None else None
+    tables = sharding.sharded_embedding_modules(model) if model is not None and sharding.has_torchrec() else []
+    if not tables or not hasattr(model, "embeddings"):
+        yield from (move(item) for item in with_state())
+        return
+    pipeline = SparseDistPipeline(model, gem_lookup_call(model), device)
+    yield from pipeline(with_state(), move=move, lookup_input=lambda item: item[2])

@@ -55,11 +55,10 @@ def run(argv: list[str]) -> dict:
     from gemrec.components.trainer.config import balance_linear_weight, load_recipe
     from gemrec.components.trainer.gpu_bench import synthetic_schema
     from gemrec.components.trainer.mfu import device_peak, total_flops
-    from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
-    from gemrec.components.trainer.parallel import ParallelConfig, ParallelDims, parallelize
+    from gemrec.components.trainer.parallel import ParallelConfig
     from gemrec.components.trainer.parallel.balance import RankBalance
-    from gemrec.model import build_model, model_flops
-    from gemrec.model import loss as model_loss
+    from gemrec.components.trainer.training import set_determinism, setup_training
+    from gemrec.model import model_flops
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="h200-bench")
@@ -94,37 +93,34 @@ def run(argv: list[str]) -> dict:
     device = torch.device(f"cuda:{local_rank}") if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
     if launched:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
 
     config = load_recipe(args.recipe, args.overrides)
-    bench = config.bench
-    torch.manual_seed(config.train.seed)
-    schema = synthetic_schema(bench)
-    model = build_model(dataclasses.replace(config.model, embedding_backend="torch"), schema).to(device)
-    apply_sparse_optimizer(model, config.optim)
-    layout = "single device, no wrapper"
-    train_model = model
     reduce_dtype = args.reduce_dtype or ("float32" if args.param_dtype else "")
-    if launched:
-        pconfig = ParallelConfig(
-            dp_replicate=args.dp_replicate,
-            ep=args.ep,
-            param_dtype=args.param_dtype,
-            compile=args.compile,
-            reshard_after_forward=not args.no_reshard_after_forward,
-            reduce_dtype=reduce_dtype,
-        )
-        train_model, report = parallelize(model, ParallelDims.from_config(pconfig, world), pconfig, device)
-        layout = report.layout
-    optimizers = Optimizers(train_model, config.optim, bench.warmup_steps + bench.steps + 1)
-    bf16 = config.train.precision == "bf16" or (cuda and config.train.precision == "auto")
+    parallel = ParallelConfig.from_dict(  # the flags give the whole layout; the recipe's [parallel] is not used
+        {
+            "dp_replicate": args.dp_replicate,
+            "ep": args.ep,
+            "param_dtype": args.param_dtype,
+            "compile": args.compile,
+            "reshard_after_forward": not args.no_reshard_after_forward,
+            "reduce_dtype": reduce_dtype,
+        }
+    )
+    config = dataclasses.replace(
+        config, model=dataclasses.replace(config.model, embedding_backend="torch"), parallel=parallel
+    )
+    bench = config.bench
+    set_determinism(config.train.seed, False)
+    schema = synthetic_schema(bench)
+    training = setup_training(config, schema, device, bench.warmup_steps + bench.steps + 1, world if launched else None)
+    layout = training.parallel.report.layout if training.parallel is not None else "single device, no wrapper"
 
     host = balanced_batches(
         schema, bench, config.data.batch_size, config.data.max_seq_len, rank, world, balance_linear_weight(config)
     )
-    flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
+    flops = [total_flops(model_flops(training.model, inp)) for inp, _ in host]
     batches = [(inp.to(device), labels.to(device)) for inp, labels in host]
     # The step before the timed window is profiled.
     balance = RankBalance(device, profile_every=10**9, trace_dir=args.out / "traces" if args.trace else None)
@@ -133,10 +129,7 @@ def run(argv: list[str]) -> dict:
     def step():
         inp, labels = batches[state["i"] % len(batches)]
         state["i"] += 1
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            out = train_model(inp)
-        model_loss(out, labels).backward()
-        optimizers.clip_and_step()
+        training.step(inp, labels)
 
     def barrier():
         if cuda:
@@ -165,7 +158,7 @@ def run(argv: list[str]) -> dict:
     )
     if launched:
         dist.all_reduce(totals)
-    peak = device_peak(device, bf16)
+    peak = device_peak(device, training.bf16)
     result = {
         "world_size": world,
         "ep": args.ep,

@@ -32,6 +32,14 @@ from torch.distributed.device_mesh import DeviceMesh
 log = logging.getLogger(__name__)
 
 
+def has_torchrec() -> bool:
+    try:
+        import torchrec  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def find_embedding_bag_collections(model: nn.Module) -> list[str]:
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 

@@ -106,10 +106,10 @@ def test_training_inputs_carry_the_stream_state_after_each_batch(movielens_datas
     """The train loop checkpoints this state, not the stream's own, which may be read ahead."""
     from gemrec.components.data_service.dataset import Dataset
     from gemrec.components.trainer.data import DatasetStream, to_model_input
-    from gemrec.components.trainer.parallel.integration import training_inputs
+    from gemrec.components.trainer.parallel.pipeline import training_inputs
 
     stream = DatasetStream(Dataset.open(movielens_dataset), batch_size=8, max_seq_len=16, seed=0, prefetch=0)
-    inputs = training_inputs(nn.Linear(1, 1), stream, torch.device("cpu"), to_model_input)
+    inputs = training_inputs(None, stream, torch.device("cpu"), to_model_input)
     items = [next(inputs) for _ in range(3)]
     assert [state["position"] for *_, state in items] == [1, 2, 3]
     batch, host, device_input, _ = items[0]

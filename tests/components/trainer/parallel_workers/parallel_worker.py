@@ -181,7 +181,8 @@ def check_train(mesh: str, rank: int, world: int) -> dict:
         param_dtype="bfloat16" if mixed else None,
         reduce_dtype="bfloat16" if mixed else None,
     )
-    model, report = parallelize(model, dims, config, CPU)
+    parallel = parallelize(model, dims, config, CPU)
+    model, report = parallel.model, parallel.report
     losses = train_losses(model, batches, rank, world, steps, grads, bf16=mixed)
     # Relative error of every dense gradient of step 1 (a wrong average shows as 0.5 or 2 here).
     grad_err = {n: ((grads[n] - g).norm() / g.norm().clamp(min=1e-12)).item() for n, g in ref_grads.items()}
@@ -207,7 +208,7 @@ def check_sharding(sharding_type: str, rank: int, world: int) -> dict:
         _apply_optimizer_in_backward(torch.optim.SGD, list(m.parameters()), {"lr": 0.5})
     types = [] if sharding_type == "planner" else [sharding_type]
     dims = ParallelDims(world)
-    _, report = parallelize(sharded_host, dims, ParallelConfig(sharding_types=types), CPU)
+    report = parallelize(sharded_host, dims, ParallelConfig(sharding_types=types), CPU).report
     kjt, _, _ = make_batch(7, 8 * world)
     local = split_kjt(kjt, world, rank)
     out = sharded_host.ebc(local).values()
@@ -259,7 +260,7 @@ def check_metrics(rank: int, world: int) -> dict:
 
     model = build()
     attach_sparse_sgd(model)
-    model, _ = parallelize(model, ParallelDims(world), ParallelConfig(), CPU)
+    model = parallelize(model, ParallelDims(world), ParallelConfig(), CPU).model
     opt = torch.optim.SGD(dense_params(model), lr=0.1)
     kjt, dense, labels = make_batch(5 + rank, 256 * (1 + 15 * rank))
     balance = RankBalance(CPU, profile_every=1)
@@ -331,7 +332,8 @@ def check_gem(backend: str, rank: int, world: int) -> dict:
         ref_losses.append(loss.item())
 
     model = build_gem()
-    model, report = parallelize(model, ParallelDims(world, ep=world), ParallelConfig(ep=world), CPU)
+    parallel = parallelize(model, ParallelDims(world, ep=world), ParallelConfig(ep=world), CPU)
+    model, report = parallel.model, parallel.report
     opt = torch.optim.SGD(dense_params(model), lr=0.1)
     losses = []
     for s in range(steps):
@@ -368,7 +370,7 @@ def check_pipeline(rank: int, world: int) -> dict:
         torch.manual_seed(0)
         model = build_model(config, schema)
         _apply_optimizer_in_backward(torch.optim.SGD, list(model.embeddings.tables.parameters()), {"lr": 0.5})
-        model, _ = parallelize(model, ParallelDims(world), ParallelConfig(), CPU)
+        model = parallelize(model, ParallelDims(world), ParallelConfig(), CPU).model
         opt = torch.optim.SGD(dense_params(model), lr=0.1)
         pipeline = SparseDistPipeline(model, gem_lookup_call(model), CPU) if pipelined else None
         stream = pipeline(batches) if pipelined else iter(batches)
@@ -436,7 +438,7 @@ def parallel_toy(world: int, mesh: str, rank: int):
     model = build()
     _apply_optimizer_in_backward(torch.optim.Adagrad, list(model.ebc.parameters()), {"lr": 0.1})
     cfg = ParallelConfig(dp_replicate=rep, dp_shard=shard, ep=ep, sharding_types=["row_wise"])
-    model, _ = parallelize(model, ParallelDims(world, rep, shard, ep), cfg, CPU)
+    model = parallelize(model, ParallelDims(world, rep, shard, ep), cfg, CPU).model
     optimizer = torch.optim.AdamW(dense_params(model), lr=1e-2)
     return model, optimizer
 

@@ -1,0 +1,107 @@
+"""What a training step needs, set up in one place from a `TrainConfig`: the model, its parallelization, the sparse
+and dense optimizers and the forward's precision. `gemrec train` (the `Trainer`), `gemrec bench train` (`gpu_bench`)
+and the scaling benchmark all build it here and run `Training.step` (`gemrec.model.train_step`), so every benchmark
+measures exactly what training runs. Nothing here imports torchrec, mlflow or kfp: it runs on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from gemrec.components.trainer.config import LoopConfig, TrainConfig
+from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+from gemrec.components.trainer.parallel import ParallelDims, Parallelized, parallelize
+from gemrec.config import ConfigError
+from gemrec.model import FeatureSchema, ModelInput, StepResult, build_model, train_step
+from torch import nn
+
+
+def set_determinism(seed: int, deterministic: bool) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def autocast_for(precision: str, device: torch.device) -> tuple[bool, Callable[[], AbstractContextManager[object]]]:
+    """(bf16?, a factory of the forward's autocast context): `auto` is bf16 autocast on GPU and fp32 on CPU."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return True, lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return False, contextlib.nullcontext
+
+
+def task_weights_for(train: LoopConfig, labels: Sequence[str]) -> list[float]:
+    """The loss weight of every label (`train.task_weights`, default 1.0); unknown labels are refused."""
+    unknown = sorted(set(train.task_weights) - set(labels))
+    if unknown:
+        raise ConfigError(
+            f"train.task_weights = {train.task_weights!r} names unknown label(s) {unknown}; labels are {list(labels)}"
+        )
+    return [float(train.task_weights.get(name, 1.0)) for name in labels]
+
+
+@dataclass
+class Training:
+    model: nn.Module  # the vanilla model (FLOP counts, evaluation, export); parallelized in place when distributed
+    train_model: nn.Module  # what the step runs: `model`, the DMPCollection around it, compiled when asked
+    parallel: Parallelized | None  # what `parallelize` made (None in a single process)
+    optimizers: Optimizers
+    sparse_optimizer: str  # which row-wise Adagrad runs in backward
+    bf16: bool
+    autocast: Callable[[], AbstractContextManager[object]]
+    task_weights: list[float]
+
+    def step(self, inp: ModelInput, labels: torch.Tensor) -> StepResult:
+        """One training step on a batch on the device: forward, loss, backward, clip and optimizer step."""
+        return train_step(
+            self.train_model,
+            inp,
+            labels,
+            task_weights=self.task_weights,
+            autocast=self.autocast,
+            optimizer_step=self.optimizers.clip_and_step,
+        )
+
+
+def setup_training(
+    config: TrainConfig,
+    schema: FeatureSchema,
+    device: torch.device,
+    total_steps: int,
+    world_size: int | None = None,
+) -> Training:
+    """Build the model from `config.model` on `device` (parameters from torch's RNG: seed first), attach the sparse
+    optimizer, parallelize it with `config.parallel` over `world_size` ranks when given (a process group must be up),
+    compile it when `train.compile`, and create the dense optimizer for `total_steps` steps."""
+    weights = task_weights_for(config.train, schema.labels)
+    model = build_model(config.model, schema).to(device)
+    sparse_optimizer = apply_sparse_optimizer(model, config.optim)
+    parallel, train_model = None, model
+    if world_size is not None:
+        parallel = parallelize(model, ParallelDims.from_config(config.parallel, world_size), config.parallel, device)
+        train_model = parallel.model
+    if config.train.compile:
+        train_model = torch.compile(train_model)
+    bf16, autocast = autocast_for(config.train.precision, device)
+    if bf16 and device.type == "cuda":  # mixed precision: the fp32 matmuls outside autocast on tensor cores too
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    return Training(
+        model=model,
+        train_model=train_model,
+        parallel=parallel,
+        optimizers=Optimizers(model, config.optim, total_steps),
+        sparse_optimizer=sparse_optimizer,
+        bf16=bf16,
+        autocast=autocast,
+        task_weights=weights,
+    )

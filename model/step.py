@@ -1,0 +1,41 @@
+"""The training step of a gemrec model: forward under the caller's autocast, the multi-task loss, backward, then the
+optimizer. `gemrec train` runs it and every benchmark times it (`gemrec bench train`, `gemrec bench model`, the
+scaling benchmark), so a benchmark measures exactly what training runs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+from gemrec.model.gem import loss
+from gemrec.model.inputs import ModelInput, ModelOutput
+from torch import nn
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # the step's loss, detached (reading it syncs the device)
+    output: ModelOutput  # the forward's output (logits per task)
+
+
+def train_step(
+    model: nn.Module,
+    inp: ModelInput,
+    labels: torch.Tensor,
+    *,
+    task_weights: Sequence[float] | None = None,
+    autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
+    optimizer_step: Callable[[], object] | None = None,
+) -> StepResult:
+    """One step on a batch already on the model's device. `autocast()` opens the forward's precision context;
+    `optimizer_step()` (clip, step, zero the gradients) runs after backward, none for forward + backward alone."""
+    with autocast():
+        output = model(inp)
+    total = loss(output, labels, task_weights)
+    total.backward()
+    if optimizer_step is not None:
+        optimizer_step()
+    return StepResult(total.detach(), output)
