@@ -56,12 +56,13 @@ def materialize_features(dataset: Input[Dataset], store: str, redis_url: str, ru
 def train(
     dataset: Input[Dataset],
     features: Input[Artifact],
+    # The fields of gemrec.pipelines.steps.TrainSpec, flat for the KFP UI (a test keeps the two the same).
+    mode: str,
     recipe: str,
     nproc: int,
     tracking_uri: str,
     experiment: str,
     run_dir: str,
-    mode: str,
     feature_port: int,
     data_port: int,
     data_addr: str,
@@ -80,28 +81,15 @@ def train(
     from gemrec.pipelines import steps
 
     with steps.step_guard(run_dir, "train"):
+        spec = steps.TrainSpec.from_inputs(locals())
         with open(features.path) as f:
             feature_info = json.load(f)
         result = steps.train(
-            mode=mode,
-            dataset=dataset.path,
-            recipe=recipe,
-            nproc=nproc,
-            tracking_uri=tracking_uri,
-            experiment=experiment,
-            run_dir=run_dir,
-            features=feature_info,
-            feature_port=feature_port,
-            data_port=data_port,
-            data_addr=data_addr,
-            feature_addr=feature_addr,
-            trainer_image=trainer_image,
-            namespace=namespace,
-            num_nodes=num_nodes,
-            gpus_per_node=gpus_per_node,
-            pipeline_run=pipeline_run,
-            dataset_checksum=dataset.metadata.get("dataset_checksum", ""),
-            labels=list(dataset.metadata.get("labels", [])),
+            spec,
+            dataset.path,
+            feature_info,
+            dataset.metadata.get("dataset_checksum", ""),
+            list(dataset.metadata.get("labels", [])),
         )
         for name, value in result["numbers"].items():
             metrics.log_metric(name, value)

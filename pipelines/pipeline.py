@@ -9,6 +9,7 @@
 from kfp import dsl, kubernetes
 
 from . import components as c
+from .steps import TrainSpec
 
 PIPELINE_NAME = "gemrec-train"
 DATA_PVC = "gemrec-data"
@@ -51,22 +52,12 @@ def build(target: str = "local"):
             dataset=ingest.outputs["dataset"], store=feature_store, redis_url=redis_url, run_dir=run_dir
         )
         materialize.set_display_name("materialize features").after(validate)
-        train_args = dict(
+        # The train step's TrainSpec fields come from the pipeline parameters of the same names.
+        params = locals()
+        train_args = {name: params[name] for name in TrainSpec.keys() if name in params}
+        train_args.update(
             dataset=ingest.outputs["dataset"],
             features=materialize.outputs["features"],
-            recipe=recipe,
-            nproc=nproc,
-            tracking_uri=tracking_uri,
-            experiment=experiment,
-            run_dir=run_dir,
-            feature_port=feature_port,
-            data_port=data_port,
-            data_addr=data_addr,
-            feature_addr=feature_addr,
-            trainer_image=trainer_image,
-            namespace=namespace,
-            num_nodes=num_nodes,
-            gpus_per_node=gpus_per_node,
             pipeline_run=dsl.PIPELINE_JOB_NAME_PLACEHOLDER,
         )
         if cluster:

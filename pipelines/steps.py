@@ -14,8 +14,11 @@ import re
 import shutil
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Literal
+
+from gemrec.config import ConfigError, Section
 
 from . import tracking
 from .services import (
@@ -42,14 +45,15 @@ def step_guard(run_dir: str, step: str):
     try:
         yield
     except BaseException as err:
-        cause = str(err) if isinstance(err, (StepError, ServiceError)) else f"{type(err).__name__}: {err}"
+        known = isinstance(err, (StepError, ServiceError, ConfigError))
+        cause = str(err) if known else f"{type(err).__name__}: {err}"
         if run_dir:
             path = Path(run_dir) / FAILURE_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             if not path.exists():  # the first failure is the cause
                 path.write_text(json.dumps({"step": step, "cause": cause}, indent=2))
         print(f"[gemrec] step {step}: FAILED: {cause}", file=sys.stderr, flush=True)
-        if isinstance(err, (StepError, ServiceError)):
+        if known:
             raise SystemExit(1) from None  # the cause is known: no traceback
         raise
     print(f"[gemrec] step {step}: done in {time.monotonic() - started:.1f} s", flush=True)
@@ -189,52 +193,75 @@ def materialize(dataset: str, store: str, redis_url: str) -> dict[str, Any]:
 # ---- train ----------------------------------------------------------------------------------------------
 
 
-def trainer_args(recipe: str, data_addr: str, tracking_uri: str, experiment: str, metrics_out: str) -> list[str]:
-    """`gemrec train` over the data service; checkpoints beside the metrics file."""
-    return [
-        "train",
-        "--data-addr",
-        data_addr,
-        "--recipe",
-        recipe,
-        "--tracking-uri",
-        tracking_uri,
-        "--experiment",
-        experiment,
-        "--metrics-out",
-        metrics_out,
-        "--run-dir",
-        str(Path(metrics_out).parent / "trainer"),
-    ]
+@dataclass(frozen=True)
+class TrainSpec(Section):
+    """Everything the pipeline's train step is told, in one typed definition. The KFP `train` component's flat
+    parameters (what the KFP UI shows) are these fields, checked against this class by a test, and the component
+    hands them over as one `TrainSpec`."""
+
+    SECTION: ClassVar[str] = "train_step"
+
+    mode: Literal["local", "pod", "trainjob"] = "local"  # local services + torchrun | torchrun in a GPU pod | TrainJob
+    recipe: str = "tiny"  # a built-in recipe name or a .toml path (components/trainer/recipes)
+    nproc: int = 1  # trainer processes per node (torchrun --nproc_per_node)
+    tracking_uri: str = "sqlite:///mlruns.db"
+    experiment: str = "gemrec-train"
+    run_dir: str = "runs/local"  # the pipeline run's folder (logs, trainer metrics, checkpoints)
+    feature_port: int = 0  # local: the feature service's port (0 = a free one)
+    data_port: int = 0  # local: the data service's port (0 = a free one)
+    data_addr: str = ""  # cluster: the data service Deployment
+    feature_addr: str = ""  # cluster: the feature service Deployment
+    trainer_image: str = ""  # trainjob: the trainer nodes' image
+    namespace: str = "gemrec"  # trainjob: where the TrainJob is created
+    num_nodes: int = 1  # trainjob: nodes
+    gpus_per_node: int = 0  # trainjob: GPUs requested per node
+    pipeline_run: str = ""  # the KFP run's name (labels, TrainJob name)
+
+    def check(self) -> None:
+        for key in ("nproc", "num_nodes"):
+            self.require(getattr(self, key) >= 1, key, "must be at least 1")
+        for key in ("feature_port", "data_port"):
+            self.require(0 <= getattr(self, key) <= 65535, key, "must be a port in [0, 65535] (0 = any free port)")
+        self.require(self.gpus_per_node >= 0, "gpus_per_node", "must be >= 0")
+
+    @classmethod
+    def from_inputs(cls, inputs: dict[str, Any]) -> TrainSpec:
+        """The spec from a KFP component's inputs (its `locals()`): every field, nothing else."""
+        return cls.from_dict({k: v for k, v in inputs.items() if k in cls.keys()})
+
+    def trainer_args(self, data_addr: str, metrics_out: str) -> list[str]:
+        """`gemrec train` over the data service; checkpoints beside the metrics file."""
+        return [
+            "train",
+            "--data-addr",
+            data_addr,
+            "--recipe",
+            self.recipe,
+            "--tracking-uri",
+            self.tracking_uri,
+            "--experiment",
+            self.experiment,
+            "--metrics-out",
+            metrics_out,
+            "--run-dir",
+            str(Path(metrics_out).parent / "trainer"),
+        ]
 
 
-def train_local(
-    dataset: str,
-    recipe: str,
-    nproc: int,
-    tracking_uri: str,
-    experiment: str,
-    run_dir: str,
-    features: dict,
-    metrics_out: str,
-    feature_port: int = 0,
-    data_port: int = 0,
-) -> dict[str, Any]:
+def train_local(spec: TrainSpec, dataset: str, features: dict, metrics_out: str) -> dict[str, Any]:
     """Start the feature and data services on 127.0.0.1, run the trainer under torchrun, stop the services.
 
     Returns the trainer's metrics JSON plus `run_id` (its MLflow run).
     """
-    if nproc < 1:
-        raise StepError(f"--nproc must be at least 1 (got {nproc})")
     from gemrec.components.trainer.config import balance_linear_weight, load_recipe
 
     try:  # before any service starts; the data service balances ranks for this model
-        linear_weight = balance_linear_weight(load_recipe(recipe))
-    except ValueError as err:  # RecipeError, or the model config's own checks
-        raise StepError(f"recipe {recipe!r}: {err}") from err
-    logs = Path(run_dir) / "logs"
-    feature_port = claim_port(feature_port, "feature service")
-    data_port = claim_port(data_port, "data service")
+        linear_weight = balance_linear_weight(load_recipe(spec.recipe))
+    except ValueError as err:  # ConfigError: the recipe or one of its values
+        raise StepError(f"recipe {spec.recipe!r}: {err}") from err
+    logs = Path(spec.run_dir) / "logs"
+    feature_port = claim_port(spec.feature_port, "feature service")
+    data_port = claim_port(spec.data_port, "data service")
     if feature_port == data_port:
         raise StepError(f"the feature and data services cannot share port {feature_port}")
     feature_addr, data_addr = f"{LOCALHOST}:{feature_port}", f"{LOCALHOST}:{data_port}"
@@ -266,20 +293,20 @@ def train_local(
             data_addr,
             logs / "data-service.log",
         )
-        print(f"[gemrec] training with torchrun --nproc_per_node {nproc}", flush=True)
+        print(f"[gemrec] training with torchrun --nproc_per_node {spec.nproc}", flush=True)
         torchrun = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--nproc_per_node",
-            str(nproc),
+            str(spec.nproc),
             "--master_addr",
             LOCALHOST,
             "--master_port",
             str(free_port()),
             "--no-python",
             gemrec_executable(),
-            *trainer_args(recipe, data_addr, tracking_uri, experiment, metrics_out),
+            *spec.trainer_args(data_addr, metrics_out),
         ]
         trainer = group.start(
             "trainer",
@@ -300,7 +327,7 @@ def train_local(
         for process in group.processes[:2]:
             if not process.alive():
                 raise StepError(f"the {process.name} died during training (log: {process.log_path})")
-    return with_run_id(read_trainer_metrics(metrics_out), tracking_uri, experiment, started_ms)
+    return with_run_id(read_trainer_metrics(metrics_out), spec.tracking_uri, spec.experiment, started_ms)
 
 
 # torchrun prefixes worker output with "[rankN]: ".
@@ -371,137 +398,88 @@ def require_ne(numbers: dict[str, float]) -> float:
     return numbers["ne"]
 
 
-def train_in_pod(
-    recipe: str, nproc: int, tracking_uri: str, experiment: str, data_addr: str, metrics_out: str
-) -> dict[str, Any]:
+def train_in_pod(spec: TrainSpec, metrics_out: str) -> dict[str, Any]:
     """Cluster, one node: torchrun in this (GPU) pod against the cluster's data service."""
     started_ms = int(time.time() * 1000)
+    log_path = Path(metrics_out).parent / "trainer.log"
     with ProcessGroup() as group:
         torchrun = [
             sys.executable,
             "-m",
             "torch.distributed.run",
             "--nproc_per_node",
-            str(nproc),
+            str(spec.nproc),
             "--no-python",
             gemrec_executable(),
-            *trainer_args(recipe, data_addr, tracking_uri, experiment, metrics_out),
+            *spec.trainer_args(spec.data_addr, metrics_out),
         ]
-        code = group.start("trainer", torchrun, Path(metrics_out).parent / "trainer.log", echo=True).stream()
+        code = group.start("trainer", torchrun, log_path, echo=True).stream()
     if code != 0:
-        raise StepError(f"the trainer exited with code {code}: {last_error(Path(metrics_out).parent / 'trainer.log')}")
-    return with_run_id(read_trainer_metrics(metrics_out), tracking_uri, experiment, started_ms)
+        raise StepError(f"the trainer exited with code {code}: {last_error(log_path)}")
+    return with_run_id(read_trainer_metrics(metrics_out), spec.tracking_uri, spec.experiment, started_ms)
 
 
-def train_trainjob(
-    recipe: str,
-    nproc: int,
-    tracking_uri: str,
-    experiment: str,
-    data_addr: str,
-    feature_addr: str,
-    image: str,
-    namespace: str,
-    num_nodes: int,
-    gpus_per_node: int,
-    pipeline_run: str,
-) -> dict[str, Any]:
+def train_trainjob(spec: TrainSpec) -> dict[str, Any]:
     """Cluster, many nodes: a Kubeflow TrainJob; the metrics come back through the MLflow run."""
     from . import trainjob
 
     started_ms = int(time.time() * 1000)
-    spec = trainjob.TrainJobSpec(
-        name=trainjob.job_name(pipeline_run),
-        image=image,
-        recipe=recipe,
-        data_addr=data_addr,
-        feature_addr=feature_addr,
-        tracking_uri=tracking_uri,
-        experiment=experiment,
-        num_nodes=num_nodes,
-        nproc_per_node=nproc,
-        gpus_per_node=gpus_per_node,
-        labels={"gemrec/pipeline-run": spec_label(pipeline_run)},
+    job = trainjob.TrainJobSpec(
+        name=trainjob.job_name(spec.pipeline_run),
+        image=spec.trainer_image,
+        recipe=spec.recipe,
+        data_addr=spec.data_addr,
+        feature_addr=spec.feature_addr,
+        tracking_uri=spec.tracking_uri,
+        experiment=spec.experiment,
+        num_nodes=spec.num_nodes,
+        nproc_per_node=spec.nproc,
+        gpus_per_node=spec.gpus_per_node,
+        labels={"gemrec/pipeline-run": spec_label(spec.pipeline_run)},
     )
     try:
-        trainjob.run(spec, namespace)
+        trainjob.run(job, spec.namespace)
     except trainjob.TrainJobError as err:
         raise StepError(str(err)) from err
-    run_id = tracking.find_training_run(tracking_uri, experiment, started_ms)
-    logged = tracking.client(tracking_uri).get_run(run_id).data.metrics
-    return {**tracking.metrics_from_run(logged), "run_id": run_id, "trainjob": f"{namespace}/{spec.name}"}
+    run_id = tracking.find_training_run(spec.tracking_uri, spec.experiment, started_ms)
+    logged = tracking.client(spec.tracking_uri).get_run(run_id).data.metrics
+    return {**tracking.metrics_from_run(logged), "run_id": run_id, "trainjob": f"{spec.namespace}/{job.name}"}
 
 
 def spec_label(value: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "-" for c in value)[:63].strip("-_.") or "none"
 
 
-def train(
-    mode: str,
-    dataset: str,
-    recipe: str,
-    nproc: int,
-    tracking_uri: str,
-    experiment: str,
-    run_dir: str,
-    features: dict,
-    feature_port: int,
-    data_port: int,
-    data_addr: str,
-    feature_addr: str,
-    trainer_image: str,
-    namespace: str,
-    num_nodes: int,
-    gpus_per_node: int,
-    pipeline_run: str,
-    dataset_checksum: str,
-    labels: list[str],
-) -> dict[str, Any]:
-    """Dispatch on `mode` (local | pod | trainjob), then name and tag the MLflow run."""
-    metrics_out = str(Path(run_dir) / "trainer-metrics.json")
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    if mode == "local":
-        result = train_local(
-            dataset, recipe, nproc, tracking_uri, experiment, run_dir, features, metrics_out, feature_port, data_port
-        )
-    elif mode == "pod":
-        result = train_in_pod(recipe, nproc, tracking_uri, experiment, data_addr, metrics_out)
-    elif mode == "trainjob":
-        result = train_trainjob(
-            recipe,
-            nproc,
-            tracking_uri,
-            experiment,
-            data_addr,
-            feature_addr,
-            trainer_image,
-            namespace,
-            num_nodes,
-            gpus_per_node,
-            pipeline_run,
-        )
+def train(spec: TrainSpec, dataset: str, features: dict, dataset_checksum: str, labels: list[str]) -> dict[str, Any]:
+    """Dispatch on `spec.mode` (local | pod | trainjob), then name and tag the MLflow run."""
+    metrics_out = str(Path(spec.run_dir) / "trainer-metrics.json")
+    Path(spec.run_dir).mkdir(parents=True, exist_ok=True)
+    if spec.mode == "local":
+        result = train_local(spec, dataset, features, metrics_out)
+    elif spec.mode == "pod":
+        result = train_in_pod(spec, metrics_out)
     else:
-        raise StepError(f"unknown train mode {mode!r}: use local, pod or trainjob")
+        result = train_trainjob(spec)
     numbers = headline(result, labels)
     require_ne(numbers)
     if isinstance(result.get("mfu"), dict) and "device" in result["mfu"]:
         result.setdefault("device", result["mfu"]["device"])
     commit = result.get("git_commit") or tracking.git_commit()  # the commit the trainer ran
     tracking.label_run(
-        tracking_uri,
+        spec.tracking_uri,
         result["run_id"],
-        tracking.run_name(recipe, commit),
+        tracking.run_name(spec.recipe, commit),
         {
             "git_commit": commit,
             "dataset_checksum": dataset_checksum,
             "device": result.get("device", ""),
             "pipeline": "gemrec-train",
-            "pipeline_run": pipeline_run,
-            "recipe": recipe,
-            "train_mode": mode,
+            "pipeline_run": spec.pipeline_run,
+            "recipe": spec.recipe,
+            "train_mode": spec.mode,
         },
         numbers,
-        tracking.describe(recipe, commit, dataset_checksum, numbers),
+        tracking.describe(spec.recipe, commit, dataset_checksum, numbers),
     )
     return {
         "run_id": result["run_id"],

@@ -108,3 +108,20 @@ def test_images_match_infra(compiled):
 def test_unknown_target_is_rejected():
     with pytest.raises(ValueError, match="unknown pipeline target"):
         build("laptop")
+
+
+def test_train_component_takes_exactly_the_train_spec():
+    """The KFP train step's flat parameters are TrainSpec's fields, name for name and type for type."""
+    from typing import Literal, get_origin
+
+    from gemrec.config import field_types
+    from gemrec.pipelines.steps import TrainSpec
+
+    kfp_type = {str: "String", int: "Integer"}
+    want = {
+        name: "String" if get_origin(tp) is Literal else kfp_type[tp] for name, tp in field_types(TrainSpec).items()
+    }
+    inputs = c.train.component_spec.inputs
+    got = {name: spec.type for name, spec in inputs.items() if not spec.type.startswith("system.")}
+    assert got == want
+    assert list(got) == list(want)  # same order as the dataclass (the KFP UI lists them so)

@@ -146,14 +146,21 @@ def test_train_step_refuses_a_broken_recipe_before_starting_services(tmp_path):
         recipe = tmp_path / "broken.toml"
         recipe.write_text(text)
         with pytest.raises(steps.StepError, match=rf"recipe '.*broken.toml': .*{problem}"):
-            steps.train_local(
-                str(tmp_path),
-                str(recipe),
-                1,
-                f"sqlite:///{tmp_path}/mlruns.db",
-                "e",
-                str(tmp_path / "run"),
-                {},
-                str(tmp_path / "metrics.json"),
+            spec = steps.TrainSpec(
+                recipe=str(recipe),
+                tracking_uri=f"sqlite:///{tmp_path}/mlruns.db",
+                experiment="e",
+                run_dir=str(tmp_path / "run"),
             )
+            steps.train_local(spec, str(tmp_path), {}, str(tmp_path / "metrics.json"))
         assert not (tmp_path / "run").exists()  # no service was started, no log written
+
+
+def test_train_spec_refuses_bad_values_by_name():
+    from gemrec.config import ConfigError
+    from gemrec.pipelines import steps
+
+    with pytest.raises(ConfigError, match="train_step.mode = 'cloud': must be one of 'local', 'pod', 'trainjob'"):
+        steps.TrainSpec(mode="cloud")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="train_step.nproc = 0: must be at least 1"):
+        steps.TrainSpec.from_inputs({"nproc": 0, "dataset": "ignored: not a spec field"})
