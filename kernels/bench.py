@@ -445,7 +445,7 @@ def run_benchmark(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "checks": checks,
-        "kernel_options": options.as_dict(),
+        "kernel_options": options.to_dict(),
     }
     import triton
 

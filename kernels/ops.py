@@ -17,6 +17,8 @@ ACTIVATIONS = triton_attention.ACTIVATIONS
 NORMALIZE = triton_attention.NORMALIZE
 MAX_HEAD_DIM = 256
 
+DEFAULT_OPTIONS = KernelOptions()  # built once: a config section checks its fields when constructed
+
 
 @dataclass(frozen=True)
 class RelativeBias:
@@ -614,7 +616,7 @@ def _attention(
     if backend not in ("triton", "reference"):
         raise ValueError(f"unknown backend {backend!r}; expected 'auto', 'triton' or 'reference'")
     if options is None:
-        options = KernelOptions()
+        options = DEFAULT_OPTIONS
     elif not isinstance(options, KernelOptions):
         raise ValueError(f"options must be a gemrec.kernels.KernelOptions, got {type(options).__name__}")
     if isinstance(rel_bias, torch.Tensor):

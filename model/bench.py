@@ -2,7 +2,7 @@
 each layer alone, on random production-shaped batches (torch embeddings, no torchrec, no data service).
 
     gemrec bench model --out DIR [--device cuda] [--batch-size 256] [--mean-len 512] [--max-len 3072]
-                       [--set model.KEY=VALUE ...]
+                       [--set model.KEY=VALUE ...] [--set kernels.KEY=VALUE ...]
 
 Checks (device vs a float32 reference on the same device): the kernels' attention ops against their
 reference (`backend="reference"`), the MoE grouped path against the per-expert loop, bf16-autocast logits
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from gemrec.config import apply_overrides, build_sections
-from gemrec.kernels import gdpa, jagged_attention
+from gemrec.kernels import KernelOptions, gdpa, jagged_attention
 from gemrec.model.capture import capture_layer_inputs
 from gemrec.model.config import ModelConfig
 from gemrec.model.gem import build_model, model_flops
@@ -140,7 +140,7 @@ def run(args) -> dict:
     config = args.model_config
     schema = bench_schema(args.num_users, args.num_users)
     torch.manual_seed(0)
-    model = build_model(config, schema).to(device)
+    model = build_model(config, schema, args.kernel_options).to(device)
     autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if device.type == "cuda" else nullcontext
     inputs = []
     for i in range(args.distinct_batches):
@@ -152,6 +152,7 @@ def run(args) -> dict:
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "config": config.to_dict(),
+        "kernel_options": args.kernel_options.to_dict(),
         "batch_size": args.batch_size,
         "tokens_per_batch": [inp.num_tokens for inp, _ in inputs],
         "max_seq_len": [inp.max_seq_len for inp, _ in inputs],
@@ -236,10 +237,12 @@ def run(args) -> dict:
     return report
 
 
-def production_config(overrides: Iterable[str] = ()) -> ModelConfig:
-    """`PRODUCTION` with `model.key=value` overrides, read and checked by the one config parser."""
-    sections = build_sections(apply_overrides({"model": PRODUCTION}, overrides), {"model": ModelConfig})
-    return typing.cast(ModelConfig, sections["model"])
+def production_config(overrides: Iterable[str] = ()) -> tuple[ModelConfig, KernelOptions]:
+    """`PRODUCTION` and the kernels' options with `model.key=value` / `kernels.key=value` overrides, read and checked
+    by the one config parser."""
+    raw = apply_overrides({"model": PRODUCTION}, overrides)
+    sections = build_sections(raw, {"model": ModelConfig, "kernels": KernelOptions})
+    return typing.cast(ModelConfig, sections["model"]), typing.cast(KernelOptions, sections["kernels"])
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -250,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    args.model_config = production_config(args.overrides)
+    args.model_config, args.kernel_options = production_config(args.overrides)
     return run(args)
 
 

@@ -36,8 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="overrides",
         action="append",
         default=[],
-        metavar="model.KEY=VALUE",
-        help="override a ModelConfig field, e.g. --set model.seq_attention=silu",
+        metavar="SECTION.KEY=VALUE",
+        help="override a [model] or [kernels] setting, e.g. --set model.seq_attention=silu --set kernels.tma=false",
     )
 
 
@@ -45,7 +45,7 @@ def cmd_bench_model(args: argparse.Namespace) -> int:
     from gemrec.model.bench import production_config, run
 
     try:
-        args.model_config = production_config(args.overrides)
+        args.model_config, args.kernel_options = production_config(args.overrides)
         if args.batch_size < 1 or args.max_len < 1 or args.mean_len <= 0:
             raise ValueError("--batch-size, --max-len and --mean-len must be positive")
     except ValueError as err:

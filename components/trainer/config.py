@@ -2,9 +2,10 @@
 `section.key=value`.
 
 Each table of a recipe is one `gemrec.config.Section` dataclass: `[model]` -> `gemrec.model.ModelConfig`,
-`[parallel]` -> `ParallelConfig`, `[data]`, `[optim]`, `[train]`, `[checkpoint]`, `[bench]` below. The defaults
-run; unknown tables, unknown keys and bad values are refused naming section, key, value and what is allowed.
-Built-in recipes live in `recipes/*.toml` beside this file; `--recipe` also takes a path to a TOML file.
+`[kernels]` -> `gemrec.kernels.KernelOptions`, `[parallel]` -> `ParallelConfig`, `[sasrec]` -> `SASRecConfig`,
+and `[data]`, `[optim]`, `[train]`, `[checkpoint]`, `[bench]`, `[seqrec]` below. The defaults run; unknown tables,
+unknown keys and bad values are refused naming section, key, value and what is allowed. Built-in recipes live in
+`recipes/*.toml` beside this file; `--recipe` also takes a path to a TOML file.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from gemrec.components.trainer.parallel.dims import ParallelConfig
 from gemrec.config import ConfigError, Section, apply_overrides, build_sections
+from gemrec.kernels import KernelOptions
 from gemrec.model.config import ModelConfig
 from gemrec.model.sasrec import SASRecConfig
 
@@ -161,6 +163,7 @@ class SeqRecConfig(Section):
 # Recipe table -> its section type, in the order they are logged.
 SECTIONS: dict[str, type[Section]] = {
     "model": ModelConfig,
+    "kernels": KernelOptions,
     "parallel": ParallelConfig,
     "data": DataConfig,
     "optim": OptimConfig,
@@ -178,6 +181,7 @@ class TrainConfig:
 
     recipe: str = "custom"
     model: ModelConfig = field(default_factory=ModelConfig)
+    kernels: KernelOptions = field(default_factory=KernelOptions)  # how the attention kernels run (not results)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # multi-rank layout (one rank ignores it)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -19,7 +19,6 @@ to one MLflow run (params, per-validation metrics, test metrics, a PNG of the me
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -32,8 +31,15 @@ import torch
 from gemrec.components.trainer.config import TrainConfig
 from gemrec.components.trainer.ranking import KS, SAMPLED_NEGATIVES, ranking_metrics, sample_unseen, target_ranks
 from gemrec.components.trainer.seqrec_data import Jagged, SeqRecData, Targets
-from gemrec.components.trainer.tracking import Tracker, git_commit, resolve_tracking_uri
-from gemrec.components.trainer.trainer import TrainingError, autocast_for, finite_or_none, set_determinism
+from gemrec.components.trainer.tracking import (
+    Tracker,
+    finite_or_none,
+    git_commit,
+    resolve_tracking_uri,
+    write_summary,
+)
+from gemrec.components.trainer.trainer import TrainingError
+from gemrec.components.trainer.training import autocast_for, set_determinism
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)
@@ -176,7 +182,7 @@ def build_arm(name: str, protocol: str, config: TrainConfig, data: SeqRecData, d
     if name == "sasrec":
         model = SASRec(config.sasrec, data.schema).to(device)
         return RetrievalArm(name, model, data, config.seqrec.sasrec_loss, config, device)
-    model = build_model(config.model, data.schema).to(device)
+    model = build_model(config.model, data.schema, config.kernels).to(device)
     if protocol == "full":
         return RetrievalArm(name, model, data, config.seqrec.gem_loss, config, device)
     return RankerArm(name, model, data, config, device)
@@ -236,7 +242,7 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
     sparse_kind = apply_sparse_optimizer(model, config.optim) if cfg.sparse_optimizer else "none (AdamW on all)"
     steps_per_epoch = arm.steps_per_epoch
     optimizers = Optimizers(model, config.optim, cfg.epochs * steps_per_epoch)
-    _, autocast = autocast_for(config, device)
+    _, autocast = autocast_for(config.train.precision, device)
     eval_interval = max(1, round(cfg.eval_every * steps_per_epoch))
     valid_rows = None
     if cfg.valid_users and cfg.valid_users < len(evaluator.data.splits["valid"]):
@@ -445,10 +451,6 @@ def run_seqrec_bench(
         raise
     tracker.finish()
     if metrics_out is not None:
-        metrics_out = Path(metrics_out)
-        metrics_out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = metrics_out.with_name(f".{metrics_out.name}.tmp")
-        tmp.write_text(json.dumps(finite_or_none(results), indent=2))
-        os.replace(tmp, metrics_out)
+        write_summary(Path(metrics_out), results)
     results["table"] = results_table(results, published)
     return results

@@ -218,7 +218,7 @@ class Trainer:
         state = get_model_state_dict(self.training.model, options=options)
         if not self.ctx.is_main:
             return None
-        model = build_model(self.config.model, self.schema)
+        model = build_model(self.config.model, self.schema, self.config.kernels)
         model.load_state_dict(state)
         return model.eval()
 
@@ -401,7 +401,7 @@ class Trainer:
             model = self.training.model
             if self.training.parallel is not None:
                 # Sharded layers cannot run alone on one rank: time them on an unsharded single-device replica.
-                model = build_model(cfg.model, self.schema).to(self.device)
+                model = build_model(cfg.model, self.schema, cfg.kernels).to(self.device)
             local, layers = measure_local_mfu(
                 model,
                 model_flops(model, last_input),

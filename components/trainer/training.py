@@ -44,7 +44,7 @@ def task_weights_for(train: LoopConfig, labels: Sequence[str]) -> list[float]:
     unknown = sorted(set(train.task_weights) - set(labels))
     if unknown:
         raise ConfigError(
-            f"train.task_weights = {train.task_weights!r} names unknown label(s) {unknown}; labels are {list(labels)}"
+            f"train.task_weights names unknown label(s) {unknown}; the dataset's labels are {list(labels)}"
         )
     return [float(train.task_weights.get(name, 1.0)) for name in labels]
 
@@ -83,7 +83,7 @@ def setup_training(
     optimizer, parallelize it with `config.parallel` over `world_size` ranks when given (a process group must be up),
     compile it when `train.compile`, and create the dense optimizer for `total_steps` steps."""
     weights = task_weights_for(config.train, schema.labels)
-    model = build_model(config.model, schema).to(device)
+    model = build_model(config.model, schema, config.kernels).to(device)
     sparse_optimizer = apply_sparse_optimizer(model, config.optim)
     parallel, train_model = None, model
     if world_size is not None:

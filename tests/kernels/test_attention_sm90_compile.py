@@ -91,7 +91,7 @@ ONE_LAUNCH = KernelOptions(one_launch=True, resident=False)
     ids=lambda x: (
         x.__name__
         if callable(x)
-        else ("-".join(f"{k}={v}" for k, v in x.as_dict().items() if v != getattr(DEFAULT, k)) or "default")
+        else ("-".join(f"{k}={v}" for k, v in x.to_dict().items() if v != getattr(DEFAULT, k)) or "default")
         if isinstance(x, KernelOptions)
         else None
     ),

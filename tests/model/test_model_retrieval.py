@@ -84,7 +84,7 @@ def test_dropout_only_in_training():
     torch.testing.assert_close(model.sequence_vectors(inp), model.sequence_vectors(inp))
     model.train()
     assert not torch.allclose(model.sequence_vectors(inp), model.sequence_vectors(inp))
-    with pytest.raises(ValueError, match="dropout must be in"):
+    with pytest.raises(ValueError, match=r"model.dropout = 1.0: must be in \[0, 1\)"):
         ModelConfig(dropout=1.0)
 
 

@@ -19,6 +19,7 @@ from gemrec.components.trainer.mfu import measure_local_mfu
 from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
 from gemrec.components.trainer.parallel import ParallelConfig
 from gemrec.config import ConfigError
+from gemrec.kernels import KernelOptions
 from gemrec.model import ModelConfig
 
 
@@ -85,8 +86,14 @@ def test_recipes_load_and_overrides_are_checked():
         load_recipe("tiny", ["train.precision=fp16"])
     with pytest.raises(ConfigError, match="data.batch_size = 0: must be > 0"):
         load_recipe("tiny", ["data.batch_size=0"])
-    with pytest.raises(ConfigError, match="unknown section.*trian; this takes model, parallel, data"):
+    with pytest.raises(ConfigError, match="unknown section.*trian; this takes model, kernels, parallel, data"):
         load_recipe("tiny", ["trian.steps=3"])
+    kernels = load_recipe("tiny", ["kernels.tma=false"]).kernels
+    assert isinstance(kernels, KernelOptions) and kernels == KernelOptions(tma=False)
+    with pytest.raises(ConfigError, match="kernels.gluon = 'no': must be true or false"):
+        load_recipe("tiny", ["kernels.gluon=no"])
+    flat = load_recipe("tiny", ["kernels.autotune=false"]).flat()  # the MLflow params: every section, every key
+    assert flat["kernels.autotune"] is False and flat["model.arch"] == "gem" and flat["seqrec.gem_loss"] == "softmax"
     # The data service's balancing weight follows the model: causal, 4x MLP -> 12 x d_model; no sequence -> default.
     assert balance_linear_weight(load_recipe("h200-bench")) == 12 * 1024
     assert balance_linear_weight(load_recipe("tiny", ["model.seq_causal=false"])) == 6 * 32
