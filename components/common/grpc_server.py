@@ -443,7 +443,10 @@ class Server:
         options: ServerOptions,
         register: Callable[[grpc.Server], Sequence[str]],
         on_drain: Callable[[], None] | None = None,
+        health_hook: Callable[[Callable[[bool], None]], None] | None = None,
     ):
+        """`health_hook(set_serving)` hands the core a function that reports every service (NOT_)SERVING,
+        e.g. while a store behind it is unreachable."""
         self.options = options
         self._on_drain = on_drain
         self._stopped = threading.Event()
@@ -468,9 +471,10 @@ class Server:
         if self.port == 0:
             raise OSError(f"cannot bind {address}")
         self.grpc_server.start()
-        for name in ["", *service_names]:
-            self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.service_names = service_names
+        self.set_serving(True)
+        if health_hook is not None:
+            health_hook(self.set_serving)
         log.info(
             json.dumps(
                 {
@@ -482,6 +486,11 @@ class Server:
                 }
             )
         )
+
+    def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
 
     def stop(self, grace_s: float | None = None) -> None:
         """Graceful: report NOT_SERVING, let streams end after their current message, wait for in-flight calls."""

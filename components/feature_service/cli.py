@@ -43,7 +43,7 @@ def serve_features(args) -> int:
 
     options = options_from_args(args)
     core = FeatureServiceCore(_store(args), max_ids=args.max_ids, max_response_mb=options.max_message_mb)
-    server = Server(options, register(core))
+    server = Server(options, register(core), health_hook=core.bind_health)
     print(f"feature service ({core.store.kind} store) listening on {options.host}:{server.port}", flush=True)
     server.wait()
     return 0

@@ -2,14 +2,66 @@
 
 from __future__ import annotations
 
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+
 import numpy as np
-from gemrec.components.common.grpc_server import InvalidArgument, ResourceExhausted, ServiceError, abort_on
+from gemrec.components.common.grpc_server import InvalidArgument, ResourceExhausted, ServiceError, Unavailable, abort_on
 from gemrec.proto.gemrec.v1 import features_pb2, features_pb2_grpc
 
 from .store import check_history_args, history_nbytes
 from .wire import ids_from_bytes, to_array
 
 SERVICE_NAME = features_pb2.DESCRIPTOR.services_by_name["FeatureService"].full_name
+log = logging.getLogger("gemrec.serve")
+
+
+class StoreOutage:
+    """Whether the store answers. The first Unavailable of an outage logs one line and reports the service
+    NOT_SERVING; while it lasts, calls fail fast without waiting on the store, and a probe thread pings it
+    every `probe_s` until it answers (one more line, SERVING again)."""
+
+    def __init__(self, store, probe_s: float = 1.0):
+        self.store = store
+        self.probe_s = probe_s
+        self.set_serving: Callable[[bool], None] = lambda serving: None
+        self._lock = threading.Lock()
+        self._down: tuple[float, str] | None = None  # (since, why)
+
+    def check(self) -> None:
+        """Raise Unavailable while an outage lasts."""
+        down = self._down
+        if down is not None:
+            raise Unavailable(f"{down[1]} (for {time.monotonic() - down[0]:.0f} s)")
+
+    def failed(self, err: Unavailable) -> None:
+        with self._lock:
+            if self._down is not None:
+                return
+            self._down = (time.monotonic(), str(err))
+        log.warning(json.dumps({"event": "store_unreachable", "store": self.store.kind, "error": str(err)}))
+        self.set_serving(False)
+        threading.Thread(target=self._probe, name="store-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        while True:
+            time.sleep(self.probe_s)
+            try:
+                self.store.ping()
+                break
+            except Unavailable:
+                continue
+        with self._lock:
+            since, self._down = self._down[0], None
+        log.info(
+            json.dumps(
+                {"event": "store_reachable", "store": self.store.kind, "down_s": round(time.monotonic() - since, 1)}
+            )
+        )
+        self.set_serving(True)
 
 
 class FeatureServiceCore:
@@ -17,11 +69,31 @@ class FeatureServiceCore:
     for is bounded before it is done: repeated feature names count once, and the response size (for Redis
     histories: the timelines it reads) is estimated from the stored lengths and refused over the limit."""
 
-    def __init__(self, store, max_ids: int = 65536, max_history_len: int = 65536, max_response_mb: int = 256):
+    def __init__(
+        self,
+        store,
+        max_ids: int = 65536,
+        max_history_len: int = 65536,
+        max_response_mb: int = 256,
+        probe_s: float = 1.0,
+    ):
         self.store = store
         self.max_ids = max_ids
         self.max_history_len = max_history_len
         self.max_response_bytes = max_response_mb * 1024 * 1024
+        self.outage = StoreOutage(store, probe_s)
+
+    def bind_health(self, set_serving: Callable[[bool], None]) -> None:
+        """`Server(..., health_hook=core.bind_health)`: health follows the store's reachability."""
+        self.outage.set_serving = set_serving
+
+    def _from_store(self, call: Callable, *args):
+        self.outage.check()
+        try:
+            return call(*args)
+        except Unavailable as err:
+            self.outage.failed(err)
+            raise
 
     def _check_count(self, count: int, what: str) -> None:
         if count > self.max_ids:
@@ -38,15 +110,16 @@ class FeatureServiceCore:
         self._check_count(len(ids), "ids")
         _, names = self.store.schema.resolve(entity, ids, list(dict.fromkeys(names)))
         self._check_size(self.store.feature_nbytes(entity, ids, names), "ask for fewer ids or features")
-        return self.store.lookup(entity, ids, names)
+        return self._from_store(self.store.lookup, entity, ids, names)
 
     def user_history(self, users: np.ndarray, before_ts: np.ndarray, max_len: int) -> dict:
         self._check_count(len(users), "users")
         if max_len > self.max_history_len:
             raise InvalidArgument(f"max_len {max_len} is above the limit {self.max_history_len}")
         check_history_args(users, before_ts, max_len, self.store.schema.entities["user"].num_ids)
-        self._check_size(history_nbytes(self.store, users, max_len), "ask for fewer users or a smaller max_len")
-        return self.store.user_history(users, before_ts, max_len)
+        nbytes = self._from_store(history_nbytes, self.store, users, max_len)
+        self._check_size(nbytes, "ask for fewer users or a smaller max_len")
+        return self._from_store(self.store.user_history, users, before_ts, max_len)
 
 
 def _parse_ids(data: bytes, what: str) -> np.ndarray:

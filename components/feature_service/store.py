@@ -9,6 +9,7 @@ a lookup of many ids and features is one pipelined round trip of HMGETs and one 
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -17,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from gemrec.components.common import jagged
-from gemrec.components.common.grpc_server import InvalidArgument, NotFound
+from gemrec.components.common.grpc_server import InvalidArgument, NotFound, ServiceError, Unavailable
 
 ENTITIES = ("user", "item")
 LENGTH_DTYPE = np.int64
@@ -202,6 +203,9 @@ class MemoryStore:
         _, names = self.schema.resolve(entity, ids, names)
         return {n: jagged.gather(*self.columns[entity][n], ids) for n in names}
 
+    def ping(self) -> None:
+        """Always reachable (the arrays are in this process)."""
+
     def feature_nbytes(self, entity: str, ids: np.ndarray, names: list[str]) -> int:
         """Bytes of the values and lengths a lookup would return (exact; known names and ids)."""
         total = 0
@@ -324,7 +328,8 @@ class RedisStore:
     def __init__(self, redis_url: str, dataset_checksum: str | None = None, dataset_name: str | None = None):
         import redis
 
-        self.client = redis.Redis.from_url(redis_url)
+        self.url = redis_url
+        self.client = redis.Redis.from_url(redis_url, socket_connect_timeout=2.0, socket_timeout=10.0)
         key = f"gemrec:{(dataset_checksum or '').split(':')[-1][:16] or dataset_name}:schema"
         raw = self.client.get(key)
         if raw is None:
@@ -346,7 +351,8 @@ class RedisStore:
         pipe = self.client.pipeline(transaction=False)
         for key, _ in keys_dtypes:
             pipe.hmget(key, fields)
-        replies = pipe.execute() if fields else [[] for _ in keys_dtypes]
+        with self._errors():
+            replies = pipe.execute() if fields else [[] for _ in keys_dtypes]
         out = []
         for (key, dtype), blobs in zip(keys_dtypes, replies):
             if any(b is None for b in blobs):
@@ -373,7 +379,8 @@ class RedisStore:
         key = f"{self.prefix}:history:timestamps"
         for user in users.tolist():
             pipe.hstrlen(key, user)
-        return np.asarray(pipe.execute() if len(users) else [], dtype=np.int64) // 8
+        with self._errors():
+            return np.asarray(pipe.execute() if len(users) else [], dtype=np.int64) // 8
 
     def timelines(self, users: np.ndarray):
         """(starts, ends, items, item_ids, timestamps, actions) of the users' whole timelines, concatenated."""
@@ -388,6 +395,22 @@ class RedisStore:
 
     def user_history(self, users: np.ndarray, before_ts: np.ndarray, max_len: int) -> dict[str, np.ndarray]:
         return user_history(self, users, before_ts, max_len)
+
+    @contextlib.contextmanager
+    def _errors(self):
+        """Redis unreachable or timing out -> Unavailable (clients retry it); other Redis errors -> INTERNAL."""
+        import redis
+
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as err:
+            raise Unavailable(f"redis at {self.url} is unreachable: {err}") from None
+        except redis.RedisError as err:
+            raise ServiceError(f"redis at {self.url}: {type(err).__name__}: {err}") from None
+
+    def ping(self) -> None:
+        with self._errors():
+            self.client.ping()
 
     def close(self) -> None:
         self.client.close()
