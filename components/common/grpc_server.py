@@ -49,6 +49,10 @@ class NotFound(ServiceError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 

@@ -31,6 +31,7 @@ def serve_data(args) -> int:
             token=token_from_args(args, "--features-token"),
             tls_ca=args.features_tls_ca,
             timeout_s=args.features_timeout_s,
+            expect_checksum=dataset.manifest.get("dataset_checksum"),
         )
         try:
             checksum = features.info()["dataset_checksum"]

@@ -15,11 +15,16 @@ import time
 import grpc
 import numpy as np
 from gemrec.components.common.grpc_channel import call_metadata, open_channel
+from gemrec.components.common.grpc_server import FailedPrecondition
 from gemrec.proto.gemrec.v1 import features_pb2, features_pb2_grpc
 
 from .wire import from_array
 
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE,)
+
+
+class DatasetMismatch(FailedPrecondition):
+    """The feature service answered from another dataset than the client expects (FAILED_PRECONDITION)."""
 
 
 class FeatureClient:
@@ -34,13 +39,25 @@ class FeatureClient:
         timeout_s: float = 10.0,
         retries: int = 3,
         max_message_mb: int = 256,
+        expect_checksum: str | None = None,
     ):
+        """With `expect_checksum`, every lookup checks the dataset checksum its answer carries and raises
+        DatasetMismatch on another one (a feature service restarted on another dataset), never wrong data."""
         self.address = address
+        self.expect_checksum = expect_checksum
         self.timeout_s = timeout_s
         self.retries = retries
         self._metadata = call_metadata(token)
         self._channel = open_channel(address, tls_ca, max_message_mb)
         self._stub = features_pb2_grpc.FeatureServiceStub(self._channel)
+
+    def _checked(self, reply):
+        if self.expect_checksum is not None and reply.dataset_checksum != self.expect_checksum:
+            raise DatasetMismatch(
+                f"the feature service at {self.address} answers from another dataset "
+                f"({reply.dataset_checksum or 'no checksum: an older server'}) than this one ({self.expect_checksum})"
+            )
+        return reply
 
     def _call(self, method, request):
         for attempt in range(self.retries + 1):
@@ -82,9 +99,11 @@ class FeatureClient:
     def lookup(self, entity: str, ids, names: list[str] | None = None) -> dict[str, tuple[np.ndarray, np.ndarray]]:
         """{name: (values, lengths)} for `ids` (dense indices); all features when `names` is empty."""
         ids = np.ascontiguousarray(ids, dtype="<i8")
-        reply = self._call(
-            self._stub.GetFeatures,
-            features_pb2.GetFeaturesRequest(entity=entity, ids=ids.tobytes(), names=list(names or [])),
+        reply = self._checked(
+            self._call(
+                self._stub.GetFeatures,
+                features_pb2.GetFeaturesRequest(entity=entity, ids=ids.tobytes(), names=list(names or [])),
+            )
         )
         return {c.name: (from_array(c.values), from_array(c.lengths)) for c in reply.columns}
 
@@ -92,11 +111,13 @@ class FeatureClient:
         """Jagged histories, oldest first: offsets (B+1), items, item_ids, timestamps (T), actions (T, A)."""
         users = np.ascontiguousarray(users, dtype="<i8")
         before_ts = np.ascontiguousarray(np.reshape(before_ts, -1), dtype="<i8")
-        reply = self._call(
-            self._stub.GetUserHistory,
-            features_pb2.GetUserHistoryRequest(
-                users=users.tobytes(), before_timestamps=before_ts.tobytes(), max_len=max_len
-            ),
+        reply = self._checked(
+            self._call(
+                self._stub.GetUserHistory,
+                features_pb2.GetUserHistoryRequest(
+                    users=users.tobytes(), before_timestamps=before_ts.tobytes(), max_len=max_len
+                ),
+            )
         )
         return {
             "offsets": from_array(reply.offsets),

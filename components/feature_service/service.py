@@ -166,6 +166,7 @@ class FeatureServicer(features_pb2_grpc.FeatureServiceServicer):
                 for n, (v, lengths) in columns.items()
             ],
             num_ids=len(ids),
+            dataset_checksum=self.core.store.schema.dataset_checksum,
         )
 
     def GetUserHistory(self, request, context):
@@ -182,6 +183,7 @@ class FeatureServicer(features_pb2_grpc.FeatureServiceServicer):
             timestamps=to_array(history["timestamps"]),
             actions=to_array(history["actions"]),
             action_names=self.core.store.actions,
+            dataset_checksum=self.core.store.schema.dataset_checksum,
         )
 
 
