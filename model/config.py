@@ -17,6 +17,58 @@ class SparseFeature:
     hashed: bool = False
 
 
+def schema_problems(
+    sparse_features: tuple[SparseFeature, ...], seq_item_features: tuple[str, ...], labels: tuple[str, ...]
+) -> list[str]:
+    """What the model needs of the data's features and labels, every violation named (empty: it can be built)."""
+    problems = []
+    names = [f.name for f in sparse_features]
+    if len(set(names)) != len(names):
+        problems.append(f"duplicate sparse feature names in {names}")
+    for required in ("user_id", "item_id"):
+        if required not in names:
+            problems.append(f"sparse feature {required!r} is required (have {names})")
+    by_name = {f.name: f for f in sparse_features}
+    for name in seq_item_features:
+        if name not in by_name:
+            problems.append(f"seq_item_features names unknown sparse feature {name!r}")
+        elif by_name[name].source != "item":
+            problems.append(f"seq item feature {name!r} must have source 'item'")
+    for f in sparse_features:
+        if f.num_embeddings < 1:
+            problems.append(f"{f.name!r} needs num_embeddings >= 1, got {f.num_embeddings}")
+    if not labels:
+        problems.append("at least one label is required")
+    return problems
+
+
+def _manifest_fields(manifest: dict[str, Any]) -> dict[str, Any]:
+    """`FeatureSchema` keyword arguments from a manifest dict; ValueError when a key is missing or malformed."""
+    missing = [k for k in ("sparse_features", "labels") if k not in manifest]
+    if missing:
+        raise ValueError(f"manifest lacks {missing}")
+    try:
+        sparse = tuple(
+            SparseFeature(
+                name=str(f["name"]),
+                num_embeddings=int(f["num_embeddings"]),
+                multi_valued=bool(f.get("multi_valued", False)),
+                source=str(f.get("source", "user")),
+                hashed=bool(f.get("hashed", False)),
+            )
+            for f in manifest["sparse_features"]
+        )
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"manifest sparse_features entry is malformed: {err!r}") from err
+    return {
+        "sparse_features": sparse,
+        "seq_item_features": tuple(manifest.get("seq_item_features", ())),
+        "dense_features": tuple(manifest.get("dense_features", ())),
+        "labels": tuple(manifest["labels"]),
+        "actions": tuple(manifest.get("actions", ())),
+    }
+
+
 @dataclass(frozen=True)
 class FeatureSchema:
     sparse_features: tuple[SparseFeature, ...]
@@ -26,50 +78,23 @@ class FeatureSchema:
     actions: tuple[str, ...] = ()
 
     def __post_init__(self):
-        names = [f.name for f in self.sparse_features]
-        if len(set(names)) != len(names):
-            raise ValueError(f"feature schema: duplicate sparse feature names in {names}")
-        for required in ("user_id", "item_id"):
-            if required not in names:
-                raise ValueError(f"feature schema: sparse feature {required!r} is required (have {names})")
-        by_name = {f.name: f for f in self.sparse_features}
-        for name in self.seq_item_features:
-            if name not in by_name:
-                raise ValueError(f"feature schema: seq_item_features names unknown sparse feature {name!r}")
-            if by_name[name].source != "item":
-                raise ValueError(f"feature schema: seq item feature {name!r} must have source 'item'")
-        for f in self.sparse_features:
-            if f.num_embeddings < 1:
-                raise ValueError(f"feature schema: {f.name!r} needs num_embeddings >= 1, got {f.num_embeddings}")
-        if not self.labels:
-            raise ValueError("feature schema: at least one label is required")
+        problems = schema_problems(self.sparse_features, self.seq_item_features, self.labels)
+        if problems:
+            raise ValueError("feature schema: " + "; ".join(problems))
 
     @classmethod
     def from_manifest(cls, manifest: dict[str, Any]) -> FeatureSchema:
         """Build from a dataset `manifest.json` dict (see docs/contracts.md)."""
-        missing = [k for k in ("sparse_features", "labels") if k not in manifest]
-        if missing:
-            raise ValueError(f"manifest lacks {missing}")
+        return cls(**_manifest_fields(manifest))
+
+    @classmethod
+    def manifest_problems(cls, manifest: dict[str, Any]) -> list[str]:
+        """Every problem that keeps `from_manifest` from building a schema of this manifest (none: it builds)."""
         try:
-            sparse = tuple(
-                SparseFeature(
-                    name=str(f["name"]),
-                    num_embeddings=int(f["num_embeddings"]),
-                    multi_valued=bool(f.get("multi_valued", False)),
-                    source=str(f.get("source", "user")),
-                    hashed=bool(f.get("hashed", False)),
-                )
-                for f in manifest["sparse_features"]
-            )
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"manifest sparse_features entry is malformed: {err!r}") from err
-        return cls(
-            sparse_features=sparse,
-            seq_item_features=tuple(manifest.get("seq_item_features", ())),
-            dense_features=tuple(manifest.get("dense_features", ())),
-            labels=tuple(manifest["labels"]),
-            actions=tuple(manifest.get("actions", ())),
-        )
+            fields = _manifest_fields(manifest)
+        except ValueError as err:
+            return [str(err)]
+        return schema_problems(fields["sparse_features"], fields["seq_item_features"], fields["labels"])
 
     @property
     def feature_names(self) -> list[str]:

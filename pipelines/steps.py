@@ -113,22 +113,14 @@ def validate(dataset: str) -> dict[str, float]:
     import pyarrow.parquet as pq
     from gemrec.components.data_service.builder import read_manifest
     from gemrec.components.data_service.errors import DataError
+    from gemrec.model.config import FeatureSchema
 
     try:
         m = read_manifest(dataset)
     except DataError as err:
         raise StepError(f"dataset schema: {err}") from err
-    problems = []
-    sparse = {f["name"]: f for f in m.get("sparse_features", [])}
-    for name in ("user_id", "item_id"):
-        if name not in sparse:
-            problems.append(f"sparse feature {name!r} is missing")
-    for f in sparse.values():
-        if int(f.get("num_embeddings", 0)) <= 0:
-            problems.append(f"sparse feature {f['name']!r} has no ids (num_embeddings {f.get('num_embeddings')})")
+    problems = FeatureSchema.manifest_problems(m)  # what the model needs of the features and labels
     labels = m.get("labels", [])
-    if not labels:
-        problems.append("the dataset has no labels to train on")
     stats: dict[str, float] = {"num_events": m["num_events"], "num_users": m["num_users"], "num_items": m["num_items"]}
     for split in REQUIRED_SPLITS:
         if split not in m.get("splits", {}):

@@ -66,6 +66,22 @@ def test_schema_errors_name_the_problem(change, message):
         FeatureSchema.from_manifest({**MANIFEST, **change})
 
 
+def test_manifest_problems_lists_every_problem_at_once():
+    assert FeatureSchema.manifest_problems(MANIFEST) == []
+    broken = {
+        **MANIFEST,
+        "sparse_features": [{**f, "num_embeddings": 0} for f in MANIFEST["sparse_features"][1:]],
+        "labels": [],
+    }
+    problems = FeatureSchema.manifest_problems(broken)
+    assert any("'user_id' is required" in p for p in problems)
+    assert any("'item_id' needs num_embeddings >= 1, got 0" in p for p in problems)
+    assert "at least one label is required" in problems
+    with pytest.raises(ValueError, match="feature schema: .*user_id.*; .*num_embeddings.*; at least one label"):
+        FeatureSchema.from_manifest(broken)
+    assert FeatureSchema.manifest_problems({"labels": ["x"]}) == ["manifest lacks ['sparse_features']"]
+
+
 def test_config_validation():
     assert ModelConfig().arch == "gem"
     with pytest.raises(ValueError, match="model.arch = 'bert': must be one of 'gem', 'dlrm'"):
