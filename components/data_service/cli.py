@@ -176,9 +176,10 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     )
     events.add_argument(
         "--timestamp-unit",
-        choices=("s", "ms", "us", "ns"),
-        default="s",
-        help="unit of numeric timestamps (date strings are parsed as such)",
+        choices=("auto", "s", "ms", "us", "ns"),
+        default="auto",
+        help="unit of numeric timestamps (auto: told from their magnitude; date strings and Parquet timestamps "
+        "are read as such)",
     )
     events.add_argument(
         "--hash-ids-over",

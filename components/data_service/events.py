@@ -138,14 +138,14 @@ def read_event_log(
     path: Path,
     labels: list[LabelSpec],
     context: list[str],
-    timestamp_unit: str = "s",
+    timestamp_unit: str = "auto",
     hash_over: int | None = None,
     split: SplitConfig | None = None,
 ) -> tuple[EventLog, dict]:
     """The event log and a report of how each extra column was used."""
     frame = read_table(path, [*ID_COLUMNS.values(), TIME_COLUMN, *context])
     require_non_null(path, frame, [TIME_COLUMN])
-    timestamps = parse_timestamps(path, frame[TIME_COLUMN], TIME_COLUMN, timestamp_unit)
+    timestamps, unit = parse_timestamps(path, frame[TIME_COLUMN], TIME_COLUMN, timestamp_unit)
     users = normalize_ids(path, frame, ID_COLUMNS["user"])
     items = normalize_ids(path, frame, ID_COLUMNS["item"])
     if not labels:
@@ -156,7 +156,7 @@ def read_event_log(
     label_values = {spec.name: spec.evaluate(path, frame) for spec in labels}
 
     actions = {name: values.astype(np.float32) for name, values in label_values.items()}
-    report = {"actions": {}, "ignored_columns": {}, "missing_action_values": {}}
+    report = {"timestamp_unit": unit, "actions": {}, "ignored_columns": {}, "missing_action_values": {}}
     reserved = {*ID_COLUMNS.values(), TIME_COLUMN, *context}
     train = timestamps < (split or SplitConfig()).cutoff_for(timestamps)  # scales come from train time only
     for column in frame.columns:
@@ -204,7 +204,7 @@ def prepare_events(
     users: Path | None = None,
     items: Path | None = None,
     context: list[str] | None = None,
-    timestamp_unit: str = "s",
+    timestamp_unit: str = "auto",
     hash_over: int | None = 5_000_000,
     name: str | None = None,
     split: SplitConfig | None = None,

@@ -129,7 +129,7 @@ def read_events(raw: Path) -> EventLog:
     return EventLog(
         users=users,
         items=items,
-        timestamps=parse_timestamps(path, ratings["timestamp"], "timestamp"),
+        timestamps=parse_timestamps(path, ratings["timestamp"], "timestamp", "s")[0],
         labels={"like": like, "love": love},
         actions={"rating": (rating / 5.0).astype(np.float32), "like": like, "love": love},
     )
@@ -148,7 +148,7 @@ def read_items(raw: Path, tags_before: int) -> SideTable:
     if tag_path.is_file():
         tags = read_table(tag_path, ["userId", "movieId", "tag", "timestamp"])
         require_non_null(tag_path, tags, ["movieId", "timestamp"])
-        tag_time = parse_timestamps(tag_path, tags["timestamp"], "timestamp")
+        tag_time, _ = parse_timestamps(tag_path, tags["timestamp"], "timestamp", "s")
         tags = tags[tag_time < tags_before]
         text = tags["tag"].astype(str).str.strip().str.lower().str.replace("|", " ", regex=False)
         per_movie = text.groupby(tags["movieId"].astype(np.int64)).agg("|".join)

@@ -76,17 +76,54 @@ def parse_numeric(path: Path, series: pd.Series, column: str) -> np.ndarray:
 
 
 TIME_UNITS = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+SECONDS_RANGE = (0, 2**32)  # accepted unix seconds: 1970-01-01 up to 2106-02-07
+ACCEPTED = "the accepted range 1970-01-01 to 2106-02-07 (unix seconds [0, 2^32))"
+# A unit is detected when the median timestamp, read in it, falls in 1973..2106 (the windows do not overlap).
+PLAUSIBLE_SECONDS = (1e8, 2.0**32)
 
 
-def parse_timestamps(path: Path, series: pd.Series, column: str, unit: str = "s") -> np.ndarray:
-    """Unix seconds (int64) from numbers in `unit` or from date/time strings."""
-    if unit not in TIME_UNITS:
-        raise DataError(f"unknown timestamp unit {unit!r}; use one of {sorted(TIME_UNITS)}")
+def parse_timestamps(path: Path, series: pd.Series, column: str, unit: str = "auto") -> tuple[np.ndarray, str]:
+    """(unix seconds as int64, the unit they were read in) from numbers in `unit` ("auto": detected from
+    their magnitude), date/time strings or native (Parquet) timestamps. Values outside SECONDS_RANGE are
+    errors naming the row."""
+    if unit != "auto" and unit not in TIME_UNITS:
+        raise DataError(f"unknown timestamp unit {unit!r}; use auto or one of {sorted(TIME_UNITS)}")
+    if pd.api.types.is_datetime64_any_dtype(series):
+        return _datetime_seconds(path, series, column, series), "datetime"
     numeric = pd.to_numeric(series, errors="coerce")
-    if pd.api.types.is_numeric_dtype(series) or numeric.notna().mean() >= 0.5:  # numbers, some of them bad
-        values = numeric.to_numpy(dtype=np.float64, na_value=np.nan)
-        fail_rows(path, column, ~np.isfinite(values), series, "unparsable timestamp")
-        return np.floor(values / TIME_UNITS[unit]).astype(np.int64)
-    parsed = pd.to_datetime(series, errors="coerce", utc=True, format="mixed")
-    fail_rows(path, column, parsed.isna().to_numpy(), series, "unparsable timestamp")
-    return ((parsed - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(seconds=1)).to_numpy(dtype=np.int64)
+    if not (pd.api.types.is_numeric_dtype(series) or numeric.notna().mean() >= 0.5):  # date/time strings
+        parsed = pd.to_datetime(series, errors="coerce", utc=True, format="mixed")
+        fail_rows(path, column, parsed.isna().to_numpy(), series, "unparsable timestamp")
+        return _datetime_seconds(path, parsed, column, series), "datetime"
+    values = numeric.to_numpy(dtype=np.float64, na_value=np.nan)
+    fail_rows(path, column, ~np.isfinite(values), series, "unparsable timestamp")
+    if unit == "auto":
+        unit = _detect_unit(path, column, values)
+    factor = TIME_UNITS[unit]
+    seconds = np.floor(values / factor)
+    low, high = SECONDS_RANGE
+    fail_rows(path, column, (seconds < low) | (seconds >= high), series, f"read in {unit}, outside {ACCEPTED}")
+    if pd.api.types.is_integer_dtype(series):  # exact for ns-sized integers, which float64 rounds
+        return series.to_numpy(dtype=np.int64) // factor, unit
+    return seconds.astype(np.int64), unit
+
+
+def _detect_unit(path: Path, column: str, values: np.ndarray) -> str:
+    median = float(np.median(np.abs(values)))
+    for unit, factor in TIME_UNITS.items():
+        if PLAUSIBLE_SECONDS[0] <= median / factor < PLAUSIBLE_SECONDS[1]:
+            return unit
+    raise DataError(
+        f"{path}: column '{column}': cannot tell the unit of numeric timestamps (median {median:g} is no plausible "
+        f"date in s, ms, us or ns); pass --timestamp-unit s|ms|us|ns (dates must lie in {ACCEPTED})"
+    )
+
+
+def _datetime_seconds(path: Path, parsed: pd.Series, column: str, raw: pd.Series) -> np.ndarray:
+    fail_rows(path, column, parsed.isna().to_numpy(), raw, "missing timestamp")
+    if parsed.dt.tz is None:
+        parsed = parsed.dt.tz_localize("UTC")
+    seconds = ((parsed - pd.Timestamp(0, tz="UTC")) // pd.Timedelta(seconds=1)).to_numpy(dtype=np.int64)
+    low, high = SECONDS_RANGE
+    fail_rows(path, column, (seconds < low) | (seconds >= high), raw, f"outside {ACCEPTED}")
+    return seconds

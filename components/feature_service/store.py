@@ -140,8 +140,6 @@ def check_history_args(users: np.ndarray, before_ts: np.ndarray, max_len: int, n
         before_ts = np.full(len(users), before_ts[0], dtype=np.int64)
     if len(before_ts) != len(users):
         raise InvalidArgument(f"{len(before_ts)} timestamps for {len(users)} users (give one per user or one)")
-    if len(before_ts) and (before_ts.min() < -(1 << 31) or before_ts.max() >= (1 << 32)):
-        raise InvalidArgument("timestamps must be unix seconds in [-2^31, 2^32)")
     if len(users) and (users.min() < 0 or users.max() >= num_users):
         bad = users.min() if users.min() < 0 else users.max()
         raise NotFound(f"user id {bad} not found: ids are dense indices in [0, {num_users})")

@@ -24,6 +24,7 @@ def prepare(tmp_path, events_text=GOOD, *labels, name="events.csv", extra=()):
             "--out",
             str(out),
             *[arg for label in (labels or ("click",)) for arg in ("--label", label)],
+            *("--timestamp-unit", "s"),  # toy seconds near 1970: too small to tell the unit from
             *extra,
         ]
     )
