@@ -221,9 +221,18 @@ class TrainSpec(Section):
         """The spec from a KFP component's inputs (its `locals()`): every field, nothing else."""
         return cls.from_dict({k: v for k, v in inputs.items() if k in cls.keys()})
 
-    def trainer_args(self, data_addr: str, metrics_out: str) -> list[str]:
-        """`gemrec train` over the data service; checkpoints beside the metrics file."""
+    def torchrun(self, data_addr: str, metrics_out: str, *rendezvous: str) -> list[str]:
+        """`torchrun` of `nproc` trainer processes: `gemrec train` over the data service at `data_addr`, metrics to
+        `metrics_out`, checkpoints beside it; `rendezvous`: torchrun's own flags (master address and port)."""
         return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(self.nproc),
+            *rendezvous,
+            "--no-python",
+            gemrec_executable(),
             "train",
             "--data-addr",
             data_addr,
@@ -286,20 +295,7 @@ def train_local(spec: TrainSpec, dataset: str, features: dict, metrics_out: str)
             logs / "data-service.log",
         )
         print(f"[gemrec] training with torchrun --nproc_per_node {spec.nproc}", flush=True)
-        torchrun = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(spec.nproc),
-            "--master_addr",
-            LOCALHOST,
-            "--master_port",
-            str(free_port()),
-            "--no-python",
-            gemrec_executable(),
-            *spec.trainer_args(data_addr, metrics_out),
-        ]
+        torchrun = spec.torchrun(data_addr, metrics_out, "--master_addr", LOCALHOST, "--master_port", str(free_port()))
         trainer = group.start(
             "trainer",
             torchrun,
@@ -395,17 +391,7 @@ def train_in_pod(spec: TrainSpec, metrics_out: str) -> dict[str, Any]:
     started_ms = int(time.time() * 1000)
     log_path = Path(metrics_out).parent / "trainer.log"
     with ProcessGroup() as group:
-        torchrun = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(spec.nproc),
-            "--no-python",
-            gemrec_executable(),
-            *spec.trainer_args(spec.data_addr, metrics_out),
-        ]
-        code = group.start("trainer", torchrun, log_path, echo=True).stream()
+        code = group.start("trainer", spec.torchrun(spec.data_addr, metrics_out), log_path, echo=True).stream()
     if code != 0:
         raise StepError(f"the trainer exited with code {code}: {last_error(log_path)}")
     return with_run_id(read_trainer_metrics(metrics_out), spec.tracking_uri, spec.experiment, started_ms)

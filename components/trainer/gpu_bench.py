@@ -14,7 +14,6 @@ import argparse
 import dataclasses
 import json
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +26,7 @@ from gemrec.components.trainer.mfu import (
     measure_matmul_ceiling,
     total_flops,
 )
-from gemrec.components.trainer.training import set_determinism, setup_training
+from gemrec.components.trainer.training import set_determinism, setup_training, timed_steps
 from gemrec.model import FeatureSchema, ModelInput, model_flops
 from gemrec.model.bench import count_host_syncs
 from gemrec.model.synthetic import bench_schema, lognormal_lengths, random_input, random_labels
@@ -112,17 +111,9 @@ def run(argv: list[str] | None = None) -> dict:
         state["losses"].append(training.step(inp, labels).loss)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    t0 = time.perf_counter()
-    for _ in range(bench.warmup_steps):
-        step()
-    sync()
-    warmup_s = time.perf_counter() - t0
+    warmup_s = timed_steps(step, bench.warmup_steps, sync)
     start_index = state["i"]
-    t0 = time.perf_counter()
-    for _ in range(bench.steps):
-        step()
-    sync()
-    seconds = time.perf_counter() - t0
+    seconds = timed_steps(step, bench.steps, sync)
     losses = torch.stack(state["losses"]).float().cpu()
     if not bool(torch.isfinite(losses).all()):
         raise RuntimeError(f"non-finite loss in the benchmark: {losses.tolist()}")

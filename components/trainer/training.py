@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -47,6 +48,16 @@ def task_weights_for(train: LoopConfig, labels: Sequence[str]) -> list[float]:
             f"train.task_weights names unknown label(s) {unknown}; the dataset's labels are {list(labels)}"
         )
     return [float(train.task_weights.get(name, 1.0)) for name in labels]
+
+
+def timed_steps(step: Callable[[], object], count: int, wait: Callable[[], object]) -> float:
+    """Seconds for `count` calls of `step`, between two `wait()`s (device sync, and a barrier across ranks)."""
+    wait()
+    start = time.perf_counter()
+    for _ in range(count):
+        step()
+    wait()
+    return time.perf_counter() - start
 
 
 @dataclass

@@ -20,7 +20,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -57,7 +56,7 @@ def run(argv: list[str]) -> dict:
     from gemrec.components.trainer.mfu import device_peak, total_flops
     from gemrec.components.trainer.parallel import ParallelConfig
     from gemrec.components.trainer.parallel.balance import RankBalance
-    from gemrec.components.trainer.training import set_determinism, setup_training
+    from gemrec.components.trainer.training import set_determinism, setup_training, timed_steps
     from gemrec.model import model_flops
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -145,11 +144,7 @@ def run(argv: list[str]) -> dict:
     balance_metrics = balance.window()
     barrier()
     first = state["i"]
-    start = time.perf_counter()
-    for _ in range(bench.steps):
-        step()
-    barrier()
-    seconds = time.perf_counter() - start
+    seconds = timed_steps(step, bench.steps, barrier)
     local_flops = sum(flops[(first + k) % len(flops)] for k in range(bench.steps))
     totals = torch.tensor(
         [local_flops, float(config.data.batch_size * bench.steps)],
