@@ -38,6 +38,10 @@ class RelativeBias:
     time_log_base: float = 2.0
 
 
+NO_BIAS = RelativeBias()
+DEFAULT_OPTIONS = KernelOptions()
+
+
 def _kernels(device: torch.device):
     if device.type == "cuda" or triton_attention.INTERPRET:
         return triton_attention
@@ -335,8 +339,9 @@ attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def _direct(q: torch.Tensor) -> bool:
     """Eager calls on plain tensors run the kernels straight from Python: the custom ops' dispatch is for
-    tracing (torch.compile, fake tensors) and dispatch modes (FlopCounterMode), which still get them."""
-    return type(q) is torch.Tensor and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+    tracing (fake tensors) and dispatch modes (FlopCounterMode), which still get them. (Under torch.compile the
+    public ops call the custom ops themselves, never `_Attention`.)"""
+    return type(q) is torch.Tensor and torch._C._len_torch_dispatch_stack() == 0
 
 
 class _Attention(torch.autograd.Function):
@@ -518,76 +523,72 @@ def _attention_bwd_flops(
     return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)[1]
 
 
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
-
-def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel: RelativeBias, backend):
+def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel: RelativeBias, backend, compiling):
+    """Refuses malformed calls with a message naming the problem; the messages are formatted only on failure (this
+    runs on every eager call)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
-        _check(
-            isinstance(t, torch.Tensor) and t.dim() == 3,
-            f"{name} must be a (total_tokens, heads, head_dim) tensor, got {getattr(t, 'shape', type(t))}",
-        )
-        _check(t.is_floating_point(), f"{name} must be floating point, got {t.dtype}")
-    _check(q.dtype == k.dtype == v.dtype, f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    _check(k.shape == v.shape, f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    _check(q.shape[1:] == k.shape[1:], f"q and k heads/head_dim differ: {tuple(q.shape)} vs {tuple(k.shape)}")
+        if not (isinstance(t, torch.Tensor) and t.dim() == 3):
+            raise ValueError(
+                f"{name} must be a (total_tokens, heads, head_dim) tensor, got {getattr(t, 'shape', type(t))}"
+            )
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be floating point, got {t.dtype}")
+    if not q.dtype == k.dtype == v.dtype:
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[1:] != k.shape[1:]:
+        raise ValueError(f"q and k heads/head_dim differ: {tuple(q.shape)} vs {tuple(k.shape)}")
     for name, t in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
-        _check(
-            isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() >= 1 and not t.is_floating_point(),
-            f"{name} must be a 1-D integer tensor of B+1 offsets",
-        )
+        if not (isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() >= 1 and not t.is_floating_point()):
+            raise ValueError(f"{name} must be a 1-D integer tensor of B+1 offsets")
     nq, nkv = q_offsets.numel(), kv_offsets.numel()
-    _check(
-        nq == nkv or nq == 2 or nkv == 2,
-        f"q_offsets ({nq}) and kv_offsets ({nkv}) must hold the same B+1 entries (or 2 for a shared q or kv)",
-    )
-    _check(int(max_q_len) >= 0 and int(max_kv_len) >= 0, "max_q_len and max_kv_len must be >= 0")
-    if backend == "triton":
-        _check(16 <= q.shape[2] <= MAX_HEAD_DIM, f"head_dim must be in [16, {MAX_HEAD_DIM}], got {q.shape[2]}")
+    if not (nq == nkv or nq == 2 or nkv == 2):
+        raise ValueError(
+            f"q_offsets ({nq}) and kv_offsets ({nkv}) must hold the same B+1 entries (or 2 for a shared q or kv)"
+        )
+    if not (int(max_q_len) >= 0 and int(max_kv_len) >= 0):
+        raise ValueError("max_q_len and max_kv_len must be >= 0")
+    if backend == "triton" and not 16 <= q.shape[2] <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [16, {MAX_HEAD_DIM}], got {q.shape[2]}")
     rows = _num_out_rows(q, q_offsets, kv_offsets)
-    if attn_bias is not None:
+    if attn_bias is not None and tuple(attn_bias.shape) != (rows, q.shape[1], max_kv_len):
         want = (rows, q.shape[1], max_kv_len)
-        _check(tuple(attn_bias.shape) == want, f"attn_bias must have shape {want}, got {tuple(attn_bias.shape)}")
+        raise ValueError(f"attn_bias must have shape {want}, got {tuple(attn_bias.shape)}")
     heads = q.shape[1]
     if rel.position is not None:
-        _check(
-            rel.position.dim() == 2 and rel.position.shape[0] == heads and rel.position.shape[1] >= 2,
-            f"rel_bias position table must be [heads={heads}, num_buckets>=2], got {tuple(rel.position.shape)}",
-        )
-        _check(
-            rel.max_distance > rel.position.shape[1] // 2,
-            f"rel_bias max_distance ({rel.max_distance}) must exceed num_buckets // 2",
-        )
+        table = rel.position
+        if not (table.dim() == 2 and table.shape[0] == heads and table.shape[1] >= 2):
+            raise ValueError(
+                f"rel_bias position table must be [heads={heads}, num_buckets>=2], got {tuple(table.shape)}"
+            )
+        if rel.max_distance <= table.shape[1] // 2:
+            raise ValueError(f"rel_bias max_distance ({rel.max_distance}) must exceed num_buckets // 2")
     if rel.time is not None:
-        _check(
-            rel.time.dim() == 2 and rel.time.shape[0] == heads,
-            f"rel_bias time table must be [heads={heads}, num_buckets], got {tuple(rel.time.shape)}",
-        )
-        _check(
-            rel.q_timestamps is not None and rel.kv_timestamps is not None,
-            "rel_bias time table needs q_timestamps and kv_timestamps",
-        )
-        _check(rel.q_timestamps.shape == (rows,), f"q_timestamps must have shape ({rows},) (one per output row)")
-        kv_rows = k.shape[0]
-        _check(rel.kv_timestamps.shape == (kv_rows,), f"kv_timestamps must have shape ({kv_rows},)")
-        _check(rel.time_log_base > 1.0, "rel_bias time_log_base must be > 1")
-    if q_offsets.device.type == "cpu" and not torch.compiler.is_compiling():
+        if not (rel.time.dim() == 2 and rel.time.shape[0] == heads):
+            raise ValueError(f"rel_bias time table must be [heads={heads}, num_buckets], got {tuple(rel.time.shape)}")
+        if rel.q_timestamps is None or rel.kv_timestamps is None:
+            raise ValueError("rel_bias time table needs q_timestamps and kv_timestamps")
+        if rel.q_timestamps.shape != (rows,):
+            raise ValueError(f"q_timestamps must have shape ({rows},) (one per output row)")
+        if rel.kv_timestamps.shape != (k.shape[0],):
+            raise ValueError(f"kv_timestamps must have shape ({k.shape[0]},)")
+        if rel.time_log_base <= 1.0:
+            raise ValueError("rel_bias time_log_base must be > 1")
+    if q_offsets.device.type == "cpu" and not compiling:
         for name, off, total, max_len in (
             ("q", q_offsets.tolist(), q.shape[0], max_q_len),
             ("kv", kv_offsets.tolist(), k.shape[0], max_kv_len),
         ):
             lens = [b - a for a, b in zip(off, off[1:])]
-            _check(
-                off[0] == 0 and off[-1] == total,
-                f"{name}_offsets must start at 0 and end at {total} (the number of rows), got {off}",
-            )
-            _check(min(lens, default=0) >= 0, f"{name}_offsets must be non-decreasing")
-            _check(
-                max(lens, default=0) <= max_len,
-                f"max_{name}_len={max_len} is below the longest {name} sequence ({max(lens, default=0)})",
-            )
+            if not (off[0] == 0 and off[-1] == total):
+                raise ValueError(f"{name}_offsets must start at 0 and end at {total} (the number of rows), got {off}")
+            if min(lens, default=0) < 0:
+                raise ValueError(f"{name}_offsets must be non-decreasing")
+            if max(lens, default=0) > max_len:
+                raise ValueError(
+                    f"max_{name}_len={max_len} is below the longest {name} sequence ({max(lens, default=0)})"
+                )
 
 
 def _attention(
@@ -621,8 +622,9 @@ def _attention(
         raise ValueError(f"options must be a gemrec.kernels.KernelOptions, got {type(options).__name__}")
     if isinstance(rel_bias, torch.Tensor):
         rel_bias = RelativeBias(position=rel_bias)
-    rel = rel_bias if rel_bias is not None else RelativeBias()
-    _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel, backend)
+    rel = rel_bias if rel_bias is not None else NO_BIAS
+    compiling = torch.compiler.is_compiling()
+    _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel, backend, compiling)
     scale = float(q.shape[2] ** -0.5 if scale is None else scale)
     if backend == "reference":
         return attention_reference(
@@ -654,7 +656,7 @@ def _attention(
     # Under torch.compile, the op's registered autograd: dynamo guards on the `id()`s below (a recompile per call,
     # the H200 trace showed the model cut at every attention call). Eagerly, the Function, unless one tensor has
     # two roles (k is v, say).
-    if not torch.compiler.is_compiling() and len({id(t) for t in present}) == len(present):
+    if not compiling and len({id(t) for t in present}) == len(present):
         return _Attention.apply(*inputs, params, bias_params, options)
     out, _ = attention_fwd(
         *contiguous[:3],

@@ -2449,6 +2449,7 @@ def _delta_kernel(
     Out,
     DO,
     DELTA,
+    DQ,
     num_items,
     stride_ot,
     stride_oh,
@@ -2458,8 +2459,10 @@ def _delta_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    ZERO_DQ: tl.constexpr,
 ):
-    """delta[row, h] = sum_d out * grad_out, in fp32 (softmax backward), over flattened (row, head) items."""
+    """delta[row, h] = sum_d out * grad_out, in fp32 (softmax backward), over flattened (row, head) items. ZERO_DQ:
+    also zero the contiguous fp32 dQ buffer that the dK/dV kernel then adds into (no separate fill launch)."""
     item = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = item < num_items
     row = (item // num_heads).to(tl.int64)
@@ -2469,6 +2472,12 @@ def _delta_kernel(
     o = tl.load(Out + row[:, None] * stride_ot + h[:, None] * stride_oh + offs_d[None, :], mask=mask, other=0.0)
     do = tl.load(DO + row[:, None] * stride_dot + h[:, None] * stride_doh + offs_d[None, :], mask=mask, other=0.0)
     tl.store(DELTA + item, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=ok)
+    if ZERO_DQ:
+        tl.store(
+            DQ + item.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
+            tl.zeros([BLOCK_R, BLOCK_D], tl.float32),
+            mask=mask,
+        )
 
 
 def _cfg(bm, bn, warps, stages, tma=False):
@@ -2646,15 +2655,15 @@ def tma_ok(*tensors) -> bool:
     row/head strides, contiguous head_dim of at least 16 bytes."""
     for t in tensors:
         size = t.element_size()
-        if (
-            t.stride(2) != 1
-            or t.data_ptr() % 16
-            or (t.stride(0) * size) % 16
-            or (t.stride(1) * size) % 16
-            or t.shape[2] * size < 16
-        ):
+        rows, heads, one = t.stride()
+        if one != 1 or (t.data_ptr() | rows * size | heads * size) & 15 or t.shape[2] * size < 16:
             return False
     return True
+
+
+def _cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids (triton.cdiv is a constexpr function, several times slower on the host)."""
+    return -(-a // b)
 
 
 def _scratch(size: int, alignment: int, stream):
@@ -2669,18 +2678,29 @@ def launch_hooked() -> bool:
     return any(bool(getattr(hook, "calls", hook)) for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook))
 
 
-def _spec_key(args) -> tuple:
-    """What triton specializes a compiled kernel on: dtype and 16-byte alignment of pointers, ints equal to 1,
-    divisible by 16 or beyond 32 bits. A cached compiled kernel is reused only for the same key."""
-    key = []
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif isinstance(a, int) and not isinstance(a, bool):
-            key.append((a == 1, a % 16 == 0, -(2**31) <= a < 2**31))
-        else:
-            key.append(type(a))
-    return tuple(key)
+def _spec(a):
+    """What triton specializes a compiled kernel on, for one argument: dtype and 16-byte alignment of a pointer; for
+    an int whether it equals 1, is divisible by 16 or needs 64 bits; the type of anything else."""
+    kind = type(a)
+    if kind is int:
+        return a == 1, not a & 15, -(2**31) <= a < 2**31
+    if isinstance(a, torch.Tensor):
+        return a.dtype, not a.data_ptr() & 15
+    return kind
+
+
+def _spec_key(args, num_tensors: int, scalar_specs: dict) -> tuple:
+    """The specialization of every argument (`_spec`): a cached compiled kernel is reused only for the same key. The
+    arguments after the first `num_tensors` are scalars, nearly all the same from call to call (strides, head
+    counts): their specs are memoized per scalar tuple in `scalar_specs` (cleared when it grows past 4096)."""
+    tensors = tuple([(t.dtype, not t.data_ptr() & 15) for t in args[:num_tensors]])
+    scalars = args[num_tensors:]
+    specs = scalar_specs.get(scalars)
+    if specs is None:
+        if len(scalar_specs) >= 4096:
+            scalar_specs.clear()
+        specs = scalar_specs[scalars] = tuple(map(_spec, scalars))
+    return tensors, specs
 
 
 class _Kernel:
@@ -2697,6 +2717,8 @@ class _Kernel:
         self.interpret_tiles = interpret_tiles or {}  # tiles under the interpreter other than 16
         self.best: dict = {}
         self.compiled: dict = {}
+        self.num_tensors: int | None = None  # arguments before the scalars (`_spec_key`), from the first launch
+        self.scalar_specs: dict = {}
         self.tuning_log: list[dict] = []  # per tuning: key, seconds, (ms, config) of every candidate
 
     def variant(self, config: dict):
@@ -2737,7 +2759,9 @@ class _Kernel:
             tuned = tune and len(candidates) > 1
             config = self._tune(tune_key, grid, args, consts, candidates, reset) if tuned else candidates[0]
             self.best[tune_key] = config
-        key = (tune_key, _spec_key(args))
+        if self.num_tensors is None:
+            self.num_tensors = 1 + max(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        key = (tune_key, _spec_key(args, self.num_tensors, self.scalar_specs))
         entry = self.compiled.get(key)
         g = grid(config)
         if entry is None or launch_hooked():
@@ -2925,12 +2949,13 @@ class Problem:
     ):
         self.q, self.k, self.v = q, k, v
         self.options = options
-        self.heads, self.head_dim = q.shape[1], q.shape[2]
-        self.q_shared = q_offsets.numel() == 2 and kv_offsets.numel() > 2
-        self.kv_shared = kv_offsets.numel() == 2 and q_offsets.numel() > 2
-        self.num_seqs = max(q_offsets.numel(), kv_offsets.numel()) - 1
+        q_rows, self.heads, self.head_dim = q.shape
+        nq, nkv = q_offsets.numel(), kv_offsets.numel()
+        self.q_shared = nq == 2 and nkv > 2
+        self.kv_shared = nkv == 2 and nq > 2
+        self.num_seqs = max(nq, nkv) - 1
         self.q_off, self.kv_off = q_offsets, kv_offsets
-        self.total_out = q.shape[0] * self.num_seqs if self.q_shared else q.shape[0]
+        self.total_out = q_rows * self.num_seqs if self.q_shared else q_rows
         self.max_q_len, self.max_kv_len = max_q_len, max_kv_len
         self.mode, self.causal, self.scale, self.norm = mode, causal, scale, norm
         self.attn_bias, self.pos_table, self.time_table = attn_bias, pos_table, time_table
@@ -2945,7 +2970,7 @@ class Problem:
         self.bucket = (
             _len_bucket(max_q_len),
             _len_bucket(max_kv_len),
-            _len_bucket(q.shape[0]),
+            _len_bucket(q_rows),
             _len_bucket(k.shape[0]),
         )
         self.consts = dict(
@@ -3046,7 +3071,7 @@ def forward(p: Problem):
     if p.resident() == "kv":
 
         def grid(meta):
-            return (triton.cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
+            return (_cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
         _KERNELS["fwd_rkv"](
             grid, args, {**consts, "BLOCK_N": _resident_block(p.max_kv_len)}, p.bucket, p.options, tma=tma_ok(q)
@@ -3054,23 +3079,25 @@ def forward(p: Problem):
     else:
 
         def grid(meta):
-            return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
+            return (_cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
         _KERNELS["fwd"](grid, args, consts, p.bucket, p.options, tma=tma_ok(k, v))
     return out, lse
 
 
-def _delta(p: Problem, out, grad_out):
+def _delta(p: Problem, out, grad_out, dq=None):
+    """The softmax delta per (row, head); with `dq` (a contiguous fp32 (rows, heads, head_dim) buffer) zeroes it too."""
     delta = torch.empty((p.total_out, p.heads), dtype=torch.float32, device=out.device)
     num_items = p.total_out * p.heads
 
     def grid(meta):
-        return (triton.cdiv(num_items, meta["BLOCK_R"]),)
+        return (_cdiv(num_items, meta["BLOCK_R"]),)
 
     args = (
         out,
         grad_out,
         delta,
+        delta if dq is None else dq,
         num_items,
         out.stride(0),
         out.stride(1),
@@ -3078,7 +3105,8 @@ def _delta(p: Problem, out, grad_out):
         grad_out.stride(1),
         p.heads,
     )
-    _KERNELS["delta"](grid, args, {"HEAD_DIM": p.head_dim, "BLOCK_D": p.block_d}, 0, p.options)
+    consts = {"HEAD_DIM": p.head_dim, "BLOCK_D": p.block_d, "ZERO_DQ": dq is not None}
+    _KERNELS["delta"](grid, args, consts, 0, p.options)
     return delta
 
 
@@ -3101,7 +3129,7 @@ def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
     dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
 
     def grid(meta):
-        blocks = triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]) + triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_N"])
+        blocks = _cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]) + _cdiv(max(p.max_q_len, 1), meta["BLOCK_N"])
         return (blocks, p.heads, p.num_seqs)
 
     args = (
@@ -3167,13 +3195,18 @@ def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
     """(dq, dk, dv) from `_bwd_kv_resident_kernel`, bias gradients in place."""
     q, k, v = p.q, p.k, p.v
     dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
-    dka = torch.zeros((num_kv_rows, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
-    dva = torch.zeros_like(dka)
+    # dK and dV accumulate in fp32: one buffer for both (one fill) where they are cast after; fp32 gradients are the
+    # buffers themselves, two of them (the custom op's outputs may not alias)
+    shape = (num_kv_rows, p.heads, p.head_dim)
+    if k.dtype == torch.float32:
+        dka, dva = (torch.zeros(shape, dtype=torch.float32, device=q.device) for _ in range(2))
+    else:
+        dka, dva = torch.zeros((2, *shape), dtype=torch.float32, device=q.device).unbind(0)
     ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
     dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
 
     def grid(meta):
-        return (triton.cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
+        return (_cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
     args = (
         q,
@@ -3241,7 +3274,7 @@ def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
     dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
 
     def grid(meta):
-        return (triton.cdiv(max(p.max_kv_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
+        return (_cdiv(max(p.max_kv_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
     args = (
         q,
@@ -3327,13 +3360,17 @@ def backward(p: Problem, grad_out, out, lse):
     else:
         dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
         dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
-        delta = _delta(p, out, grad_out) if p.mode == 0 else lse  # pointwise modes never read it
+        dqa = lse  # a placeholder unless dQ is fused
+        if fused:  # dQ added into an fp32 buffer, zeroed by the delta kernel where there is one (a fill launch less)
+            shape = (p.total_out, p.heads, p.head_dim)
+            dqa = (torch.empty if p.mode == 0 else torch.zeros)(shape, dtype=torch.float32, device=dev)
+        # pointwise modes never read delta
+        delta = _delta(p, out, grad_out, dqa if fused else None) if p.mode == 0 else lse
         ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-        dqa = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=dev) if fused else lse
         go = grad_out
 
         def grid_kv(meta):
-            return (triton.cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
+            return (_cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
 
         args = (
             q,
@@ -3395,7 +3432,7 @@ def backward(p: Problem, grad_out, out, lse):
             dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
 
             def grid_q(meta):
-                return (triton.cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
+                return (_cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
             args = (
                 q,
