@@ -289,6 +289,7 @@ def _gemm_kernel(
     TUNE_K,
     HAS_BIAS: tl.constexpr,
     GROUP_M: tl.constexpr,  # b, sb indexed by the group of the M tile (tile_group[pid_m]; -1: zeros)
+    EVEN_K: tl.constexpr,  # every K range a whole number of 128-blocks: no masks along K
     GROUP_K: tl.constexpr,  # program_id(2) = group g reduces k in [k_bounds[g], k_bounds[g + 1]) into c[g]
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -322,9 +323,12 @@ def _gemm_kernel(
         c_ptr += g.to(tl.int64) * scg
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_lo, k_hi, BLOCK_K):
-        k_ok = (k + rk) < k_hi
-        a = tl.load(a_ptr + rm[:, None] * sam + (k + rk)[None, :] * sak, mask=a_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_ptr + rn[None, :] * sbn + (k + rk)[:, None] * sbk, mask=n_ok[None, :] & k_ok[:, None], other=0.0)
+        a_mask, b_mask = a_ok[:, None], n_ok[None, :]
+        if not EVEN_K:
+            k_ok = (k + rk) < k_hi
+            a_mask, b_mask = a_mask & k_ok[None, :], b_mask & k_ok[:, None]
+        a = tl.load(a_ptr + rm[:, None] * sam + (k + rk)[None, :] * sak, mask=a_mask, other=0.0)
+        b = tl.load(b_ptr + rn[None, :] * sbn + (k + rk)[:, None] * sbk, mask=b_mask, other=0.0)
         kb = k // BLOCK_K
         sa = tl.load(sa_ptr + rm * ssam + kb * ssak, mask=m_ok, other=0.0)
         sb = tl.load(sb_ptr + rn * ssbn + kb * ssbk, mask=n_ok, other=0.0)
@@ -613,6 +617,7 @@ def gemm(
         HAS_BIAS=bias is not None,
         GROUP_M=grouped_b,
         GROUP_K=k_bounds is not None,
+        EVEN_K=k_bounds is not None or k % BLOCK == 0,
         BLOCK_M=BLOCK,
         BLOCK_K=BLOCK,
         GROUP_SIZE_M=8,
