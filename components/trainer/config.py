@@ -77,7 +77,8 @@ class LoopConfig(Section):
     deterministic: bool = False  # deterministic algorithms, fixed threads: bit-identical reruns and resumes
     compile: bool = False  # torch.compile the model
     threads: int = 0  # CPU intra-op threads per rank; 0 = cores / local ranks
-    precision: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on GPU, fp32 on CPU
+    # auto: bf16 autocast on GPU, fp32 on CPU; fp8: auto plus the FP8 conversion of [fp8] (docs/precision.md)
+    precision: Literal["auto", "bf16", "fp32", "fp8"] = "auto"
     log_every: int = 20
     eval_every: int = 0  # 0 = only at the end
     local_mfu: bool = True  # measure per-layer local MFU (each layer alone) at the end
@@ -91,6 +92,22 @@ class LoopConfig(Section):
             self.require(getattr(self, key) >= 0, key, "must be >= 0")
         for key in ("log_every", "local_mfu_repeats"):
             self.require(getattr(self, key) > 0, key, "must be > 0")
+
+
+@dataclass(frozen=True)
+class Fp8Config(Section):
+    """How `train.precision = "fp8"` converts the model (components/trainer/precision.py, docs/precision.md)."""
+
+    SECTION: ClassVar[str] = "fp8"
+
+    grad_format: Literal["e4m3", "e5m2"] = "e4m3"  # activations and weights are always e4m3
+    scaling: Literal["dynamic", "delayed"] = "dynamic"  # block scales from the current tensor, or per-tensor history
+    amax_history: int = 16  # steps of amax history (delayed scaling)
+    overrides: dict[str, Literal["bf16", "fp8"]] = field(default_factory=dict)  # module-name glob -> precision
+    gemm: Literal["triton", "cublas"] = "triton"  # the MLPs' dense GEMMs on CUDA; experts always run ours
+
+    def check(self) -> None:
+        self.require(self.amax_history >= 1, "amax_history", "must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -168,6 +185,7 @@ SECTIONS: dict[str, type[Section]] = {
     "data": DataConfig,
     "optim": OptimConfig,
     "train": LoopConfig,
+    "fp8": Fp8Config,
     "checkpoint": CheckpointConfig,
     "bench": BenchConfig,
     "sasrec": SASRecConfig,
@@ -186,6 +204,7 @@ class TrainConfig:
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: LoopConfig = field(default_factory=LoopConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)  # used when train.precision = "fp8"
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     sasrec: SASRecConfig = field(default_factory=SASRecConfig)  # the SASRec baseline of `gemrec bench seqrec`

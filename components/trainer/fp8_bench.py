@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from gemrec.components.trainer.precision import Fp8Options, after_step, convert_to_fp8
+from gemrec.components.trainer.config import Fp8Config
+from gemrec.components.trainer.precision import after_step, convert_to_fp8
 from gemrec.kernels import fp8
 from gemrec.model.layers import Mlp
 from gemrec.model.moe import MoEFeedForward
@@ -115,7 +116,7 @@ def check_moe(device, gen) -> dict:
     ref_y, _ = moe(x)  # fp32: the looped reference path
     ref_g = torch.autograd.grad(ref_y, [x, moe.experts.w1, moe.experts.w2], dy)
     conv = copy.deepcopy(moe)
-    convert_to_fp8(conv, Fp8Options(), device)
+    convert_to_fp8(conv, Fp8Config(), device)
     y, _ = conv(x)
     g = torch.autograd.grad(y, [x, conv.experts.w1, conv.experts.w2], dy)
     return {"y_vs_fp32": rel(y, ref_y), "grads_vs_fp32": [rel(a, b) for a, b in zip(g, ref_g)]}
@@ -253,7 +254,7 @@ def time_variants(title: str, variants: dict, x, dy, flops: int, log, rows: list
 
 def converted(block: nn.Module, device, **options) -> nn.Module:
     block = copy.deepcopy(block)
-    convert_to_fp8(block, Fp8Options(**options), device)
+    convert_to_fp8(block, Fp8Config(**options), device)
     return block
 
 

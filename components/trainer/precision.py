@@ -1,12 +1,12 @@
 """Precision conversion: the trainer turns the vanilla model's MLPs and MoE experts into FP8 ones before
 `parallelize` (as torchtitan's float8 converter swaps nn.Linear for float8 linears); the model never knows.
 
-`[train] precision = "fp8"` runs everything else as "bf16" does (bf16 autocast on a GPU; fp32 on a CPU) and
+`[train] precision = "fp8"` runs everything else as "auto" does (bf16 autocast on a GPU; fp32 on a CPU) and
 converts every `Mlp` (fc1 -> gelu -> fc2) and every `GroupedExperts` (the MoE's SwiGLU experts) whose name no
-`fp8_overrides` pattern sends back to "bf16". Converting swaps the module's class for a subclass whose forward
-calls the block-scaled FP8 ops of `gemrec.kernels.fp8`; parameters, their names and the state dict stay the
-same, so checkpoints move freely between precisions. Embedding projections, the router, attention projections
-and the task heads are never converted (the stability recipe: the first and last layers stay in bf16).
+`[fp8] overrides` pattern sends back to "bf16" (settings: `Fp8Config`). Converting swaps the module's class for a
+subclass whose forward calls the block-scaled FP8 ops of `gemrec.kernels.fp8`; parameters, their names and the
+state dict stay the same, so checkpoints move freely between precisions. Embedding projections, the router,
+attention projections and the task heads are never converted (the stability recipe: first and last layers bf16).
 
 On CUDA the ops run the Triton kernels; elsewhere the torch emulation (quantize -> dequantize -> fp32 matmul),
 so CPU runs and CI exercise the same conversion, scaling and counters.
@@ -15,42 +15,13 @@ so CPU runs and CI exercise the same conversion, scaling and counters.
 from __future__ import annotations
 
 import fnmatch
-from dataclasses import dataclass, field
 
 import torch
+from gemrec.components.trainer.config import Fp8Config
 from gemrec.kernels import fp8
 from gemrec.model.layers import Mlp
 from gemrec.model.moe import GroupedExperts
 from torch import nn
-
-PRECISIONS = ("auto", "fp32", "bf16", "fp8")
-SCALINGS = ("dynamic", "delayed")
-
-
-@dataclass(frozen=True)
-class Fp8Options:
-    """FP8 settings from `[train]`: fp8_grad_format (e4m3 | e5m2), fp8_scaling (dynamic: scales from the current
-    block; delayed: one per-tensor scale from the last `fp8_amax_history` steps' amaxes), fp8_overrides (module-name
-    glob -> "bf16" | "fp8", the last matching pattern wins), fp8_gemm (the MLPs' GEMMs on CUDA: triton, ours, or
-    cublas, torch's block-scaled `F.scaled_mm`; MoE experts always run our grouped Triton GEMM)."""
-
-    grad_format: str = "e4m3"
-    scaling: str = "dynamic"
-    amax_history: int = 16
-    overrides: dict[str, str] = field(default_factory=dict)
-    gemm: str = "triton"
-
-    def __post_init__(self):
-        fp8.fp8_format(self.grad_format)
-        if self.gemm not in fp8.GEMMS:
-            raise ValueError(f"train.fp8_gemm must be one of {', '.join(fp8.GEMMS)}, got {self.gemm!r}")
-        if self.scaling not in SCALINGS:
-            raise ValueError(f"train.fp8_scaling must be one of {', '.join(SCALINGS)}, got {self.scaling!r}")
-        if self.scaling == "delayed" and self.amax_history < 1:
-            raise ValueError(f"train.fp8_amax_history must be >= 1 for delayed scaling, got {self.amax_history}")
-        bad = {k: v for k, v in self.overrides.items() if v not in ("bf16", "fp8")}
-        if bad:
-            raise ValueError(f"train.fp8_overrides values must be 'bf16' or 'fp8', got {bad}")
 
 
 class Fp8Mlp(Mlp):
@@ -88,31 +59,30 @@ def module_precision(name: str, overrides: dict[str, str]) -> str:
     return choice
 
 
-def convert_to_fp8(model: nn.Module, options: Fp8Options, device: torch.device) -> list[str]:
-    """Convert in place (before `parallelize`); returns the converted modules' names."""
+def convert_to_fp8(model: nn.Module, config: Fp8Config, device: torch.device) -> list[str]:
+    """Convert in place (before `parallelize`); returns the converted modules' names. An override pattern that
+    matches no module is refused (a typo would silently keep a layer in FP8)."""
     recipe = fp8.Fp8Recipe(
-        grad_format=fp8.fp8_format(options.grad_format),
+        grad_format=fp8.fp8_format(config.grad_format),
         backend="triton" if device.type == "cuda" else "reference",
-        gemm=options.gemm,
+        gemm=config.gemm,
     )
-    history = options.amax_history if options.scaling == "delayed" else 0
+    history = config.amax_history if config.scaling == "delayed" else 0
     converted = []
     for name, module in model.named_modules():
         target = _CONVERSIONS.get(type(module))
-        if target is None or module_precision(name, options.overrides) != "fp8":
+        if target is None or module_precision(name, config.overrides) != "fp8":
             continue
         cls, roles = target
         module.__class__ = cls
         module.fp8_recipe = recipe
         module.fp8_stats = fp8.Fp8Stats(roles, history, device)
         converted.append(name)
-    if options.overrides and not any(fnmatch.filter(_names(model), p) for p in options.overrides):
-        raise ValueError(f"train.fp8_overrides: no pattern matches a module name: {sorted(options.overrides)}")
+    names = [name for name, _ in model.named_modules()]
+    unmatched = sorted(p for p in config.overrides if not fnmatch.filter(names, p))
+    if unmatched:
+        raise ValueError(f"fp8.overrides: pattern(s) {unmatched} match no module name (e.g. 'interaction.*')")
     return converted
-
-
-def _names(model: nn.Module) -> list[str]:
-    return [name for name, _ in model.named_modules()]
 
 
 def fp8_stats(model: nn.Module) -> list[tuple[str, fp8.Fp8Stats]]:

@@ -274,6 +274,7 @@ class Trainer:
                 "num_params": self.num_params,
                 "total_steps": self.total_steps,
                 "sparse_optimizer": self.training.sparse_optimizer,
+                "fp8_modules": len(self.training.fp8_modules),
             },
             {
                 "git_commit": git_commit(),
@@ -352,6 +353,8 @@ class Trainer:
                 self.check_finite(window)
                 self._log_window(window, totals, bar)
                 window.reset()
+            if (self.step + 1) % cfg.train.log_every == 0:
+                training.fp8_counters(collect_next=True)  # FP8 overflow/underflow: count the logging steps
             if self.checkpoints.due(self.step, last):
                 self.check_finite(window)
                 self.save_checkpoint()
@@ -388,6 +391,7 @@ class Trainer:
         for j, name in enumerate(self.task_names):
             record[f"ne_{name}"] = qm.normalized_entropy(labels[:, j], preds[:, j])
         record.update(self.balance.window())  # rank_imbalance, exposed_comm_s, ... (a collective)
+        record.update(self.training.fp8_counters(collect_next=False))  # this rank's fp8/* counters
         self.tracker.log_train(record)
         bar.set_postfix(loss=f"{loss:.4f}", qps=f"{record['qps']:.0f}", mfu=f"{100 * record['mfu']:.2f}%")
 

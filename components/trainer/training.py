@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+from gemrec.components.trainer import precision
 from gemrec.components.trainer.config import LoopConfig, TrainConfig
 from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
 from gemrec.components.trainer.parallel import ParallelDims, Parallelized, parallelize
@@ -34,8 +35,9 @@ def set_determinism(seed: int, deterministic: bool) -> None:
 
 
 def autocast_for(precision: str, device: torch.device) -> tuple[bool, Callable[[], AbstractContextManager[object]]]:
-    """(bf16?, a factory of the forward's autocast context): `auto` is bf16 autocast on GPU and fp32 on CPU."""
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+    """(bf16?, a factory of the forward's autocast context): `auto` is bf16 autocast on GPU and fp32 on CPU; `fp8`
+    runs as `auto` around the converted modules."""
+    if precision == "bf16" or (precision in ("auto", "fp8") and device.type == "cuda"):
         return True, lambda: torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return False, contextlib.nullcontext
 
@@ -70,10 +72,11 @@ class Training:
     bf16: bool
     autocast: Callable[[], AbstractContextManager[object]]
     task_weights: list[float]
+    fp8_modules: list[str]  # what train.precision = "fp8" converted (empty otherwise)
 
     def step(self, inp: ModelInput, labels: torch.Tensor) -> StepResult:
         """One training step on a batch on the device: forward, loss, backward, clip and optimizer step."""
-        return train_step(
+        result = train_step(
             self.train_model,
             inp,
             labels,
@@ -81,6 +84,18 @@ class Training:
             autocast=self.autocast,
             optimizer_step=self.optimizers.clip_and_step,
         )
+        if self.fp8_modules:
+            precision.after_step(self.model)
+        return result
+
+    def fp8_counters(self, collect_next: bool) -> dict[str, float]:
+        """The FP8 overflow/underflow counters since the last call (`precision.counters`; {} without FP8), and
+        whether the next steps count (the atomics cost a little: the trainer counts its logging steps only)."""
+        if not self.fp8_modules:
+            return {}
+        out = precision.counters(self.model)
+        precision.collect_counters(self.model, collect_next)
+        return out
 
 
 def setup_training(
@@ -95,6 +110,8 @@ def setup_training(
     compile it when `train.compile`, and create the dense optimizer for `total_steps` steps."""
     weights = task_weights_for(config.train, schema.labels)
     model = build_model(config.model, schema, config.kernels).to(device)
+    # FP8 is a conversion of the vanilla model, before parallelize (it keeps every parameter and its name)
+    fp8_modules = precision.convert_to_fp8(model, config.fp8, device) if config.train.precision == "fp8" else []
     sparse_optimizer = apply_sparse_optimizer(model, config.optim)
     parallel, train_model = None, model
     if world_size is not None:
@@ -115,4 +132,5 @@ def setup_training(
         bf16=bf16,
         autocast=autocast,
         task_weights=weights,
+        fp8_modules=fp8_modules,
     )

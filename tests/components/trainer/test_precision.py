@@ -6,8 +6,9 @@ import copy
 import pytest
 import torch
 from gemrec.components.trainer import precision
-from gemrec.components.trainer.config import BenchConfig
+from gemrec.components.trainer.config import BenchConfig, Fp8Config
 from gemrec.components.trainer.gpu_bench import synthetic_batch, synthetic_schema
+from gemrec.config import ConfigError
 from gemrec.model import ModelConfig, build_model
 from gemrec.model import loss as model_loss
 
@@ -50,7 +51,7 @@ def grads_of(model, inp, labels):
 def test_converts_mlps_and_experts_only_and_keeps_the_state_dict(setup):
     model, _, _ = setup
     fp8_model = copy.deepcopy(model)
-    names = precision.convert_to_fp8(fp8_model, precision.Fp8Options(), CPU)
+    names = precision.convert_to_fp8(fp8_model, Fp8Config(), CPU)
     assert names == [
         "seq_tower.0.mlp",
         "seq_tower.1.mlp",
@@ -69,26 +70,26 @@ def test_converts_mlps_and_experts_only_and_keeps_the_state_dict(setup):
 
 def test_overrides_keep_matching_modules_in_bf16_and_unknown_patterns_are_refused(setup):
     model, _, _ = setup
-    options = precision.Fp8Options(overrides={"interaction.*": "bf16", "interaction.1.*": "fp8"})
+    options = Fp8Config(overrides={"interaction.*": "bf16", "interaction.1.*": "fp8"})
     names = precision.convert_to_fp8(copy.deepcopy(model), options, CPU)
     assert "interaction.0.ffn" not in names and "interaction.1.ffn.experts" in names
-    with pytest.raises(ValueError, match="no pattern matches"):
-        precision.convert_to_fp8(copy.deepcopy(model), precision.Fp8Options(overrides={"tower.*": "bf16"}), CPU)
+    with pytest.raises(ValueError, match=r"\['tower.\*'\] match no module"):
+        precision.convert_to_fp8(copy.deepcopy(model), Fp8Config(overrides={"tower.*": "bf16"}), CPU)
 
 
 @pytest.mark.parametrize(
     "options, match",
     [
-        ({"grad_format": "e4m4"}, "unknown fp8 format"),
-        ({"scaling": "lazy"}, "fp8_scaling"),
-        ({"scaling": "delayed", "amax_history": 0}, "fp8_amax_history"),
-        ({"overrides": {"pma.*": "fp16"}}, "fp8_overrides"),
-        ({"gemm": "cutlass"}, "fp8_gemm"),
+        ({"grad_format": "e4m4"}, "fp8.grad_format = 'e4m4'"),
+        ({"scaling": "lazy"}, "fp8.scaling"),
+        ({"amax_history": 0}, "fp8.amax_history = 0: must be >= 1"),
+        ({"overrides": {"pma.*": "fp16"}}, "fp8.overrides"),
+        ({"gemm": "cutlass"}, "fp8.gemm"),
     ],
 )
 def test_bad_options_are_refused(options, match):
-    with pytest.raises(ValueError, match=match):
-        precision.Fp8Options(**options)
+    with pytest.raises(ConfigError, match=match):
+        Fp8Config(**options)
 
 
 @pytest.mark.parametrize("grad_format", ["e4m3", "e5m2"])
@@ -96,7 +97,7 @@ def test_emulated_fp8_model_tracks_fp32(setup, grad_format):
     model, inp, labels = setup
     ref_loss, ref_grads = grads_of(model, inp, labels)
     fp8_model = copy.deepcopy(model)
-    precision.convert_to_fp8(fp8_model, precision.Fp8Options(grad_format=grad_format), CPU)
+    precision.convert_to_fp8(fp8_model, Fp8Config(grad_format=grad_format), CPU)
     loss, grads = grads_of(fp8_model, inp, labels)
     assert float(loss) == pytest.approx(float(ref_loss), rel=0.01)
     for name in ("seq_tower.0.mlp.fc1.weight", "interaction.1.ffn.experts.w1", "heads.trunk.weight"):
@@ -107,7 +108,7 @@ def test_emulated_fp8_model_tracks_fp32(setup, grad_format):
 def test_counters_and_delayed_scaling_over_steps(setup):
     model, inp, labels = setup
     fp8_model = copy.deepcopy(model)
-    precision.convert_to_fp8(fp8_model, precision.Fp8Options(scaling="delayed", amax_history=2), CPU)
+    precision.convert_to_fp8(fp8_model, Fp8Config(scaling="delayed", amax_history=2), CPU)
     precision.collect_counters(fp8_model, True)
     for _ in range(2):
         grads_of(fp8_model, inp, labels)
