@@ -7,6 +7,8 @@ Checks first (the FP8 ops against the fp32 result of the same quantized operands
 block). Timings: triton.testing.do_bench medians; TFLOP/s count 2 FLOPs per multiply-add of the GEMMs alone.
 
     python -m gemrec.components.trainer.fp8_bench --out DIR [--tokens 196608] [--moe-tokens 13312]
+    python -m gemrec.components.trainer.fp8_bench --compare BF16/gpu_bench.json FP8/gpu_bench.json --out DIR \
+        [--tracking-uri URI]     # (on any machine) the two gpu_bench runs' loss curves in one PNG, QPS and MFU ratios
 """
 
 from __future__ import annotations
@@ -290,16 +292,58 @@ def block_bench(device, tokens, moe_tokens, log, full: bool, out: Path) -> list[
     return rows
 
 
+def compare(bf16_json: Path, fp8_json: Path, out: Path, tracking_uri: str | None) -> dict:
+    """bf16 vs fp8 `gpu_bench` runs: loss curves overlaid (PNG, an MLflow artifact when `tracking_uri`), QPS ratio,
+    and the fp8 run's MFU against the bf16 and the FP8 peaks."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = {"bf16": json.loads(bf16_json.read_text()), "fp8": json.loads(fp8_json.read_text())}
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, run in runs.items():
+        ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=f"{name} ({run['precision']})")
+    ax.set(xlabel="step", ylabel="training loss", title=f"{runs['bf16']['recipe']}: bf16 vs fp8")
+    ax.legend()
+    png = out / "loss_bf16_vs_fp8.png"
+    fig.savefig(png, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    summary = {
+        "qps_bf16": runs["bf16"]["qps"],
+        "qps_fp8": runs["fp8"]["qps"],
+        "qps_ratio": runs["fp8"]["qps"] / runs["bf16"]["qps"],
+        "mfu_e2e_fp8_vs_bf16_peak": runs["fp8"]["mfu_e2e"],
+        "mfu_e2e_fp8_vs_fp8_peak": runs["fp8"].get("mfu_e2e_vs_fp8_peak"),
+        "final_loss_bf16": runs["bf16"]["final_loss"],
+        "final_loss_fp8": runs["fp8"]["final_loss"],
+    }
+    (out / "compare.json").write_text(json.dumps(summary, indent=2))
+    if tracking_uri:
+        import mlflow
+
+        mlflow.set_tracking_uri(tracking_uri)
+        with mlflow.start_run(run_name=f"{runs['bf16']['recipe']}-bf16-vs-fp8"):
+            mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, float)})
+            mlflow.log_artifact(str(png), "plots")
+    print(json.dumps(summary, indent=2))
+    return summary
+
+
 def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tokens", type=int, default=196_608, help="MLP block rows (h200-bench: 512 x 384)")
     parser.add_argument("--moe-tokens", type=int, default=13_312, help="MoE rows (h200-bench: 512 x 26 tokens)")
     parser.add_argument("--quick", action="store_true", help="e4m3 dynamic only: no peers, no GEMM-alone table")
+    parser.add_argument("--compare", nargs=2, type=Path, metavar=("BF16_JSON", "FP8_JSON"), help="gpu_bench runs")
+    parser.add_argument("--tracking-uri", help="with --compare: log the overlay and ratios to this MLflow store")
     args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.compare:
+        return compare(*args.compare, args.out, args.tracking_uri)
     if not torch.cuda.is_available():
         parser.error("fp8_bench needs a CUDA GPU (Hopper or newer)")
-    args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cuda")
     log_path = args.out / "fp8_bench.log"
     log_path.write_text("")

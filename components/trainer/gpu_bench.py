@@ -21,6 +21,7 @@ import torch
 from gemrec.components.trainer.config import BenchConfig, load_recipe
 from gemrec.components.trainer.mfu import (
     H200_BF16_DENSE_PEAK_FLOPS,
+    H200_FP8_DENSE_PEAK_FLOPS,
     device_peak,
     measure_local_mfu,
     measure_matmul_ceiling,
@@ -147,7 +148,8 @@ def run(argv: list[str] | None = None) -> dict:
         "recipe": config.recipe,
         "device": peak.device,
         "torch": torch.__version__,
-        "precision": "bf16 autocast" if bf16 else "fp32",
+        "precision": config.train.precision + (" (bf16 autocast)" if bf16 else " (fp32)"),
+        "fp8_modules": training.fp8_modules,
         "compile": config.train.compile,
         "sparse_optimizer": training.sparse_optimizer,
         "batch_size": config.data.batch_size,
@@ -165,6 +167,7 @@ def run(argv: list[str] | None = None) -> dict:
         "measured_matmul_flops": measured,
         "mfu_e2e": e2e,
         "mfu_e2e_vs_measured": step_flops / seconds / measured,
+        "mfu_e2e_vs_fp8_peak": step_flops / seconds / H200_FP8_DENSE_PEAK_FLOPS if "H200" in peak.device else None,
         "mfu_local": local,
         "scaling_ratio": e2e / local if local else float("nan"),
         "layers": [
@@ -178,6 +181,7 @@ def run(argv: list[str] | None = None) -> dict:
             for r in layers
         ],
         "final_loss": float(losses[-1]),
+        "losses": losses.tolist(),  # every step, warm-up included (bf16 vs fp8 overlay: fp8_bench --compare)
         "host_syncs_per_step": host_syncs,
         "host_sync_sites": sync_sites,
         "compiled_graphs_per_step": graphs_per_step,
@@ -185,7 +189,7 @@ def run(argv: list[str] | None = None) -> dict:
     }
     (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
     (args.out / "profile.txt").write_text(table)
-    lines = [f"{k}: {v}" for k, v in result.items() if k != "layers"]
+    lines = [f"{k}: {v}" for k, v in result.items() if k not in ("layers", "losses")]
     lines.append("layer | TFLOP | ms (fwd+bwd alone) | MFU | share of step")
     lines += [
         f"{r['name']} | {r['tflop']:.3f} | {r['ms']:.2f} | {100 * r['mfu']:.1f}% | {100 * r['share_of_step']:.1f}%"

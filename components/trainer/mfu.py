@@ -24,6 +24,7 @@ from torch import nn
 
 # Dense bf16 tensor-core peak of one H200 SXM (NVIDIA datasheet, without sparsity).
 H200_BF16_DENSE_PEAK_FLOPS = 989e12
+H200_FP8_DENSE_PEAK_FLOPS = 1979e12  # datasheet, dense: what FP8 runs report their MFU against beside the bf16 peak
 # An 8192^3 bf16 matmul through PyTorch on this workplace's H200s (random data; docs/benchmarks.md).
 H200_BF16_MEASURED_PEAK_FLOPS = 799e12
 # Same chip arithmetic as the H200.

@@ -147,3 +147,23 @@ def test_gpu_bench_runs_without_torchrec_mlflow_or_kfp(tmp_path):
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("OK")
+
+
+def test_gpu_bench_fp8_on_cpu_and_the_bf16_vs_fp8_overlay(tmp_path):
+    from gemrec.components.trainer import fp8_bench
+
+    runs = {}
+    for precision in ("fp32", "fp8"):
+        out = tmp_path / precision
+        runs[precision] = run(
+            ["--recipe", "tiny", "--device", "cpu", "--out", str(out), "--set", f"train.precision={precision}", *SMALL]
+        )
+    assert runs["fp32"]["fp8_modules"] == [] and "interaction.1.ffn.experts" in runs["fp8"]["fp8_modules"]
+    assert len(runs["fp8"]["losses"]) == 3 and runs["fp8"]["precision"] == "fp8 (fp32)"
+    # the emulation tracks fp32 on the same batches (same seed, same initial weights)
+    assert runs["fp8"]["losses"][0] == pytest.approx(runs["fp32"]["losses"][0], rel=0.02)
+    summary = fp8_bench.run(
+        ["--compare", str(tmp_path / "fp32" / "gpu_bench.json"), str(tmp_path / "fp8" / "gpu_bench.json")]
+        + ["--out", str(tmp_path / "cmp")]
+    )
+    assert summary["qps_ratio"] > 0 and (tmp_path / "cmp" / "loss_bf16_vs_fp8.png").stat().st_size > 1000
