@@ -267,6 +267,20 @@ def _embedding_ids(uniques: np.ndarray, buckets: int | None) -> tuple[np.ndarray
     return (stable_hash(uniques) % np.uint64(buckets)).astype(np.int64), int(buckets), True
 
 
+def _remove_stale_temp(out: Path) -> None:
+    """Temp folders a prepare of `out` left when it was killed (named after its pid, now dead)."""
+    for path in [*out.parent.glob(f".{out.name}.tmp-*"), *out.parent.glob(f".{out.name}.old-*")]:
+        pid = path.name.rsplit("-", 1)[-1]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except PermissionError:  # alive, someone else's
+            pass
+
+
 def build_dataset(
     out: Path,
     *,
@@ -296,6 +310,7 @@ def build_dataset(
         raise DataError(f"max_history must be >= 1, got {max_history}")
     started = time.perf_counter()
     out.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temp(out)
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     steps = tqdm(total=7, desc=f"prepare {name}", unit="step", disable=not progress, leave=False)

@@ -66,6 +66,11 @@ def _prepare_movielens(args) -> int:
     return 0
 
 
+def _names(values: list[str]) -> list[str]:
+    """Repeated flags and comma-separated lists alike: --x a,b --x c -> [a, b, c]."""
+    return [name.strip() for value in values for name in value.split(",") if name.strip()]
+
+
 def _prepare_events(args) -> int:
     from .events import prepare_events
 
@@ -75,7 +80,11 @@ def _prepare_events(args) -> int:
         args.label,
         users=args.users,
         items=args.items,
-        context=args.context,
+        context=_names(args.context),
+        item_columns=_names(args.item_columns),
+        user_columns=_names(args.user_columns),
+        categorical=_names(args.categorical),
+        numeric=_names(args.numeric),
         timestamp_unit=args.timestamp_unit,
         hash_over=args.hash_ids_over or None,
         name=args.name,
@@ -174,6 +183,13 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
         metavar="COLUMN",
         help="event column known at request time (device, page): a feature of the target; repeatable",
     )
+    for flag, text in (
+        ("--item-columns", "item attributes in the events file (category, brand): item side features"),
+        ("--user-columns", "user attributes in the events file (age bucket, country): user side features"),
+        ("--categorical", "columns to treat as categories (one-hot actions, embedded side features)"),
+        ("--numeric", "integer columns to treat as magnitudes even with many distinct values"),
+    ):
+        events.add_argument(flag, action="append", default=[], metavar="COL[,COL]", help=f"{text}; repeatable")
     events.add_argument(
         "--timestamp-unit",
         choices=("auto", "s", "ms", "us", "ns"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,7 @@ def read_table(path: Path, required: list[str], *, dtype: dict | None = None) ->
         raise DataError(f"{path}: file not found")
     if path.stat().st_size == 0:
         raise DataError(f"{path}: empty file")
+    _check_header(path)
     if is_parquet(path):
         try:
             frame = pq.read_table(path).to_pandas()
@@ -49,6 +51,22 @@ def read_table(path: Path, required: list[str], *, dtype: dict | None = None) ->
     if len(frame) == 0:
         raise DataError(f"{path}: no data rows")
     return frame
+
+
+def _check_header(path: Path) -> None:
+    """Duplicate column names are refused (pandas would rename them `x.1` and use them as new columns)."""
+    try:
+        if is_parquet(path):
+            names = pq.read_schema(path).names
+        else:
+            with open(path, newline="", encoding="utf-8", errors="replace") as f:
+                names = next(csv.reader(f), [])
+    except (pa.ArrowException, OSError):
+        return  # unreadable: the reader below says so
+    names = [str(n).strip() for n in names]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise DataError(f"{path}: duplicate column name(s) {duplicates} in the header; rename them")
 
 
 def fail_rows(path: Path, column: str, bad: np.ndarray, values, problem: str) -> None:

@@ -40,7 +40,31 @@ def summary_lines(path: Path) -> list[str]:
     )
     lines.append(f"  sparse (* multi-valued): {features}")
     lines.append(f"  dense: {', '.join(m['dense_features'])}   actions: {', '.join(m['actions'])}")
+    source = m.get("source") or {}
+    for column, use in (source.get("columns") or {}).items():
+        lines.append(f"  column {column}: {use}")
+    for warning in [*source.get("warnings", []), *split_warnings(m)]:
+        lines.append(f"  warning: {warning}")
     return lines
+
+
+def split_warnings(m: dict) -> list[str]:
+    """Splits far smaller than asked for (an outlier timestamp stretching a split by time, a cutoff at an end)."""
+    split, sizes = m["split"], {name: int(info["num_examples"]) for name, info in m["splits"].items()}
+    total = sum(sizes.values())
+    if split.get("by") in ("time", "events") and "eval_fraction" in split:
+        fraction = float(split["eval_fraction"])
+        expected = {"train": (1 - fraction) * total, "eval": fraction * total}
+        tiny = [s for s, n in sizes.items() if expected.get(s, 0) >= 1 and n < 0.1 * expected[s]]
+    else:
+        tiny = [s for s, n in sizes.items() if n == 0 and total]
+    first, last = m.get("time_range", [None, None])
+    return [
+        f"split {name} has {sizes[name]:,} of {total:,} examples (split by {split.get('by')} at cutoff "
+        f"{split.get('cutoff')}, events from {first} to {last}): check the timestamps for outliers, or use "
+        "--split-by events or --split-cutoff"
+        for name in tiny
+    ]
 
 
 def print_stats(path: Path, plot: Path | None = None) -> None:

@@ -66,7 +66,7 @@ def test_labels_actions_side_tables_and_counts(tmp_path):
     assert m["labels"] == ["buy", "like"]
     assert m["actions"][:2] == ["buy", "like"] and {"behavior=pv", "behavior=buy", "rating"} <= set(m["actions"])
     assert m["source"]["missing_action_values"] == {"dwell": 1}
-    assert m["source"]["actions"]["dwell"] == "numeric / 40"  # scaled by the largest train-time value
+    assert m["source"]["columns"]["dwell"] == "action: numeric / 40"  # scaled by the largest train-time value
     assert m["splits"]["train"]["num_examples"] == 5 and m["splits"]["eval"]["num_examples"] == 2
     features = {f["name"]: f for f in m["sparse_features"]}
     assert features["item_genres"]["multi_valued"] and features["ctx_device"]["source"] == "event"
