@@ -722,7 +722,7 @@ def _gelu_grad(h: torch.Tensor) -> torch.Tensor:
 
 class _Fp8Mlp(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, w1, b1, w2, b2, recipe: Fp8Recipe, stats: Fp8Stats):
+    def forward(ctx, x, w1, b1, w2, b2, recipe: Fp8Recipe, stats: Fp8Stats | None):
         shape, dtype, be = x.shape, _out_dtype(x), recipe.backend
         x2 = x.reshape(-1, shape[-1])
         xq = quantize(x2, E4M3, rows=True, cols=True, stats=stats, role=0, backend=be)
@@ -767,9 +767,9 @@ class _Fp8Mlp(torch.autograd.Function):
         return dx.reshape(ctx.shape), dw1, db1, dw2, db2, None, None
 
 
-def fp8_mlp(x, w1, b1, w2, b2, recipe: Fp8Recipe, stats: Fp8Stats) -> torch.Tensor:
+def fp8_mlp(x, w1, b1, w2, b2, recipe: Fp8Recipe, stats: Fp8Stats | None) -> torch.Tensor:
     """fc2(gelu(fc1(x))) with nn.Linear weights w1 (hidden, dim), w2 (dim, hidden) and optional biases, through
-    block-scaled FP8 GEMMs forward and backward. `stats` must have the roles `MLP_ROLES`."""
+    block-scaled FP8 GEMMs forward and backward. `stats`: roles `MLP_ROLES` (None: dynamic scales, no counters)."""
     return _Fp8Mlp.apply(x, w1, b1, w2, b2, recipe, stats)
 
 
@@ -793,7 +793,7 @@ def group_layout(counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.T
     return dest, tile_group, k_bounds, capacity
 
 
-def _quantize_side_by_side(w1: torch.Tensor, w3: torch.Tensor, stats: Fp8Stats, backend: str) -> dict:
+def _quantize_side_by_side(w1: torch.Tensor, w3: torch.Tensor, stats: Fp8Stats | None, backend: str) -> dict:
     """128x128 tiles of [w1 | w3] (E, dim, 2H), both ways: q (E, dim, 2H) and qt (E, 2H, dim). Where H is a whole
     number of tiles each half is quantized alone and the fp8 halves joined (no fp32 copy of the weights)."""
     if w1.shape[-1] % BLOCK:
@@ -806,7 +806,7 @@ def _quantize_side_by_side(w1: torch.Tensor, w3: torch.Tensor, stats: Fp8Stats, 
 
 class _Fp8GroupedSwiglu(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, counts, w1, w3, w2, recipe: Fp8Recipe, stats: Fp8Stats):
+    def forward(ctx, x, counts, w1, w3, w2, recipe: Fp8Recipe, stats: Fp8Stats | None):
         be, dtype = recipe.backend, _out_dtype(x)
         rows, dim = x.shape
         experts, _, hidden = w1.shape
@@ -867,7 +867,8 @@ class _Fp8GroupedSwiglu(torch.autograd.Function):
         return dxp[dest].to(ctx.x_dtype), None, dw1, dw3, dw2, None, None
 
 
-def fp8_grouped_swiglu(x_sorted, counts, w1, w3, w2, recipe: Fp8Recipe, stats: Fp8Stats) -> torch.Tensor:
+def fp8_grouped_swiglu(x_sorted, counts, w1, w3, w2, recipe: Fp8Recipe, stats: Fp8Stats | None) -> torch.Tensor:
     """MoE experts over `x_sorted` (rows grouped by expert, `counts[e]` rows each): (silu(x w1[e]) * x w3[e]) w2[e]
-    with w1, w3 (E, dim, H), w2 (E, H, dim), block-scaled FP8 forward and backward. `stats`: `EXPERT_ROLES`."""
+    with w1, w3 (E, dim, H), w2 (E, H, dim), block-scaled FP8 forward and backward. `stats`: roles `EXPERT_ROLES`
+    (None: dynamic scales, no counters)."""
     return _Fp8GroupedSwiglu.apply(x_sorted, counts, w1, w3, w2, recipe, stats)

@@ -24,6 +24,12 @@ from gemrec.model.moe import GroupedExperts
 from torch import nn
 
 
+def _training_stats(module: nn.Module) -> fp8.Fp8Stats | None:
+    """The module's scaling state in training; in evaluation none: dynamic scales, and no amax or counter of an
+    eval batch enters the training's histories."""
+    return module.fp8_stats if module.training else None
+
+
 class Fp8Mlp(Mlp):
     """An `Mlp` whose fc1 -> gelu -> fc2 runs through `gemrec.kernels.fp8.fp8_mlp`."""
 
@@ -32,7 +38,7 @@ class Fp8Mlp(Mlp):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fc1, fc2 = self.fc1, self.fc2
-        return fp8.fp8_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.fp8_recipe, self.fp8_stats)
+        return fp8.fp8_mlp(x, fc1.weight, fc1.bias, fc2.weight, fc2.bias, self.fp8_recipe, _training_stats(self))
 
 
 class Fp8GroupedExperts(GroupedExperts):
@@ -43,7 +49,7 @@ class Fp8GroupedExperts(GroupedExperts):
 
     def forward(self, x_sorted: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
         return fp8.fp8_grouped_swiglu(
-            x_sorted, tokens_per_expert, self.w1, self.w3, self.w2, self.fp8_recipe, self.fp8_stats
+            x_sorted, tokens_per_expert, self.w1, self.w3, self.w2, self.fp8_recipe, _training_stats(self)
         )
 
 

@@ -120,6 +120,12 @@ def test_counters_and_delayed_scaling_over_steps(setup):
     stats = dict(precision.fp8_stats(fp8_model))["seq_tower.0.mlp"]
     assert bool((stats.history[:, 0] > 0).all()) and bool((stats.history[:, 1] > 0).all())
     assert precision.counters(fp8_model) == {"fp8/nonfinite": 0.0}  # the read reset them
+    amax = stats.amax.clone()
+    fp8_model.eval()
+    with torch.no_grad():
+        fp8_model(inp)  # evaluation: dynamic scales, nothing recorded
+    fp8_model.train()
+    assert torch.equal(stats.amax, amax) and precision.counters(fp8_model) == {"fp8/nonfinite": 0.0}
 
 
 def test_emulated_fp8_training_tracks_fp32_on_the_tiny_recipe(movielens_dataset, tmp_path):
