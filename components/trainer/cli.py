@@ -28,6 +28,9 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run dir")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--no-log-model", action="store_true", help="do not log the model to MLflow")
+    p.add_argument(
+        "--no-tracking", action="store_true", help="no MLflow at all (machines without it); see --metrics-out"
+    )
     p.set_defaults(func=cmd_train)
 
     if "bench" in groups:
@@ -112,6 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.no_progress,
         log_model=not args.no_log_model,
+        tracking=not args.no_tracking,
     )
     return 0
 

@@ -38,9 +38,12 @@ class DataConfig(Section):
     eval_batch_size: int = 1024
     eval_max_examples: int = 0  # 0 = the whole eval split
     prefetch: int = 2  # batches collated ahead in a background thread (0 = inline)
+    device_prefetch: int = 2  # batches pinned and copied to the device ahead of the step (side CUDA stream)
+    stall_s: float = 30.0  # --data-addr: a stream that delivers nothing this long is reopened from its cursor
+    wait_timeout_s: float = 600.0  # --data-addr: no batch for this long stops training with an error
 
     def check(self) -> None:
-        for key in ("batch_size", "max_seq_len", "eval_batch_size"):
+        for key in ("batch_size", "max_seq_len", "eval_batch_size", "device_prefetch", "stall_s", "wait_timeout_s"):
             self.require(getattr(self, key) > 0, key, "must be > 0")
         for key in ("eval_max_examples", "prefetch"):
             self.require(getattr(self, key) >= 0, key, "must be >= 0")
@@ -80,6 +83,7 @@ class LoopConfig(Section):
     # auto: bf16 autocast on GPU, fp32 on CPU; fp8: auto plus the FP8 conversion of [fp8] (docs/precision.md)
     precision: Literal["auto", "bf16", "fp32", "fp8"] = "auto"
     log_every: int = 20
+    untimed_steps: int = 0  # left out of the run's QPS, MFU and data waits (compilation): windows ending by then
     eval_every: int = 0  # 0 = only at the end
     local_mfu: bool = True  # measure per-layer local MFU (each layer alone) at the end
     local_mfu_repeats: int = 3
@@ -88,7 +92,7 @@ class LoopConfig(Section):
     def check(self) -> None:
         self.require(self.steps >= 0, "steps", "must be >= 0 (0 = derive from train.epochs)")
         self.require(self.steps > 0 or self.epochs > 0, "epochs", "must be > 0 when train.steps is 0")
-        for key in ("threads", "eval_every"):
+        for key in ("threads", "eval_every", "untimed_steps"):
             self.require(getattr(self, key) >= 0, key, "must be >= 0")
         for key in ("log_every", "local_mfu_repeats"):
             self.require(getattr(self, key) > 0, key, "must be > 0")

@@ -17,6 +17,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -269,6 +270,19 @@ class RemoteStream:
             raise ValueError(f"checkpoint data cursor is for a {state.get('kind')!r} stream, not {self.kind!r}")
         self.epoch = int(state["epoch"])
         self.cursor = bytes(state["cursor"])
+
+
+@dataclass
+class TrainingInput:
+    """One batch as the train loop takes it (`parallel.pipeline.training_inputs`)."""
+
+    batch: Batch  # on the host
+    host: ModelInput  # on the host: FLOP counts read its lengths without a device sync
+    device: ModelInput  # on the device
+    labels: torch.Tensor  # on the device
+    state: dict  # the stream's resume state right after this batch (what a checkpoint after it holds)
+    build_cpu_s: float = 0.0  # the data service's CPU seconds for this batch (0 when read in process)
+    in_flight: int = 0  # batches read ahead (pinned or copying) when this one was handed out
 
 
 class DeviceFeed:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from pathlib import Path
@@ -70,6 +71,7 @@ def remote_source(config: TrainConfig, addr: str, rank: int, world_size: int):
             rank,
             world_size,
             token=os.environ.get("GEMREC_AUTH_TOKEN"),
+            client_options={"stall_s": config.data.stall_s, "wait_timeout_s": config.data.wait_timeout_s},
         )
     except grpc.RpcError as err:
         raise CLIError(
@@ -103,14 +105,19 @@ def run_training(
     device: str = "auto",
     progress: bool = True,
     log_model: bool = True,
+    tracking: bool = True,
 ) -> dict:
-    """Train, evaluate and log; returns the summary (the --metrics-out content) on rank 0, {} elsewhere."""
+    """Train, evaluate and log; returns the summary (the --metrics-out content) on rank 0, {} elsewhere.
+    `tracking=False`: no MLflow (the GPU machine has none); the summary still goes to `metrics_out`."""
+    from gemrec.components.data_service.client import DataServiceTimeout
     from gemrec.components.data_service.errors import DataError
     from gemrec.components.trainer.trainer import RunOptions, Trainer, TrainingError
     from gemrec.model import FeatureSchema
 
     if dataset is not None and not Path(dataset).is_dir():
         raise CLIError(f"--dataset {dataset}: no such directory")
+    if tracking and importlib.util.find_spec("mlflow") is None:
+        raise CLIError("mlflow is not installed: install it, or train without MLflow (--no-tracking)")
     if device == "cuda":
         import torch
 
@@ -135,7 +142,8 @@ def run_training(
             metrics_out=metrics_out,
             resume=resume,
             progress=progress,
-            log_model=log_model,
+            log_model=log_model and tracking,
+            tracking=tracking,
         )
         try:
             trainer = Trainer(config, ctx, options, stream, eval_batches, schema, info)
@@ -145,6 +153,8 @@ def run_training(
             return trainer.run()
         except TrainingError as err:
             raise CLIError(str(err)) from err
+        except DataServiceTimeout as err:
+            raise CLIError(f"--data-addr {data_addr}: {err}") from err
         except Exception as err:
             if data_addr is not None and type(err).__module__.startswith("grpc"):
                 raise CLIError(f"--data-addr {data_addr}: the batch stream failed: {err}") from err

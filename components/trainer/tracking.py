@@ -185,6 +185,7 @@ class Tracker:
                 "final/mfu_e2e": mfu["e2e"],
                 "final/mfu_local": mfu["local"],
                 "final/scaling_ratio": mfu["scaling_ratio"],
+                **{f"final/data_{k}": v for k, v in summary["data"].items() if k != "source"},
                 **{f"final/ne_{n}": v for n, v in summary["ne"].items()},
                 **{f"final/auc_{n}": v for n, v in summary["auc"].items()},
             },
@@ -284,6 +285,8 @@ def run_summary(
     world_size: int,
     final_eval: dict,
     totals: dict[str, float],
+    data_waits: list[float],
+    data_source: str,
     peak: dict,
     local_mfu: float,
     layer_rows: list[dict],
@@ -294,9 +297,12 @@ def run_summary(
 ) -> dict:
     """The summary of a training run (the `--metrics-out` JSON, `metrics/summary.json` in MLflow).
 
-    `totals`: examples, tokens, model FLOPs and seconds of the timed training windows, summed over ranks;
+    `totals`: examples, tokens, model FLOPs and seconds of the timed training windows, summed over ranks, and their
+    steps, data wait (the slowest-fed rank's), batches read ahead and data-service CPU seconds; `data_waits`: this
+    rank's wait for data at each timed step; `data_source`: "remote" (the data service) or "dataset" (in process);
     `peak`: `mfu.Peak.as_dict()` of one device."""
-    seconds = totals["seconds"]
+    seconds, timed_steps = totals["seconds"], totals["steps"]
+    waits_ms = 1000 * np.asarray(data_waits, dtype=np.float64)
     tasks = final_eval["tasks"]
     e2e = totals["flops"] / seconds / (peak["flops"] * world_size) if seconds else float("nan")
     return {
@@ -323,6 +329,14 @@ def run_summary(
             "measured_peak_flops": peak["measured_flops"],
             "device": peak["device"],
             "layers": {r["name"]: r["mfu"] for r in layer_rows},
+        },
+        "data": {
+            "source": data_source,
+            "wait_ms_p50": float(np.percentile(waits_ms, 50)) if len(waits_ms) else float("nan"),
+            "wait_ms_p99": float(np.percentile(waits_ms, 99)) if len(waits_ms) else float("nan"),
+            "wait_share": totals["data_wait_s"] / seconds if seconds else float("nan"),
+            "batches_in_flight": totals["in_flight"] / timed_steps if timed_steps else float("nan"),
+            "service_cpu_ms_per_batch": 1000 * totals["build_cpu_s"] / timed_steps if timed_steps else float("nan"),
         },
         "train_loss": train_loss,
         "train_seconds": seconds,

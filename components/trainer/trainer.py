@@ -46,6 +46,7 @@ class RunOptions:
     resume: bool = False
     progress: bool = True
     log_model: bool = True
+    tracking: bool = True  # log to MLflow (rank 0); False: the summary goes to `metrics_out` only
 
 
 def total_steps_for(config: TrainConfig, batches_per_epoch: int) -> int:
@@ -68,6 +69,9 @@ class Window:
         self.examples = 0
         self.tokens = 0
         self.flops = 0.0
+        self.data_waits: list[float] = []  # seconds each step waited for its batch
+        self.in_flight = 0  # batches read ahead, summed over the window's steps
+        self.build_cpu_s = 0.0  # the data service's CPU seconds for the window's batches
         self.start = time.perf_counter()
 
     def exclude(self, seconds: float) -> None:
@@ -243,7 +247,7 @@ class Trainer:
             self.checkpoints.clear()
         self.peak = device_peak(self.device, self.training.bf16)
         self.tracker = Tracker(
-            ctx.is_main,
+            ctx.is_main and self.options.tracking,
             self.options.tracking_uri,
             self.options.experiment,
             run_name=f"{cfg.recipe}-{cfg.model.arch}",
@@ -291,11 +295,8 @@ class Trainer:
         )
 
     def train(self) -> tuple[dict[str, float], object]:
-        """Train from `self.step` to the last step; returns the totals over the timed windows (all ranks) and the
-        last device input (for the local MFU)."""
-        from gemrec.components.trainer.data import to_model_input
-        from gemrec.model import model_flops
-
+        """Train from `self.step` to the last step; returns the totals over the timed windows (all ranks; windows
+        ending by `train.untimed_steps` left out) and the last device input (for the local MFU)."""
         cfg, ctx, training, peak = self.config, self.ctx, self.training, self.peak
         log.info(
             "training %s (%s, %.2fM params) for %d steps from step %d on %s x%d; peak %.3g FLOP/s (%s)",
@@ -310,8 +311,9 @@ class Trainer:
             peak.source,
         )
         window = Window()
-        totals = {"examples": 0.0, "tokens": 0.0, "flops": 0.0, "seconds": 0.0}
-        last_input = None
+        totals = {"examples": 0.0, "tokens": 0.0, "flops": 0.0, "seconds": 0.0, "data_wait_s": 0.0}
+        totals.update({"steps": 0.0, "in_flight": 0.0, "build_cpu_s": 0.0})
+        self.data_waits: list[float] = []  # every timed step's wait for data (this rank)
         bar = tqdm(
             total=self.total_steps,
             initial=self.step,
@@ -321,14 +323,29 @@ class Trainer:
             mininterval=1.0,
             dynamic_ncols=True,
         )
-        # (batch, host input, device input, stream state after it); pipelined when the tables are sharded
-        batches = training_inputs(training.parallel, self.stream, self.device, to_model_input)
+        # read ahead, pinned and copied to the device on a side stream; pipelined when the tables are sharded
+        batches = training_inputs(training.parallel, self.stream, self.device, cfg.data.device_prefetch)
         training.train_model.train()
+        try:
+            last_input = self._train_steps(batches, window, totals, bar)
+        finally:
+            batches.close()  # stop reading ahead
+        bar.close()
+        return totals, last_input
+
+    def _train_steps(self, batches, window: Window, totals: dict[str, float], bar):
+        from gemrec.model import model_flops
+
+        cfg, training, last_input = self.config, self.training, None
         while self.step < self.total_steps:
-            batch, host_input, device_input, self.stream_state = next(batches)
-            labels = batch.labels.to(self.device, non_blocking=True)
+            waiting = time.perf_counter()
+            item = next(batches)
+            window.data_waits.append(time.perf_counter() - waiting)
+            window.in_flight += item.in_flight
+            window.build_cpu_s += item.build_cpu_s
+            batch, labels, device_input, self.stream_state = item.batch, item.labels, item.device, item.state
             # FLOPs from the host-side lengths: no device sync.
-            window.flops += total_flops(model_flops(training.model, host_input))
+            window.flops += total_flops(model_flops(training.model, item.host))
             with self.balance.step():  # per-rank compute time; every log_every-th step profiled
                 result = training.step(device_input, labels)
             self.step += 1
@@ -349,6 +366,8 @@ class Trainer:
             bar.update(1)
 
             last = self.step == self.total_steps
+            if last:
+                batches.close()  # stop reading ahead before evaluation
             if self.step % cfg.train.log_every == 0 or last:
                 self.check_finite(window)
                 self._log_window(window, totals, bar)
@@ -363,8 +382,7 @@ class Trainer:
                 self.check_finite(window)
                 self.tracker.log_eval(self.step, self.evaluate())
                 window.exclude(self.evaluator.seconds)
-        bar.close()
-        return totals, last_input
+        return last_input
 
     def _log_window(self, window: Window, totals: dict[str, float], bar) -> None:
         ctx = self.ctx
@@ -372,10 +390,17 @@ class Trainer:
         examples = ctx.all_reduce_sum(float(window.examples))
         tokens = ctx.all_reduce_sum(float(window.tokens))
         flops = ctx.all_reduce_sum(window.flops)
-        totals["examples"] += examples
-        totals["tokens"] += tokens
-        totals["flops"] += flops
-        totals["seconds"] += seconds
+        steps = len(window.data_waits)
+        waited = ctx.all_reduce_max(sum(window.data_waits))  # the slowest-fed rank holds the others at the step
+        build_cpu_s = ctx.all_reduce_sum(window.build_cpu_s) / ctx.world_size
+        if self.step > self.config.train.untimed_steps:
+            for key, value in (("examples", examples), ("tokens", tokens), ("flops", flops), ("seconds", seconds)):
+                totals[key] += value
+            totals["data_wait_s"] += waited
+            totals["steps"] += steps
+            totals["in_flight"] += window.in_flight
+            totals["build_cpu_s"] += build_cpu_s
+            self.data_waits += window.data_waits
         loss = float(torch.stack(window.losses).float().mean())
         logits = torch.cat(window.logits).cpu().numpy()
         labels = torch.cat(window.labels).float().cpu().numpy()
@@ -386,6 +411,11 @@ class Trainer:
             "tokens_per_s": tokens / seconds,
             "mfu": flops / seconds / (self.peak.flops * ctx.world_size),
             "lr": self.training.optimizers.dense.param_groups[0]["lr"],
+            "data_wait_ms_p50": 1000 * float(np.percentile(window.data_waits, 50)),
+            "data_wait_ms_p99": 1000 * float(np.percentile(window.data_waits, 99)),
+            "data_wait_share": waited / seconds,
+            "batches_in_flight": window.in_flight / steps,
+            "data_service_cpu_ms": 1000 * build_cpu_s / steps,
         }
         preds = qm.sigmoid(logits)
         for j, name in enumerate(self.task_names):
@@ -414,6 +444,7 @@ class Trainer:
                 self.device,
                 self.training.autocast,
                 cfg.train.local_mfu_repeats,
+                compile=cfg.train.compile,
             )
         exported = self.export_model() if self.options.log_model else None
         if not ctx.is_main or final_eval is None:
@@ -426,6 +457,8 @@ class Trainer:
             world_size=ctx.world_size,
             final_eval=final_eval,
             totals=totals,
+            data_waits=self.data_waits,
+            data_source=self.stream.kind,
             peak=peak.as_dict(),
             local_mfu=local,
             layer_rows=layer_rows,

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
+from gemrec.components.trainer.data import DeviceFeed, TrainingInput, to_model_input
 from gemrec.components.trainer.parallel import sharding
 from torch import nn
 
@@ -142,25 +143,42 @@ class SparseDistPipeline:
             torch.cuda.current_stream(self.device).wait_stream(self._copy_stream)
 
 
-def training_inputs(parallel: Parallelized | None, stream: Iterable, device: torch.device, to_model_input: Callable):
-    """Yield `(batch, host_input, device_input, stream_state)` for the train loop.
+def training_inputs(
+    parallel: Parallelized | None, stream: Iterable, device: torch.device, depth: int = 2
+) -> Iterator[TrainingInput]:
+    """The train loop's batches: read from `stream` (with its state after each) in a background thread, pinned and
+    copied to the device `depth` ahead by `DeviceFeed`, so the copies overlap the steps before them.
 
-    With sharded tables (`parallel` made them) the next batch's copy and embedding input all-to-all run during the
-    current step (`SparseDistPipeline`), so the stream is read one batch ahead: `stream_state` is the stream's resume
-    state right after *this* batch, what a checkpoint taken after training it must hold."""
+    With sharded tables (`parallel` made them) the next batch's embedding input all-to-all also runs during the
+    current step (`SparseDistPipeline`). Either way the stream is read ahead: `state` is the stream's resume state
+    right after *this* batch, what a checkpoint taken after training it must hold."""
 
     def with_state():
         for batch in stream:
-            yield batch, to_model_input(batch), stream.state()
+            info = getattr(stream, "last_info", None)
+            yield batch, (stream.state(), info.build_cpu_s if info is not None else 0.0)
 
-    def move(item):
-        batch, host, state = item
-        return batch, host, host.to(device, non_blocking=True), state
+    feed = DeviceFeed(with_state(), device, depth)
+
+    def inputs():
+        for host, on_device, (state, build_cpu_s) in feed:
+            yield TrainingInput(
+                host,
+                to_model_input(host),
+                to_model_input(on_device),
+                on_device.labels,
+                state,
+                build_cpu_s,
+                feed.in_flight,
+            )
 
     model = parallel.module if parallel is not None else None
     tables = sharding.sharded_embedding_modules(model) if model is not None and sharding.has_torchrec() else []
-    if not tables or not hasattr(model, "embeddings"):
-        yield from (move(item) for item in with_state())
-        return
-    pipeline = SparseDistPipeline(model, gem_lookup_call(model), device)
-    yield from pipeline(with_state(), move=move, lookup_input=lambda item: item[2])
+    try:
+        if not tables or not hasattr(model, "embeddings"):
+            yield from inputs()
+        else:  # the feed has copied: the pipeline starts each batch's input all-to-all one step ahead
+            pipeline = SparseDistPipeline(model, gem_lookup_call(model), device)
+            yield from pipeline(inputs(), move=lambda item: item, lookup_input=lambda item: item.device)
+    finally:
+        feed.close()

@@ -105,16 +105,17 @@ def test_fsdp_blocks_are_the_outermost_module_list_elements():
 def test_training_inputs_carry_the_stream_state_after_each_batch(movielens_dataset):
     """The train loop checkpoints this state, not the stream's own, which may be read ahead."""
     from gemrec.components.data_service.dataset import Dataset
-    from gemrec.components.trainer.data import DatasetStream, to_model_input
+    from gemrec.components.trainer.data import DatasetStream
     from gemrec.components.trainer.parallel.pipeline import training_inputs
 
     stream = DatasetStream(Dataset.open(movielens_dataset), batch_size=8, max_seq_len=16, seed=0, prefetch=0)
-    inputs = training_inputs(None, stream, torch.device("cpu"), to_model_input)
+    inputs = training_inputs(None, stream, torch.device("cpu"), depth=2)
     items = [next(inputs) for _ in range(3)]
-    assert [state["position"] for *_, state in items] == [1, 2, 3]
-    batch, host, device_input, _ = items[0]
-    assert batch.batch_size == host.batch_size == device_input.batch_size == 8
-    assert torch.equal(host.seq_item_ids, batch.seq_item_ids)
+    assert [item.state["position"] for item in items] == [1, 2, 3]
+    first = items[0]
+    assert first.batch.batch_size == first.host.batch_size == first.device.batch_size == 8
+    assert torch.equal(first.host.seq_item_ids, first.batch.seq_item_ids) and first.build_cpu_s == 0.0
+    inputs.close()
 
 
 def test_recipe_parallel_table_is_checked():

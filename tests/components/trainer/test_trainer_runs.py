@@ -5,8 +5,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +48,12 @@ def _train_cmd(dataset: Path, run_dir: Path, metrics: Path, *extra: str) -> list
         f"train.steps={STEPS}",
         *extra,
     ]
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +277,10 @@ def test_train_from_the_data_service(movielens_dataset, tmp_path, tracking_uri):
         )
         assert summary["steps"] == 6 and summary["eval_examples"] >= 256
         assert set(summary["ne"]) == {"like", "love"}
+        data = summary["data"]  # the data path's numbers: waits, read-ahead, the service's CPU per batch
+        assert data["source"] == "remote" and data["service_cpu_ms_per_batch"] > 0
+        assert 0 <= data["wait_ms_p50"] <= data["wait_ms_p99"] and 0 <= data["wait_share"] < 1
+        assert data["batches_in_flight"] >= 0
         # Resume from the step-3 checkpoint: the stream continues from the saved cursor.
         manager = CheckpointManager(tmp_path / "run" / "checkpoints", keep=2)
         assert manager.latest().name == "step_00000006"
@@ -300,3 +312,49 @@ def test_train_from_the_data_service(movielens_dataset, tmp_path, tracking_uri):
             resume=False,
             progress=False,
         )
+
+
+def test_trainer_without_mlflow_fails_clearly_when_the_data_service_stops(movielens_dataset, tmp_path):
+    """`gemrec serve data` as a process, SIGSTOPped once training has checkpointed: the trainer logs its reconnects
+    while it waits, then stops with a clear error after data.wait_timeout_s (no silent hang). No MLflow
+    (--no-tracking)."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [GEMREC, "serve", "data", "--dataset", str(movielens_dataset), "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    from gemrec.components.common.grpc_channel import open_channel, wait_healthy
+
+    with open_channel(f"127.0.0.1:{port}") as channel:
+        wait_healthy(channel, timeout_s=90)
+    run_dir = tmp_path / "run"
+    manager = CheckpointManager(run_dir / "checkpoints", keep=2)
+
+    def stop_after_first_checkpoint():
+        while manager.latest() is None and server.poll() is None:
+            time.sleep(0.05)
+        server.send_signal(signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_after_first_checkpoint)
+    stopper.start()
+    try:
+        cmd = [GEMREC, "train", "--data-addr", f"127.0.0.1:{port}", "--recipe", "tiny", "--run-dir", str(run_dir)]
+        settings = ["train.steps=100000", "checkpoint.every=2", "data.wait_timeout_s=4", "data.stall_s=1"]
+        result = subprocess.run(
+            [*cmd, "--no-tracking", "--no-progress", *[x for s in settings for x in ("--set", s)]],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    finally:
+        stopper.join()
+        server.send_signal(signal.SIGCONT)
+        server.kill()
+        server.wait(timeout=30)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert f"data stream from 127.0.0.1:{port}: no batch for 1 s; reconnect" in result.stderr  # visible meanwhile
+    assert re.search(
+        rf"error: --data-addr 127.0.0.1:{port}: no batch from the data service .* for [45] s", result.stderr
+    )
