@@ -4,6 +4,11 @@ Layout: `DIR/step_00000040/` (DCP shards + `meta.json`) and `DIR/latest` (the na
 complete checkpoint). Every rank writes into `DIR/.step_N.tmp/`; rank 0 then writes `meta.json`,
 renames the folder into place and swaps `latest` with `os.replace`, so a crash at any moment leaves
 the previous checkpoint complete and pointed to.
+
+`DIR/healthy` names the newest checkpoint whose next training step was healthy (finite loss): a
+checkpoint written right after a diverging update holds finite but exploded weights, and only the next
+step shows it. When training stops on a non-finite loss, `DIR/diverged.json` records it and `--resume`
+starts from the healthy checkpoint instead of the newest; pruning never removes the healthy one.
 """
 
 from __future__ import annotations
@@ -22,6 +27,12 @@ import torch.distributed.checkpoint as dcp
 log = logging.getLogger(__name__)
 
 LATEST = "latest"
+HEALTHY = "healthy"
+DIVERGED = "diverged.json"
+
+
+class CheckpointError(RuntimeError):
+    """The checkpoint directory cannot be used."""
 
 
 def _fsync_dir(path: Path) -> None:
@@ -65,13 +76,53 @@ class CheckpointManager:
     def step_dir(self, step: int) -> Path:
         return self.dir / f"step_{step:08d}"
 
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        pointer = self.dir / LATEST
+    def check_writable(self) -> None:
+        """On every rank at start: the directory can be created and written (not found out at the first save)."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            probe = self.dir / f".probe-rank{self.rank}-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            raise CheckpointError(
+                f"checkpoint directory {self.dir} is not writable ({err.strerror or err}): pass another --run-dir "
+                "or set checkpoint.every=0"
+            ) from None
+
+    def _pointed(self, name: str) -> Path | None:
+        pointer = self.dir / name
         if pointer.exists():
             path = self.dir / pointer.read_text().strip()
             if (path / "meta.json").exists():
                 return path
+        return None
+
+    def healthy(self) -> Path | None:
+        """The newest checkpoint whose next step had a finite loss, or None."""
+        return self._pointed(HEALTHY)
+
+    def mark_healthy(self, path: Path) -> None:
+        if self.rank == 0:
+            _write_atomic(self.dir / HEALTHY, path.name)
+            (self.dir / DIVERGED).unlink(missing_ok=True)
+
+    def mark_diverged(self, step: int, why: str) -> None:
+        if self.rank == 0 and self.dir.is_dir():
+            _write_atomic(self.dir / DIVERGED, json.dumps({"step": step, "why": why}))
+
+    def diverged(self) -> dict | None:
+        path = self.dir / DIVERGED
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def resume_point(self) -> Path | None:
+        """Where `--resume` starts: the newest checkpoint, or after a divergence the last healthy one."""
+        return self.healthy() if self.diverged() else self.latest()
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint, or None."""
+        path = self._pointed(LATEST)
+        if path is not None:
+            return path
         complete = sorted(p for p in self.dir.glob("step_*") if (p / "meta.json").exists())
         return complete[-1] if complete else None
 
@@ -109,8 +160,10 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         complete = sorted(p for p in self.dir.glob("step_*") if (p / "meta.json").exists())
+        healthy = self.healthy()
         for old in complete[: -self.keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            if old != healthy:
+                shutil.rmtree(old, ignore_errors=True)
 
     def load(self, state: dict, path: Path | None = None) -> dict:
         """Load in place into `state` (a template with the right keys and shapes); returns meta.json."""

@@ -120,10 +120,14 @@ class CheckpointConfig(Section):
 
     every: int = 200  # steps between checkpoints; 0 = none
     keep: int = 2  # newest checkpoints kept
+    # Training stops instead of writing a checkpoint whose parameter norm grew more than this factor since the
+    # previous checkpoint (or the start): a diverging update leaves finite but exploded weights.
+    max_param_growth: float = 100.0
 
     def check(self) -> None:
         self.require(self.every >= 0, "every", "must be >= 0 (0 = no checkpoints)")
         self.require(self.keep >= 1, "keep", "must be >= 1")
+        self.require(self.max_param_growth > 1, "max_param_growth", "must be > 1")
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,11 @@
 """The training loop: data -> `Training.step` (the one train step) -> windows of metrics, with evaluation
 (`evaluate.py`), atomic DCP checkpoints (`checkpoint.py`), a NaN/Inf guard, MFU accounting and reporting to MLflow
-(`tracking.py`, rank 0 only)."""
+(`tracking.py`, rank 0 only).
+
+The guard: losses are checked at every log point, checkpoint and evaluation; parameters (finite, norm not grown
+past `checkpoint.max_param_growth` since the previous checkpoint) before a checkpoint is written; and the step
+right after a checkpoint marks it healthy when its loss is finite. A stop on a non-finite loss names the last
+healthy checkpoint, which `--resume` then starts from."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gemrec.components.trainer import metrics as qm
-from gemrec.components.trainer.checkpoint import CheckpointManager
+from gemrec.components.trainer.checkpoint import CheckpointError, CheckpointManager
 from gemrec.components.trainer.config import TrainConfig
 from gemrec.components.trainer.distributed import DistContext
 from gemrec.components.trainer.evaluate import Evaluator
@@ -79,6 +84,22 @@ class Window:
         self.start += seconds
 
 
+def parameter_norm(model: torch.nn.Module, ctx: DistContext) -> float:
+    """L2 norm over every parameter of every rank (local shards of sharded ones; replicas count once per rank,
+    the same at every checkpoint, so ratios of it are exact); inf or nan when any value is."""
+    total = 0.0
+    for p in model.parameters():
+        local = p.detach()
+        local = local.to_local() if hasattr(local, "to_local") else local
+        total += float(torch.linalg.vector_norm(local, dtype=torch.float64)) ** 2 if local.numel() else 0.0
+    return math.sqrt(ctx.all_reduce_sum(total))
+
+
+def _losses(evaluation: dict) -> list[float]:
+    """The eval log loss of every task."""
+    return [v["log_loss"] for v in evaluation.values() if isinstance(v, dict) and "log_loss" in v]
+
+
 def first_nonfinite(losses: list[torch.Tensor], first_step: int) -> tuple[int, float] | None:
     if not losses:
         return None
@@ -136,6 +157,8 @@ class Trainer:
         self.seen_examples = 0
         self.seen_lengths: list[np.ndarray] = []
         self.last_checkpoint: Path | None = None
+        self.unconfirmed: Path | None = None  # a checkpoint whose next step has not run yet
+        self.param_norm: float | None = None  # at the last checkpoint (or the start): the growth reference
         self.resumed_run_id: str | None = None
         self.tracker = Tracker(False, options.tracking_uri, options.experiment, run_name="")  # replaced by `run`
         self.num_params = sum(p.numel() for p in self.training.model.parameters())
@@ -155,7 +178,15 @@ class Trainer:
         }
 
     def load_latest(self) -> bool:
-        path = self.checkpoints.latest()
+        path = self.checkpoints.resume_point()
+        diverged = self.checkpoints.diverged()
+        if diverged:
+            log.warning(
+                "--resume: the last run stopped at step %s (%s); resuming from the last healthy checkpoint %s",
+                diverged["step"],
+                diverged["why"],
+                path,
+            )
         if path is None:
             log.info("--resume: no checkpoint in %s, starting from step 0", self.checkpoints.dir)
             return False
@@ -176,17 +207,51 @@ class Trainer:
             torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.step = int(template["progress"]["step"])
         self.last_checkpoint = path
+        self.param_norm = meta.get("param_norm")
         self.resumed_run_id = meta.get("mlflow_run_id")
         log.info("resumed from %s at step %d", path, self.step)
         return True
 
     def save_checkpoint(self) -> None:
+        """Write a checkpoint unless the parameters are non-finite or exploded (then stop, naming the step)."""
+        norm = parameter_norm(self.training.model, self.ctx)
+        if not math.isfinite(norm):
+            self.diverged(f"parameters are non-finite after step {self.step}")
+        growth = norm / self.param_norm if self.param_norm else 1.0
+        if growth > self.config.checkpoint.max_param_growth:
+            self.diverged(
+                f"the parameter norm grew {growth:.3g}x (from {self.param_norm:.4g} to {norm:.4g}) by step "
+                f"{self.step}, past checkpoint.max_param_growth = {self.config.checkpoint.max_param_growth:g}"
+            )
         meta = {
             "dataset_checksum": self.dataset_info.get("checksum"),
             "recipe": self.config.recipe,
             "mlflow_run_id": self.tracker.run_id,
+            "param_norm": norm,
         }
         self.last_checkpoint = self.checkpoints.save(self.step, self.state(), meta)
+        self.unconfirmed, self.param_norm = self.last_checkpoint, norm
+
+    def confirm_checkpoint(self, loss: torch.Tensor) -> None:
+        """The step after a checkpoint: a finite loss (on every rank) marks it healthy."""
+        if self.unconfirmed is None:
+            return
+        bad = self.ctx.all_reduce_sum(0.0 if bool(torch.isfinite(loss)) else 1.0)
+        if bad:
+            self.diverged(f"loss is {float(loss)} at step {self.step}, the step after checkpoint {self.unconfirmed}")
+        self.checkpoints.mark_healthy(self.unconfirmed)
+        self.unconfirmed = None
+
+    def diverged(self, why: str):
+        """Stop: record the divergence (`--resume` then starts from the last healthy checkpoint) and raise."""
+        self.checkpoints.mark_diverged(self.step, why)
+        healthy = self.checkpoints.healthy()
+        where = (
+            f"the last healthy checkpoint is {healthy} (--resume starts from it)"
+            if healthy
+            else "no healthy checkpoint was written before it"
+        )
+        raise TrainingError(f"{why}: training stopped; {where}")
 
     def check_finite(self, window: Window) -> None:
         if window.first_step is None:
@@ -195,12 +260,7 @@ class Trainer:
         if bad is None:
             return
         step, value = bad
-        where = (
-            f"the last good checkpoint is {self.last_checkpoint} (resume from it with --resume)"
-            if self.last_checkpoint
-            else "no checkpoint was written before it"
-        )
-        raise TrainingError(f"loss is {value} at step {step}: training stopped; {where}")
+        self.diverged(f"loss is {value} at step {step}")
 
     # -- evaluation and export -------------------------------------------------------------------------
 
@@ -241,10 +301,17 @@ class Trainer:
 
     def run(self) -> dict:
         cfg, ctx = self.config, self.ctx
+        if cfg.checkpoint.every:
+            try:
+                self.checkpoints.check_writable()
+            except CheckpointError as err:
+                raise TrainingError(str(err)) from None
         if self.options.resume:
             self.load_latest()
         else:
             self.checkpoints.clear()
+        if self.param_norm is None:
+            self.param_norm = parameter_norm(self.training.model, ctx)
         self.peak = device_peak(self.device, self.training.bf16)
         self.tracker = Tracker(
             ctx.is_main and self.options.tracking,
@@ -261,6 +328,8 @@ class Trainer:
             totals, last_input = self.train()
             final_eval = self.evaluate()
             self.tracker.log_eval(self.step, final_eval)
+            if self.unconfirmed is not None and final_eval and all(map(math.isfinite, _losses(final_eval))):
+                self.checkpoints.mark_healthy(self.unconfirmed)  # the last one: no next step, the eval vouches
             result = self._finish(final_eval, totals, last_input)
         except BaseException:
             self.tracker.finish("FAILED")
@@ -349,6 +418,7 @@ class Trainer:
             with self.balance.step():  # per-rank compute time; every log_every-th step profiled
                 result = training.step(device_input, labels)
             self.step += 1
+            self.confirm_checkpoint(result.loss)
             if training.parallel is not None:
                 training.parallel.after_step(self.step)
             if window.first_step is None:

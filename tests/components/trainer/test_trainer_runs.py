@@ -190,7 +190,7 @@ def test_sigkill_then_resume_matches_uninterrupted_run(movielens_dataset, tmp_pa
     match = re.search(r"loss is (nan|inf|-inf) at step (\d+)", nan.stderr)
     assert match, nan.stderr[-3000:]
     assert STEPS < int(match.group(2)) <= STEPS + 5
-    assert f"last good checkpoint is {good}" in nan.stderr
+    assert f"last healthy checkpoint is {good}" in nan.stderr
     assert CheckpointManager(full_dir, keep=2).latest() == good
     assert {p.name: p.read_bytes() for p in good.iterdir()} == before
     assert not (tmp_path / "nan.json").exists()
