@@ -156,6 +156,7 @@ class BenchConfig(Section):
 
 
 RetrievalLoss = Literal["softmax", "sampled", "bce"]
+RankerLoss = Literal["bce", "softmax"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,7 @@ class SeqRecConfig(Section):
     batch_size: int = 256  # user sequences (retrieval arms) or positive examples (ranker) per step
     max_seq_len: int = 50  # most recent history items the models see
     ranker_negatives: int = 4  # sampled negatives per positive for the pointwise GEM ranker (sampled99)
+    ranker_loss: RankerLoss = "bce"  # bce (each candidate alone) | softmax (each positive against its negatives)
     gem_loss: RetrievalLoss = "softmax"  # GEM retrieval head (full)
     sasrec_loss: RetrievalLoss = "bce"  # SASRec baseline (its paper: bce, one negative per position)
     sampled_negatives: int = 512  # negatives shared by a batch for the "sampled" loss

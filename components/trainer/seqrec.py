@@ -3,7 +3,8 @@
 Protocols (definitions in `ranking.py`):
 - `sampled99`: the target among 99 sampled unseen items. Arm `gem` is the pointwise GEM ranker (the model's
   CTR forward: user, candidate item and its attributes, the history with target-aware tokens), trained on the
-  observed next items as positives and `seqrec.ranker_negatives` sampled negatives each (binary cross-entropy).
+  observed next items as positives and `seqrec.ranker_negatives` sampled negatives each (`seqrec.ranker_loss`:
+  binary cross-entropy per candidate, or the softmax cross-entropy of each positive against its negatives).
 - `full`: the target among all items, history items removed. Arm `gem` is GEM's retrieval head: the causal
   sequence tower's output at the last history token, dot product with the item vectors
   (`GEMModel.sequence_vectors` / `item_vectors`), trained on next-item prediction at every position with
@@ -28,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gemrec.components.trainer.config import TrainConfig
 from gemrec.components.trainer.ranking import KS, SAMPLED_NEGATIVES, ranking_metrics, sample_unseen, target_ranks
 from gemrec.components.trainer.seqrec_data import Jagged, SeqRecData, Targets
@@ -159,7 +161,12 @@ class RankerArm:
         from gemrec.model import loss
 
         inp, labels = batch
-        return loss(self.model(inp.to(self.device)), labels.to(self.device))
+        out = self.model(inp.to(self.device))
+        if self.config.ranker_loss == "bce":
+            return loss(out, labels.to(self.device))
+        # softmax: each positive (column 0) against its own negatives, on the same pointwise scores.
+        groups = out.logits[:, 0].float().view(-1, self.config.ranker_negatives + 1)
+        return F.cross_entropy(groups, torch.zeros(len(groups), dtype=torch.long, device=groups.device)) + out.aux_loss
 
     @torch.no_grad()
     def scores(self, targets: Targets, candidates: np.ndarray | None) -> torch.Tensor:

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# `gemrec bench seqrec` on one GPU (device kind nvidia-h200): both protocols on Amazon Beauty and Sports, the
+# numbers of docs/benchmarks.md "Sequential recommendation", plus their wall times.
+#
+#   bash infra/bench/seqrec_gpu.sh RAW OUT [RECIPE] [PARTS]
+# RAW: a folder with S3-Rec's Beauty.txt, Beauty_item2attributes.json, Sports_and_Outdoors.txt and
+# Sports_and_Outdoors_item2attributes.json (not in the repository: carry it). RECIPE default s3rec.
+# PARTS default beauty-full,beauty-sampled99,sports-full,sports-sampled99 (each one run of both arms).
+# No MLflow on the device (--no-tracking): the results are the JSON files and logs in OUT.
+set -u
+raw=${1:?usage: seqrec_gpu.sh RAW OUT [RECIPE] [PARTS]}
+out=${2:?usage: seqrec_gpu.sh RAW OUT [RECIPE] [PARTS]}
+recipe=${3:-s3rec}
+parts=${4:-beauty-full,beauty-sampled99,sports-full,sports-sampled99}
+root=$(cd "$(dirname "$0")/../.." && pwd)
+mkdir -p "$out" /tmp/gemrec-seqrec-path
+ln -sfn "$root" /tmp/gemrec-seqrec-path/gemrec
+export PYTHONPATH=/tmp/gemrec-seqrec-path PYTHONUNBUFFERED=1
+if [[ -f $root/COMMIT ]]; then export GEMREC_GIT_COMMIT=$(cat "$root/COMMIT"); fi
+nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
+declare -A names=([beauty]=Beauty [sports]=Sports_and_Outdoors)
+for part in ${parts//,/ }; do
+  data=${part%%-*}
+  protocol=${part#*-}
+  if [[ ! -d $out/data/$data ]]; then
+    python3 -m gemrec data prepare s3rec --raw "$raw" --name "${names[$data]}" --out "$out/data/$data" \
+      > "$out/prepare-$data.log" 2>&1
+  fi
+  start=$(date +%s)
+  python3 -m gemrec bench seqrec --dataset "$out/data/$data" --protocol "$protocol" --recipe "$recipe" \
+    --device cuda --no-tracking --metrics-out "$out/$part.json" > "$out/$part.log" 2>&1
+  echo "$part: exit $? in $(( $(date +%s) - start )) s" | tee -a "$out/status.txt"
+done
+rm -rf "$out/data"
