@@ -27,7 +27,7 @@ from .grpc_channel import TOKEN_ENV
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 WATCH_METHOD = f"/{HEALTH_SERVICE}/Watch"
-RESERVED_WORKERS = 4  # workers that streams never take: unary calls and health checks stay served
+RESERVED_WORKERS = 4  # workers streams never take (half of them on smaller pools): unary calls stay served
 MB = 1024 * 1024
 log = logging.getLogger("gemrec.serve")
 
@@ -68,7 +68,7 @@ class ServerOptions:
     max_message_mb: int = 256  # largest response
     max_request_mb: int = 4  # largest request; requests are ids and cursors, far smaller
     max_workers: int = 16
-    max_streams: int | None = None  # open server streams at once (default: max_workers - RESERVED_WORKERS)
+    max_streams: int | None = None  # open server streams at once (default: all workers but the reserved ones)
     max_streams_per_peer: int = 16  # open streams, and open health Watch streams, per client host
     max_watches: int = 256  # open health Watch streams (they hold no worker)
     stream_idle_s: float = 300.0  # cancel a stream whose client has not taken a message for this long
@@ -79,7 +79,7 @@ class ServerOptions:
 
     def __post_init__(self):
         if self.max_streams is None:
-            self.max_streams = max(1, self.max_workers - RESERVED_WORKERS)
+            self.max_streams = max(1, self.max_workers - min(RESERVED_WORKERS, self.max_workers // 2))
         if not 0 < self.max_streams < self.max_workers:
             raise ValueError(
                 f"max_streams must be in [1, max_workers={self.max_workers}) so that unary calls and health "
@@ -113,7 +113,8 @@ def add_server_args(parser, default_port: int, default_workers: int = 16) -> Non
         "--max-streams",
         type=int,
         default=None,
-        help=f"open server streams at once (default: max-workers - {RESERVED_WORKERS}, the rest serve unary calls)",
+        help=f"open server streams at once (default: max-workers - {RESERVED_WORKERS}, or half of them below "
+        f"{2 * RESERVED_WORKERS}; the rest serve unary calls and health)",
     )
     parser.add_argument("--max-streams-per-peer", type=int, default=16, help="open streams per client host")
     parser.add_argument(
