@@ -28,6 +28,7 @@ from triton.compiler import make_backend
 from triton.experimental.gluon._runtime import GluonASTSource
 
 HOPPER = triton.backends.compiler.GPUTarget("cuda", 90, 32)
+HOPPER_SHARED_MEMORY = 232448  # bytes one program may use on an H100/H200
 
 
 @dataclass
@@ -44,8 +45,9 @@ class Launch:
 
     def candidates(self) -> list[dict]:
         tma = self.tma and self.options.tma
-        return kernels._candidates(self.kind, self.consts["HEAD_DIM"], tma) + kernels.gluon_candidates(
-            self.kind, self.consts, self.args[0].dtype, tma, self.options
+        dtype = self.args[0].dtype
+        return kernels._candidates(self.kind, self.consts, dtype, tma, HOPPER_SHARED_MEMORY) + kernels.gluon_candidates(
+            self.kind, self.consts, dtype, tma, self.options
         )
 
 

@@ -10,7 +10,7 @@ share. (A third, producer-only partition would make 384 threads, capping every t
 serializes the wgmma k-steps.)
 
 It takes the Triton forward's arguments (`triton_attention._fwd_kernel`) and is one more candidate of its autotuner,
-for what it covers (`covers`): no score biases, head dim 64 or 128, 16-bit inputs.
+for what it covers (`covers`): no score biases, no window or block mask, no RoPE, head dim 64 or 128, 16-bit inputs.
 """
 
 from triton.experimental import gluon
@@ -30,6 +30,7 @@ CONSUMER_REGS = gl.constexpr(240)
 def covers(consts: dict, dtype) -> bool:
     return (
         not (consts["HAS_AB"] or consts["HAS_POS"] or consts["HAS_TIME"])
+        and not (consts["WINDOW"] or consts["MASK_BLOCK"] or consts["ROPE"])
         and consts["HEAD_DIM"] in (64, 128)
         and consts["FAST"]
         and dtype.itemsize == 2
@@ -361,6 +362,7 @@ def fwd_kernel(
     TT,
     QTS,
     KTS,
+    RF,
     q_off,
     kv_off,
     stride_qt,
@@ -398,8 +400,12 @@ def fwd_kernel(
     BLOCK_M: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
+    WINDOW: gl.constexpr,
+    MASK_BLOCK: gl.constexpr,
+    ROPE: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 2 * CONSUMER_ROWS)
+    gl.static_assert(WINDOW == 0 and MASK_BLOCK == 0 and not ROPE, "no window, block mask or RoPE here (`covers`)")
     pid_m = gl.program_id(0)
     if CAUSAL:  # longest programs first
         pid_m = gl.num_programs(0) - 1 - pid_m

@@ -126,6 +126,188 @@ def _time_bucket(dt, NUM_TIME: tl.constexpr, time_log_inv):
     return tl.minimum(b, NUM_TIME - 1)
 
 
+UNBOUNDED = tl.constexpr(1 << 30)  # an end of a key or query range that no mask sets
+
+
+@triton.jit
+def _key_range(pos, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK_BLOCK: tl.constexpr):
+    """Keys [lo, hi) that a query at position `pos` (a scalar or a tensor) sees, before clipping to the sequence:
+    causal j <= pos; WINDOW: pos - W < j (and j < pos + W when not causal); MASK_BLOCK: the same block of keys."""
+    lo = pos * 0
+    hi = pos * 0 + UNBOUNDED
+    if CAUSAL:
+        hi = pos + 1
+    if WINDOW > 0:
+        lo = pos - (WINDOW - 1)
+        if not CAUSAL:
+            hi = pos + WINDOW
+    if MASK_BLOCK > 0:
+        start = tl.where(pos >= 0, pos // MASK_BLOCK * MASK_BLOCK, pos - MASK_BLOCK)  # negative: a block of no key
+        lo = tl.maximum(lo, start)
+        hi = tl.minimum(hi, start + MASK_BLOCK)
+    return lo, hi
+
+
+@triton.jit
+def _query_range(key, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK_BLOCK: tl.constexpr):
+    """Query positions [lo, hi) that see key `key` (>= 0): the inverse of `_key_range`."""
+    lo = key * 0 - UNBOUNDED
+    hi = key * 0 + UNBOUNDED
+    if CAUSAL:
+        lo = key
+    if WINDOW > 0:
+        hi = key + WINDOW
+        if not CAUSAL:
+            lo = key - (WINDOW - 1)
+    if MASK_BLOCK > 0:
+        start = key // MASK_BLOCK * MASK_BLOCK
+        lo = tl.maximum(lo, start)
+        hi = tl.minimum(hi, start + MASK_BLOCK)
+    return lo, hi
+
+
+@triton.jit
+def _key_tiles(
+    pos_first,
+    pos_last,
+    kv_len,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """The key tiles a block of queries at positions [pos_first, pos_last] loops over: [n_start, n_mid) masked (keys
+    only its later rows see; with a window or block mask), [n_mid, n_full) unmasked (every row sees every key),
+    [n_full, n_end) masked (the causal diagonal, the mask's far edge, the sequence's ragged end)."""
+    lo_first, hi_first = _key_range(pos_first, CAUSAL, WINDOW, MASK_BLOCK)
+    lo_last, hi_last = _key_range(pos_last, CAUSAL, WINDOW, MASK_BLOCK)
+    n_end = tl.minimum(kv_len, hi_last)
+    n_full = tl.maximum(tl.minimum(kv_len, hi_first), 0) // BLOCK_N * BLOCK_N
+    n_start = 0
+    n_mid = 0
+    if WINDOW > 0 or MASK_BLOCK > 0:
+        n_start = tl.maximum(lo_first, 0) // BLOCK_N * BLOCK_N
+        n_stop = tl.maximum(tl.cdiv(n_end, BLOCK_N) * BLOCK_N, n_start)
+        n_mid = tl.minimum(tl.maximum(tl.cdiv(tl.maximum(lo_last, 0), BLOCK_N) * BLOCK_N, n_start), n_stop)
+        n_full = tl.maximum(n_full, n_mid)
+    return n_start, n_mid, n_full, n_end
+
+
+@triton.jit
+def _query_tiles(
+    key_first,
+    key_last,
+    shift,
+    q_len,
+    ragged,
+    CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    """The query row tiles a block of keys [key_first, key_last] loops over: [m_start, m_full) masked (rows that see
+    only its later keys), [m_full, m_tail) unmasked (every row sees every key; none when the key block is `ragged`),
+    [m_tail, m_end) masked (the mask's far edge, the ragged last query tile)."""
+    lo_first, hi_first = _query_range(key_first, CAUSAL, WINDOW, MASK_BLOCK)
+    lo_last, hi_last = _query_range(key_last, CAUSAL, WINDOW, MASK_BLOCK)
+    m_start = 0
+    m_full = 0
+    if CAUSAL or WINDOW > 0 or MASK_BLOCK > 0:
+        m_start = tl.maximum(lo_first - shift, 0) // BLOCK_M * BLOCK_M
+        m_full = tl.minimum(tl.cdiv(tl.maximum(lo_last - shift, 0), BLOCK_M) * BLOCK_M, q_len)
+    m_end = q_len
+    m_tail = tl.maximum(q_len // BLOCK_M * BLOCK_M, m_full)
+    if WINDOW > 0 or MASK_BLOCK > 0:
+        m_end = tl.maximum(tl.minimum(hi_last - shift, q_len), 0)
+        m_full = tl.maximum(tl.minimum(m_full, tl.cdiv(m_end, BLOCK_M) * BLOCK_M), m_start)
+        m_tail = tl.maximum(tl.maximum(tl.minimum(hi_first - shift, q_len), 0) // BLOCK_M * BLOCK_M, m_full)
+    if ragged:
+        m_tail = m_full
+    return m_start, m_full, m_tail, m_end
+
+
+@triton.jit
+def _visible(pos, cols, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK_BLOCK: tl.constexpr):
+    """Which keys `cols` the queries at positions `pos` see (broadcast); callers check cols < kv_len."""
+    if WINDOW == 0 and MASK_BLOCK == 0:
+        ok = cols <= pos
+    else:
+        lo, hi = _key_range(pos, CAUSAL, WINDOW, MASK_BLOCK)
+        ok = (cols >= lo) & (cols < hi)
+    return ok
+
+
+@triton.jit
+def _rope_cos_sin(pos, RF, BLOCK_D: tl.constexpr, FAST: tl.constexpr):
+    """cos and sin, (rows, BLOCK_D // 2) fp32, of the rotary angles pos * theta^(-2m/D). RF holds each frequency in
+    turns per position as hi + lo with hi of 8 significant bits, so pos * hi is exact (|pos| < 2^16) and the angle is
+    reduced to within half a turn before any rounding: accurate at every position, not only small ones."""
+    offs = tl.arange(0, BLOCK_D // 2)
+    hi = tl.load(RF + offs)
+    lo = tl.load(RF + BLOCK_D // 2 + offs)
+    p = pos.to(tl.float32)[:, None]
+    t = p * hi[None, :]
+    t = t - tl.floor(t + 0.5)
+    a = (t + p * lo[None, :]) * 6.283185307179586
+    if FAST:
+        c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1)
+        s = tl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        c = tl.cos(a)
+        s = tl.sin(a)
+    return c, s
+
+
+@triton.jit
+def _rope_load(
+    X, rows, stride_t, stride_h, h, pos, row_ok, RF, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr
+):
+    """A (rows, head_dim) tile of head h rotated by its positions (rotate-half RoPE, in fp32, rounded to X's dtype),
+    its halves interleaved: column 2m holds rotated column m, column 2m + 1 rotated column m + D/2. q and k get the
+    same order, so q.k is that of the rotated vectors; gradients come back through `_rope_grad`."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    offs = tl.arange(0, BLOCK_D // 2)
+    ptrs = X + rows[:, None] * stride_t + h * stride_h + offs[None, :]
+    mask = row_ok[:, None] & (offs < HALF)[None, :]
+    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+    c, s = _rope_cos_sin(pos, RF, BLOCK_D, FAST)
+    r = tl.join(x1 * c - x2 * s, x1 * s + x2 * c)
+    return tl.reshape(r, (rows.shape[0], BLOCK_D)).to(X.dtype.element_ty)
+
+
+@triton.jit
+def _rope_store(
+    X,
+    rows,
+    stride_t,
+    stride_h,
+    h,
+    g,
+    pos,
+    row_ok,
+    RF,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FAST: tl.constexpr,
+    ATOMIC: tl.constexpr,
+):
+    """Stores (or with ATOMIC adds, fp32) the gradient w.r.t. the unrotated rows from `g`, the fp32 gradient w.r.t.
+    a rotated, interleaved tile of `_rope_load`: the RoPE backward, in registers."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    g1, g2 = tl.split(tl.reshape(g, (rows.shape[0], BLOCK_D // 2, 2)))
+    c, s = _rope_cos_sin(pos, RF, BLOCK_D, FAST)
+    offs = tl.arange(0, BLOCK_D // 2)
+    ptrs = X + rows[:, None] * stride_t + h * stride_h + offs[None, :]
+    mask = row_ok[:, None] & (offs < HALF)[None, :]
+    if ATOMIC:
+        tl.atomic_add(ptrs, g1 * c + g2 * s, mask=mask, sem="relaxed")
+        tl.atomic_add(ptrs + HALF, g2 * c - g1 * s, mask=mask, sem="relaxed")
+    else:
+        tl.store(ptrs, (g1 * c + g2 * s).to(X.dtype.element_ty), mask=mask)
+        tl.store(ptrs + HALF, (g2 * c - g1 * s).to(X.dtype.element_ty), mask=mask)
+
+
 @triton.jit
 def _bias(
     rows,
@@ -257,10 +439,18 @@ def _load_kv(
     MASKED: tl.constexpr,
     EVEN_D: tl.constexpr,
     TMA: tl.constexpr,
+    RF,
+    HEAD_DIM: tl.constexpr,
+    FAST: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """The K and V tiles of key rows `cols` (from n0); with TMA, K and V are this sequence's descriptors and
-    rows past its length read as zeros."""
-    if TMA:
+    rows past its length read as zeros; with ROPE, K rotated by the key positions (`_rope_load`)."""
+    if ROPE:
+        tl.static_assert(not TMA, "RoPE loads go through pointers")
+        k = _rope_load(K, kv_start + cols, stride_kt, stride_kh, h, cols, col_ok, RF, HEAD_DIM, offs_d.shape[0], FAST)
+        v = _load_tile(V, kv_start + cols, stride_vt, stride_vh, h, offs_d, col_ok[:, None] & d_ok[None, :], True)
+    elif TMA:
         k = K.load([n0, 0])
         v = V.load([n0, 0])
     else:
@@ -330,6 +520,11 @@ def _fwd_tile(
     FAST: tl.constexpr,
     SCALE_POS: tl.constexpr,
     TMA: tl.constexpr,
+    RF,
+    HEAD_DIM: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     cols = n0 + offs_n
     col_ok = cols < kv_len
@@ -350,6 +545,10 @@ def _fwd_tile(
         MASKED,
         EVEN_D,
         TMA,
+        RF,
+        HEAD_DIM,
+        FAST,
+        ROPE,
     )
     return _fwd_scores(
         acc,
@@ -389,6 +588,8 @@ def _fwd_tile(
         NUM_TIME,
         FAST,
         SCALE_POS,
+        WINDOW,
+        MASK_BLOCK,
     )
 
 
@@ -431,6 +632,8 @@ def _fwd_scores(
     NUM_TIME: tl.constexpr,
     FAST: tl.constexpr,
     SCALE_POS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
 ):
     """One (queries x keys) tile of the forward on loaded k, v: online softmax (MODE 0) or activation, into acc."""
     qk = tl.dot(q, tl.trans(k))
@@ -464,8 +667,8 @@ def _fwd_scores(
         )
     if MASKED:
         valid = col_ok[None, :]
-        if CAUSAL:
-            valid = valid & (cols[None, :] <= offs_m[:, None] + shift)
+        if CAUSAL or WINDOW > 0 or MASK_BLOCK > 0:
+            valid = valid & _visible(offs_m[:, None] + shift, cols[None, :], CAUSAL, WINDOW, MASK_BLOCK)
     if MODE == 0:
         # s * s_scale: log2-domain scores; with a positive scale it is applied inside the exp2's FMA below
         # (one op per score instead of two)
@@ -518,6 +721,7 @@ def _fwd_kernel(
     TT,
     QTS,
     KTS,
+    RF,
     q_off,
     kv_off,
     stride_qt,
@@ -555,6 +759,9 @@ def _fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     if CAUSAL:
@@ -573,25 +780,81 @@ def _fwd_kernel(
     row_ok = offs_m < q_len
     d_ok = offs_d < HEAD_DIM
     q_rows = q_start + offs_m
-    q = tl.load(
-        Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
-        mask=row_ok[:, None] & d_ok[None, :],
-        other=0.0,
-    )
+    if ROPE:
+        q = _rope_load(Q, q_rows, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+    else:
+        q = tl.load(
+            Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
     if TMA:
         K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
         V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    # Keys every row of the block may see (no mask needed), then the ragged/diagonal rest.
-    n_end = kv_len
-    n_full = kv_len
-    if CAUSAL:
-        n_end = tl.minimum(kv_len, m0 + BLOCK_M + shift)
-        n_full = tl.minimum(kv_len, m0 + 1 + shift)
-    n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(0, n_full, BLOCK_N):
+    # Keys every row of the block may see (no mask needed), then the ragged/diagonal rest; with a window or block
+    # mask, first the keys only the later rows see (skipping those no row sees).
+    n_start, n_mid, n_full, n_end = _key_tiles(
+        m0 + shift, m0 + BLOCK_M - 1 + shift, kv_len, CAUSAL, WINDOW, MASK_BLOCK, BLOCK_N
+    )
+    if WINDOW > 0 or MASK_BLOCK > 0:
+        for n0 in range(n_start, n_mid, BLOCK_N):
+            acc, m_i, l_i = _fwd_tile(
+                acc,
+                m_i,
+                l_i,
+                q,
+                K,
+                V,
+                n0,
+                kv_start,
+                kv_len,
+                shift,
+                h,
+                o_start,
+                offs_m,
+                offs_n,
+                offs_d,
+                row_ok,
+                d_ok,
+                stride_kt,
+                stride_kh,
+                stride_vt,
+                stride_vh,
+                qk_scale,
+                scale,
+                AB,
+                stride_abt,
+                stride_abh,
+                PT,
+                stride_pth,
+                TT,
+                stride_tth,
+                QTS,
+                KTS,
+                pos_log_inv,
+                time_log_inv,
+                MODE,
+                CAUSAL,
+                True,
+                HAS_AB,
+                HAS_POS,
+                HAS_TIME,
+                NUM_POS,
+                NUM_TIME,
+                EVEN_D,
+                FAST,
+                SCALE_POS,
+                TMA,
+                RF,
+                HEAD_DIM,
+                WINDOW,
+                MASK_BLOCK,
+                ROPE,
+            )
+    for n0 in range(n_mid, n_full, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(
             acc,
             m_i,
@@ -639,6 +902,11 @@ def _fwd_kernel(
             FAST,
             SCALE_POS,
             TMA,
+            RF,
+            HEAD_DIM,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
     for n0 in range(n_full, n_end, BLOCK_N):
         acc, m_i, l_i = _fwd_tile(
@@ -688,6 +956,11 @@ def _fwd_kernel(
             FAST,
             SCALE_POS,
             TMA,
+            RF,
+            HEAD_DIM,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
     _fwd_store(
         acc,
@@ -758,6 +1031,7 @@ def _fwd_kv_resident_kernel(
     TT,
     QTS,
     KTS,
+    RF,
     q_off,
     kv_off,
     stride_qt,
@@ -796,6 +1070,9 @@ def _fwd_kv_resident_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """Forward when every key sequence fits one BLOCK_N tile (cross-attention to a few tokens): K and V are loaded
     once and each program walks CHUNK query rows, so the next query block loads while this one computes."""
@@ -812,26 +1089,35 @@ def _fwd_kv_resident_kernel(
     col_ok = offs_n < kv_len
     d_ok = offs_d < HEAD_DIM
     kv_rows = kv_start + offs_n
-    k, v = _load_pair(
-        K,
-        V,
-        kv_rows,
-        kv_rows,
-        stride_kt,
-        stride_kh,
-        stride_vt,
-        stride_vh,
-        h,
-        offs_d,
-        col_ok[:, None] & d_ok[None, :],
-        True,
-    )
+    if ROPE:
+        k = _rope_load(K, kv_rows, stride_kt, stride_kh, h, offs_n, col_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+        v = _load_tile(V, kv_rows, stride_vt, stride_vh, h, offs_d, col_ok[:, None] & d_ok[None, :], True)
+    else:
+        k, v = _load_pair(
+            K,
+            V,
+            kv_rows,
+            kv_rows,
+            stride_kt,
+            stride_kh,
+            stride_vt,
+            stride_vh,
+            h,
+            offs_d,
+            col_ok[:, None] & d_ok[None, :],
+            True,
+        )
     if TMA:
         Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
     for m0 in range(m_begin, m_end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         row_ok = offs_m < q_len
-        if TMA:
+        if ROPE:
+            tl.static_assert(not TMA, "RoPE loads go through pointers")
+            q = _rope_load(
+                Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
+            )
+        elif TMA:
             q = Q.load([m0, 0])
         else:
             q = _load_tile(Q, q_start + offs_m, stride_qt, stride_qh, h, offs_d, row_ok[:, None] & d_ok[None, :], True)
@@ -876,6 +1162,8 @@ def _fwd_kv_resident_kernel(
             NUM_TIME,
             FAST,
             SCALE_POS,
+            WINDOW,
+            MASK_BLOCK,
         )
         _fwd_store(
             acc,
@@ -960,16 +1248,28 @@ def _bwd_kv_tile(
     FUSE_DQ: tl.constexpr,
     DELTA_INLINE: tl.constexpr,
     TMA: tl.constexpr,
+    RF,
+    HEAD_DIM: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """One query block's contribution to dK, dV (transposed tiles) and its dQ: FUSE_DQ 1 adds its share into an fp32
     buffer (atomics); FUSE_DQ 2, where this key block holds every key of the sequence, stores the block's whole dQ
     and the score-bias gradients. With TMA, Q, DO (and Out, read for the softmax delta with DELTA_INLINE) are the
     sequence's tensor descriptors."""
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
     offs_m = m0 + offs_m0
     row_ok = offs_m < q_len
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
-    if TMA:
+    if ROPE:
+        tl.static_assert(not TMA, "RoPE loads go through pointers")
+        q = _rope_load(
+            Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
+        )
+        do = _load_tile(DO, o_rows, stride_dot, stride_doh, h, offs_d, qmask, True)
+    elif TMA:
         q = Q.load([m0, 0])
         do = DO.load([m0, 0])
     else:
@@ -1018,8 +1318,8 @@ def _bwd_kv_tile(
         )
     if MASKED:
         valid = col_ok[:, None] & row_ok[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[:, None] <= offs_m[None, :] + shift)
+        if CAUSAL or WINDOW > 0 or MASK_BLOCK > 0:
+            valid = valid & _visible(offs_m[None, :] + shift, offs_n[:, None], CAUSAL, WINDOW, MASK_BLOCK)
     dpT = tl.dot(v, tl.trans(do))
     if MODE == 0:
         if MASKED:
@@ -1057,16 +1357,26 @@ def _bwd_kv_tile(
     dk += tl.dot(dsT_lo, q)
     if FUSE_DQ == 1:
         dq = tl.dot(tl.trans(dsT_lo), k) * scale
-        tl.atomic_add(
-            DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq, mask=qmask, sem="relaxed"
-        )
+        if ROPE:
+            _rope_store(
+                DQA, o_rows, stride_dqat, stride_dqah, h, dq, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST, True
+            )
+        else:
+            tl.atomic_add(
+                DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq, mask=qmask, sem="relaxed"
+            )
     elif FUSE_DQ == 2:
         dq = tl.dot(tl.trans(dsT_lo), k) * scale
-        tl.store(
-            DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :],
-            dq.to(DQA.dtype.element_ty),
-            mask=qmask,
-        )
+        if ROPE:
+            _rope_store(
+                DQA, o_rows, stride_dqat, stride_dqah, h, dq, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST, False
+            )
+        else:
+            tl.store(
+                DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :],
+                dq.to(DQA.dtype.element_ty),
+                mask=qmask,
+            )
         _bias_grads(
             dsT,
             offs_m[None, :],
@@ -1126,9 +1436,12 @@ def _bwd_kv_setup(
     BLOCK_D: tl.constexpr,
     DELTA_INLINE: tl.constexpr,
     TMA: tl.constexpr,
+    RF,
+    FAST: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
-    """A key block's K and V tiles (from row n0), its index vectors and masks, and with TMA the sequence's Q, DO
-    (and, for the in-kernel softmax delta, Out) descriptors in place of the pointers."""
+    """A key block's K (with ROPE rotated) and V tiles (from row n0), its index vectors and masks, and with TMA the
+    sequence's Q, DO (and, for the in-kernel softmax delta, Out) descriptors in place of the pointers."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1136,7 +1449,11 @@ def _bwd_kv_setup(
     d_ok = offs_d < HEAD_DIM
     kv_rows = kv_start + offs_n
     kmask = col_ok[:, None] & d_ok[None, :]
-    k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
+    if ROPE:
+        k = _rope_load(K, kv_rows, stride_kt, stride_kh, h, offs_n, col_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+        v = _load_tile(V, kv_rows, stride_vt, stride_vh, h, offs_d, kmask, True)
+    else:
+        k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
     if TMA:
         Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
         DO = _seq_desc(DO, o_start, q_len, stride_dot, stride_doh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
@@ -1162,6 +1479,7 @@ def _bwd_dkdv_kernel(
     TT,
     QTS,
     KTS,
+    RF,
     q_off,
     kv_off,
     stride_qt,
@@ -1207,6 +1525,9 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it;
     the softmax delta read from DELTA, or with DELTA_INLINE computed from Out and DO per query block. Also the
@@ -1250,19 +1571,18 @@ def _bwd_dkdv_kernel(
         BLOCK_D,
         DELTA_INLINE,
         TMA,
+        RF,
+        FAST,
+        ROPE,
     )
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
-    # query blocks [m_lo, m_full): causal diagonal (masked); [m_full, m_tail): every pair valid (no masks);
-    # [m_tail, q_len): the ragged last block, and everything when this key block is ragged itself
-    m_lo = 0
-    m_full = 0
-    if CAUSAL:
-        m_lo = tl.maximum(n0 - shift, 0) // BLOCK_M * BLOCK_M
-        m_full = tl.minimum((tl.maximum(n0 + BLOCK_N - 1 - shift, 0) + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q_len)
-    m_tail = tl.maximum(q_len // BLOCK_M * BLOCK_M, m_full)
-    if n0 + BLOCK_N > kv_len:
-        m_tail = m_full
+    # query blocks [m_lo, m_full): causal diagonal or the mask's near edge (masked); [m_full, m_tail): every pair
+    # valid (no masks); [m_tail, m_end): the mask's far edge, the ragged last block, and everything when this key
+    # block is ragged itself
+    m_lo, m_full, m_tail, m_end = _query_tiles(
+        n0, n0 + BLOCK_N - 1, shift, q_len, n0 + BLOCK_N > kv_len, CAUSAL, WINDOW, MASK_BLOCK, BLOCK_M
+    )
     for m0 in range(m_lo, m_full, BLOCK_M):
         dk, dv = _bwd_kv_tile(
             dk,
@@ -1325,6 +1645,11 @@ def _bwd_dkdv_kernel(
             FUSE_DQ,
             DELTA_INLINE,
             TMA,
+            RF,
+            HEAD_DIM,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
     for m0 in range(m_full, m_tail, BLOCK_M):
         dk, dv = _bwd_kv_tile(
@@ -1388,8 +1713,13 @@ def _bwd_dkdv_kernel(
             FUSE_DQ,
             DELTA_INLINE,
             TMA,
+            RF,
+            HEAD_DIM,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
-    for m0 in range(m_tail, q_len, BLOCK_M):
+    for m0 in range(m_tail, m_end, BLOCK_M):
         dk, dv = _bwd_kv_tile(
             dk,
             dv,
@@ -1451,13 +1781,23 @@ def _bwd_dkdv_kernel(
             FUSE_DQ,
             DELTA_INLINE,
             TMA,
+            RF,
+            HEAD_DIM,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
     dk_rows = dkv_start + offs_n
-    tl.store(
-        DK + dk_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
-        (dk * scale).to(DK.dtype.element_ty),
-        mask=kmask,
-    )
+    if ROPE:
+        _rope_store(
+            DK, dk_rows, stride_dkt, stride_dkh, h, dk * scale, offs_n, col_ok, RF, HEAD_DIM, BLOCK_D, FAST, False
+        )
+    else:
+        tl.store(
+            DK + dk_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
+            (dk * scale).to(DK.dtype.element_ty),
+            mask=kmask,
+        )
     tl.store(
         DV + dk_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask
     )
@@ -1522,9 +1862,15 @@ def _bwd_q_tile(
     FAST: tl.constexpr,
     TMA: tl.constexpr,
     STORE_DKV: tl.constexpr,
+    RF,
+    HEAD_DIM: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """One key block's contribution to dQ and to the score-bias gradients (with TMA, K and V are descriptors).
     STORE_DKV, where this query block holds every query of the sequence: also the key block's whole dK and dV."""
+    BLOCK_D: tl.constexpr = offs_d.shape[0]
     offs_n = n0 + offs_n0
     col_ok = offs_n < kv_len
     k, v = _load_kv(
@@ -1544,6 +1890,10 @@ def _bwd_q_tile(
         MASKED,
         EVEN_D,
         TMA,
+        RF,
+        HEAD_DIM,
+        FAST,
+        ROPE,
     )
     qk = tl.dot(q, tl.trans(k))
     HAS_BIAS: tl.constexpr = HAS_AB or HAS_POS or HAS_TIME
@@ -1590,8 +1940,8 @@ def _bwd_q_tile(
     # rows past q_len carry do = 0 (and lse = +inf), so their ds is 0 without a mask
     valid = row_ok[:, None] & col_ok[None, :]
     if MASKED:
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None] + shift)
+        if CAUSAL or WINDOW > 0 or MASK_BLOCK > 0:
+            valid = valid & _visible(offs_m[:, None] + shift, offs_n[None, :], CAUSAL, WINDOW, MASK_BLOCK)
         ds = tl.where(valid, ds, 0.0)
     ds_lo = ds.to(k.dtype)
     dq += tl.dot(ds_lo, k)
@@ -1632,11 +1982,16 @@ def _bwd_q_tile(
             mask=kmask,
         )
         dk_tile = tl.dot(tl.trans(ds_lo), q) * scale
-        tl.store(
-            DK + dkv_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
-            dk_tile.to(DK.dtype.element_ty),
-            mask=kmask,
-        )
+        if ROPE:
+            _rope_store(
+                DK, dkv_rows, stride_dkt, stride_dkh, h, dk_tile, offs_n, col_ok, RF, HEAD_DIM, BLOCK_D, FAST, False
+            )
+        else:
+            tl.store(
+                DK + dkv_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
+                dk_tile.to(DK.dtype.element_ty),
+                mask=kmask,
+            )
     return dq
 
 
@@ -1703,6 +2058,7 @@ def _bwd_dq_kernel(
     DTT,
     QTS,
     KTS,
+    RF,
     q_off,
     kv_off,
     stride_qt,
@@ -1744,6 +2100,9 @@ def _bwd_dq_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """dQ for one query block, plus the score-bias gradients (dense bias rows, bucket tables); the softmax delta
     read from DELTA, or with DELTA_INLINE computed from Out and DO. Programs from `first_program` on (the last ones
@@ -1768,7 +2127,11 @@ def _bwd_dq_kernel(
     q_rows = q_start + offs_m
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
-    q, do = _load_pair(Q, DO, q_rows, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask, True)
+    if ROPE:
+        q = _rope_load(Q, q_rows, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+        do = _load_tile(DO, o_rows, stride_dot, stride_doh, h, offs_d, qmask, True)
+    else:
+        q, do = _load_pair(Q, DO, q_rows, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask, True)
     lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
     if DELTA_INLINE:
         o = _load_tile(Out, o_rows, stride_ot, stride_oh, h, offs_d, qmask, True)
@@ -1779,13 +2142,76 @@ def _bwd_dq_kernel(
         K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
         V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
     dq = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    n_end = kv_len
-    n_full = kv_len
-    if CAUSAL:
-        n_end = tl.minimum(kv_len, m0 + BLOCK_M + shift)
-        n_full = tl.minimum(kv_len, m0 + 1 + shift)
-    n_full = tl.maximum(n_full, 0) // BLOCK_N * BLOCK_N
-    for n0 in range(0, n_full, BLOCK_N):
+    n_start, n_mid, n_full, n_end = _key_tiles(
+        m0 + shift, m0 + BLOCK_M - 1 + shift, kv_len, CAUSAL, WINDOW, MASK_BLOCK, BLOCK_N
+    )
+    if WINDOW > 0 or MASK_BLOCK > 0:
+        for n0 in range(n_start, n_mid, BLOCK_N):
+            dq = _bwd_q_tile(
+                dq,
+                q,
+                do,
+                lse,
+                delta,
+                n0,
+                offs_m,
+                offs_n0,
+                offs_d,
+                row_ok,
+                d_ok,
+                kv_start,
+                kv_len,
+                o_start,
+                shift,
+                h,
+                ns,
+                scale,
+                K,
+                V,
+                stride_kt,
+                stride_kh,
+                stride_vt,
+                stride_vh,
+                AB,
+                DAB,
+                stride_abt,
+                stride_abh,
+                PT,
+                DPT,
+                stride_pth,
+                TT,
+                DTT,
+                stride_tth,
+                QTS,
+                KTS,
+                pos_log_inv,
+                time_log_inv,
+                DQ,
+                DQ,
+                0,
+                0,
+                0,
+                0,
+                0,
+                MODE,
+                CAUSAL,
+                True,
+                HAS_AB,
+                HAS_POS,
+                HAS_TIME,
+                NUM_POS,
+                NUM_TIME,
+                EVEN_D,
+                FAST,
+                TMA,
+                False,
+                RF,
+                HEAD_DIM,
+                WINDOW,
+                MASK_BLOCK,
+                ROPE,
+            )
+    for n0 in range(n_mid, n_full, BLOCK_N):
         dq = _bwd_q_tile(
             dq,
             q,
@@ -1844,6 +2270,11 @@ def _bwd_dq_kernel(
             FAST,
             TMA,
             False,
+            RF,
+            HEAD_DIM,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
     for n0 in range(n_full, n_end, BLOCK_N):
         dq = _bwd_q_tile(
@@ -1904,12 +2335,34 @@ def _bwd_dq_kernel(
             FAST,
             TMA,
             False,
+            RF,
+            HEAD_DIM,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
-    tl.store(
-        DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
-        (dq * scale).to(DQ.dtype.element_ty),
-        mask=qmask,
-    )
+    if ROPE:
+        _rope_store(
+            DQ,
+            o_rows,
+            stride_dqt,
+            stride_dqh,
+            h,
+            dq * scale,
+            offs_m + shift,
+            row_ok,
+            RF,
+            HEAD_DIM,
+            BLOCK_D,
+            FAST,
+            False,
+        )
+    else:
+        tl.store(
+            DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+            (dq * scale).to(DQ.dtype.element_ty),
+            mask=qmask,
+        )
 
 
 @triton.jit
@@ -1931,6 +2384,7 @@ def _bwd_kv_resident_kernel(
     DTT,
     QTS,
     KTS,
+    RF,
     q_off,
     kv_off,
     stride_qt,
@@ -1973,6 +2427,9 @@ def _bwd_kv_resident_kernel(
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """The whole backward when every key sequence fits one BLOCK_N tile: each program walks CHUNK query rows with K
     and V loaded once, stores their dQ and score-bias gradients, and adds its share of dK (scaled) and dV into the
@@ -2017,6 +2474,9 @@ def _bwd_kv_resident_kernel(
         BLOCK_D,
         DELTA_INLINE,
         TMA,
+        RF,
+        FAST,
+        ROPE,
     )
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -2082,9 +2542,31 @@ def _bwd_kv_resident_kernel(
             2,
             DELTA_INLINE,
             TMA,
+            RF,
+            HEAD_DIM,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
     dkv_ptrs = (dkv_start + offs_n)[:, None] * stride_dkvt + h * stride_dkvh + offs_d[None, :]
-    tl.atomic_add(DKA + dkv_ptrs, dk * scale, mask=kmask, sem="relaxed")
+    if ROPE:
+        _rope_store(
+            DKA,
+            dkv_start + offs_n,
+            stride_dkvt,
+            stride_dkvh,
+            h,
+            dk * scale,
+            offs_n,
+            col_ok,
+            RF,
+            HEAD_DIM,
+            BLOCK_D,
+            FAST,
+            True,
+        )
+    else:
+        tl.atomic_add(DKA + dkv_ptrs, dk * scale, mask=kmask, sem="relaxed")
     tl.atomic_add(DVA + dkv_ptrs, dv, mask=kmask, sem="relaxed")
 
 
@@ -2107,6 +2589,7 @@ def _bwd_q_resident_kernel(
     DTT,
     QTS,
     KTS,
+    RF,
     q_off,
     kv_off,
     stride_qt,
@@ -2151,6 +2634,9 @@ def _bwd_q_resident_kernel(
     BLOCK_N: tl.constexpr,
     CHUNK: tl.constexpr,
     TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """The whole backward when every query sequence fits one BLOCK_M tile (PMA seeds over long keys): each program
     walks CHUNK key rows with Q, dO and the softmax delta loaded once, stores their dK, dV and score-bias gradients,
@@ -2172,9 +2658,15 @@ def _bwd_q_resident_kernel(
     d_ok = offs_d < HEAD_DIM
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
-    q, do = _load_pair(
-        Q, DO, q_start + offs_m, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask, True
-    )
+    if ROPE:
+        q = _rope_load(
+            Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
+        )
+        do = _load_tile(DO, o_rows, stride_dot, stride_doh, h, offs_d, qmask, True)
+    else:
+        q, do = _load_pair(
+            Q, DO, q_start + offs_m, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask, True
+        )
     lse = tl.load(LSE + o_rows * num_heads + h, mask=row_ok, other=float("inf"))
     if MODE == 0:
         o = _load_tile(Out, o_rows, stride_ot, stride_oh, h, offs_d, qmask, True)
@@ -2244,10 +2736,35 @@ def _bwd_q_resident_kernel(
             FAST,
             TMA,
             True,
+            RF,
+            HEAD_DIM,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
-    tl.atomic_add(
-        DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq * scale, mask=qmask, sem="relaxed"
-    )
+    if ROPE:
+        _rope_store(
+            DQA,
+            o_rows,
+            stride_dqat,
+            stride_dqah,
+            h,
+            dq * scale,
+            offs_m + shift,
+            row_ok,
+            RF,
+            HEAD_DIM,
+            BLOCK_D,
+            FAST,
+            True,
+        )
+    else:
+        tl.atomic_add(
+            DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :],
+            dq * scale,
+            mask=qmask,
+            sem="relaxed",
+        )
 
 
 @triton.jit
@@ -2269,6 +2786,7 @@ def _bwd_one_launch_kernel(
     DTT,
     QTS,
     KTS,
+    RF,
     q_off,
     kv_off,
     stride_qt,
@@ -2313,6 +2831,9 @@ def _bwd_one_launch_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TMA: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
 ):
     """The whole backward in one launch. Programs [0, cdiv(max_kv_len, BLOCK_N)) of axis 0 compute dK/dV of one key
     block of BLOCK_N rows (query tiles of BLOCK_M), the rest dQ and the bias gradients of one query block of
@@ -2336,6 +2857,7 @@ def _bwd_one_launch_kernel(
             TT,
             QTS,
             KTS,
+            RF,
             q_off,
             kv_off,
             stride_qt,
@@ -2381,6 +2903,9 @@ def _bwd_one_launch_kernel(
             BLOCK_M,
             BLOCK_N,
             TMA,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
     else:
         _bwd_dq_kernel(
@@ -2400,6 +2925,7 @@ def _bwd_one_launch_kernel(
             DTT,
             QTS,
             KTS,
+            RF,
             q_off,
             kv_off,
             stride_qt,
@@ -2441,6 +2967,9 @@ def _bwd_one_launch_kernel(
             BLOCK_N,
             BLOCK_M,
             TMA,
+            WINDOW,
+            MASK_BLOCK,
+            ROPE,
         )
 
 
@@ -2488,6 +3017,11 @@ def _rcfg(block, chunk, warps, stages, tma=False, streamed="BLOCK_M"):
     """A resident-side kernel's tile: the streamed side's block, CHUNK streamed rows per program (the resident side's
     block comes from the lengths)."""
     return {streamed: block, "CHUNK": chunk, "num_warps": warps, "num_stages": stages, "TMA": tma}
+
+
+def _bcfg(sub, warps, stages=1):
+    """A block kernel's tile: the queries of its block in slices of `sub` rows."""
+    return {"SUB_M": sub, "num_warps": warps, "num_stages": stages}
 
 
 def _rq(block, chunk, warps, stages, tma=False):
@@ -2561,6 +3095,9 @@ CONFIGS = {
         _cfg(32, 64, 4, 2, True),
     ],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
+    # block attention (`block_attention`): the queries of a block of keys in slices of SUB_M rows
+    "block_fwd": [_bcfg(64, 4), _bcfg(64, 8), _bcfg(32, 4), _bcfg(128, 8), _bcfg(16, 4)],
+    "block_bwd": [_bcfg(64, 8), _bcfg(64, 4), _bcfg(32, 4), _bcfg(32, 8), _bcfg(128, 8), _bcfg(16, 4)],
     # resident K/V (forward, backward: query blocks streamed) and resident queries (backward: key blocks streamed)
     "fwd_rkv": [
         _rcfg(128, 1024, 8, 3),
@@ -2635,9 +3172,39 @@ def _gcfg(bn, stages):
 GLUON_CONFIGS = {"fwd": [_gcfg(128, 3), _gcfg(64, 3)]}
 
 
-def _candidates(kind: str, head_dim: int, tma: bool = True) -> list[dict]:
+def shared_estimate(kind: str, config: dict, consts: dict, itemsize: int) -> int:
+    """A lower bound on a tile's shared memory (bytes): the tiles its matrix products read from shared memory, the
+    streamed ones in at least two pipeline stages (the forward's K/V ring in all of them). Tiles above the device's
+    limit for the dtype are never offered (fp32 doubles every tile: A's 128x128 forward tile needs 459,776 bytes)."""
+    bd = consts.get("BLOCK_D", consts["HEAD_DIM"])
+    bm, bn = config.get("BLOCK_M", consts.get("BLOCK_M", 0)), config.get("BLOCK_N", consts.get("BLOCK_N", 0))
+    stages = config.get("num_stages", 1)
+    rows = {
+        "fwd": bm + 2 * stages * bn,
+        "dkdv": 2 * bn + 4 * bm,
+        "bwd1": 2 * bn + 4 * bm,
+        "dq": 2 * bm + 4 * bn,
+        "fwd_rkv": 2 * bn + bm,
+        "bwd_rkv": 2 * bn + 4 * bm,
+        "bwd_rq": 2 * bm + 4 * bn,
+        "block_fwd": 2 * consts.get("MASK_BLOCK", 0) + config.get("SUB_M", 0),
+        "block_bwd": 2 * consts.get("MASK_BLOCK", 0) + 2 * config.get("SUB_M", 0),
+    }.get(kind, 0)
+    return rows * bd * itemsize
+
+
+def _candidates(kind: str, consts: dict, dtype, tma: bool = True, shared_limit: int | None = None) -> list[dict]:
+    """A kernel's tile candidates for a call: TMA ones where `tma`, block-kernel slices within the block, and with a
+    `shared_limit` (the device's bytes per block) only those whose `shared_estimate` for the dtype fits it."""
+    head_dim = consts["HEAD_DIM"]
     configs = LARGE_HEAD_DIM_CONFIGS[kind] if head_dim > 128 and kind in LARGE_HEAD_DIM_CONFIGS else CONFIGS[kind]
-    return [c for c in configs if tma or not c.get("TMA")]
+    return [
+        c
+        for c in configs
+        if (tma or not c.get("TMA"))
+        and c.get("SUB_M", 0) <= consts.get("MASK_BLOCK", 0)
+        and (shared_limit is None or shared_estimate(kind, c, consts, dtype.itemsize) <= shared_limit)
+    ]
 
 
 def gluon_candidates(kind: str, consts: dict, dtype, tma: bool, options: KernelOptions) -> list[dict]:
@@ -2676,6 +3243,12 @@ def launch_hooked() -> bool:
     own path, which calls the hooks. Triton 3.6 keeps the hooks as chains that are never None, empty when unused."""
     hooks = triton.knobs.runtime
     return any(bool(getattr(hook, "calls", hook)) for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook))
+
+
+@functools.cache
+def shared_memory_limit(device: int) -> int:
+    """Shared memory one program may use on a CUDA device, in bytes (232,448 on an H100/H200)."""
+    return triton.runtime.driver.active.utils.get_device_properties(device)["max_shared_mem"]
 
 
 def _spec(a):
@@ -2736,7 +3309,7 @@ class _Kernel:
         tma: whether the tensors allow the tensor-descriptor candidates (used where `options.tma`)."""
         tma = tma and options.tma
         if INTERPRET:  # small tiles keep the interpreter quick and exercise the ragged-edge paths
-            first = _candidates(self.kind, consts["HEAD_DIM"], tma)[0]
+            first = _candidates(self.kind, consts, args[0].dtype, tma)[0]
             tiles = {
                 name: self.interpret_tiles.get(name, 16)
                 for name in first
@@ -2749,15 +3322,26 @@ class _Kernel:
         if tma:  # per call: the allocator is a context variable, and backward runs on autograd's own thread
             triton.set_allocator(_scratch)
         tune = options.autotune
-        # what changes the candidates: tma, gluon; without autotuning the first candidate, whatever the lengths
-        tune_key = (tuple(consts.values()), bucket if tune else None, tma, options.gluon, torch.cuda.current_device())
+        # what changes the candidates: dtype, tma, gluon; without autotuning the first that fits, whatever the lengths
+        dtype = args[0].dtype
+        tune_key = (
+            tuple(consts.values()),
+            dtype,
+            bucket if tune else None,
+            tma,
+            options.gluon,
+            torch.cuda.current_device(),
+        )
         config = self.best.get(tune_key)
         if config is None:
-            candidates = _candidates(self.kind, consts["HEAD_DIM"], tma)
+            limit = shared_memory_limit(tune_key[-1])
+            candidates = _candidates(self.kind, consts, dtype, tma, limit)
             if tune and torch.cuda.get_device_capability(tune_key[-1]) == (9, 0):
-                candidates += gluon_candidates(self.kind, consts, args[0].dtype, tma, options)
-            tuned = tune and len(candidates) > 1
-            config = self._tune(tune_key, grid, args, consts, candidates, reset) if tuned else candidates[0]
+                candidates += gluon_candidates(self.kind, consts, dtype, tma, options)
+            if tune and len(candidates) > 1:
+                config = self._tune(tune_key, grid, args, consts, candidates, reset)
+            else:
+                config = self._first_fitting(grid, args, consts, candidates, limit)
             self.best[tune_key] = config
         if self.num_tensors is None:
             self.num_tensors = 1 + max(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
@@ -2775,6 +3359,17 @@ class _Kernel:
         grid_x, grid_y, grid_z = (*g, 1, 1)[:3]  # grids may have fewer than 3 dimensions (the delta kernel's has 1)
         kernel.run(
             grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail
+        )
+
+    def _first_fitting(self, grid, args, consts, candidates, limit: int) -> dict:
+        """The first candidate whose compiled kernel fits `limit` bytes of shared memory (what runs untuned)."""
+        for config in candidates:
+            fn, tiles = self.variant(config)
+            if fn.warmup(*args, grid=grid(config), **consts, **tiles).metadata.shared <= limit:
+                return config
+        raise RuntimeError(
+            f"no {self.kind} tile fits the device's {limit} bytes of shared memory for {args[0].dtype} "
+            f"(head_dim {consts['HEAD_DIM']}): {[_config_name(c) for c in candidates]}"
         )
 
     def _tune(self, tune_key, grid, args, consts, candidates, reset) -> dict:
@@ -2848,7 +3443,7 @@ _KERNELS = {
     "fwd_rkv": _Kernel(_fwd_kv_resident_kernel, "fwd_rkv", interpret_tiles={"CHUNK": 32}),
     "bwd_rkv": _Kernel(_bwd_kv_resident_kernel, "bwd_rkv", interpret_tiles={"CHUNK": 32}),
     "bwd_rq": _Kernel(_bwd_q_resident_kernel, "bwd_rq", interpret_tiles={"CHUNK": 32}),
-}
+}  # and the block kernels, which `block_attention` adds
 
 
 @functools.cache
@@ -2882,7 +3477,8 @@ def tuned_configs() -> list[dict]:
             {
                 "kernel": kind,
                 "constexprs": entry["consts"],
-                "len_buckets": entry["key"][1],
+                "dtype": str(entry["key"][1]).removeprefix("torch."),
+                "len_buckets": entry["key"][2],
                 "config": best,
                 "ms": round(best_ms, 4),
                 "tuning_s": round(entry["seconds"], 2),
@@ -2917,6 +3513,22 @@ def _resident_block(length: int) -> int:
     return max(16, _pow2_at_least(length))
 
 
+ROPE_HI_BITS = 8  # significant bits of a frequency's high part: pos * hi is exact in fp32 for |pos| < 2^(24 - 8)
+
+
+@functools.cache
+def rope_frequencies(head_dim: int, base: float, block_d: int, device) -> torch.Tensor:
+    """The kernels' RoPE table (`_rope_cos_sin`), (2, block_d // 2) fp32: frequency m = base^(-2m/D) / (2 pi) in turns
+    per position, split into a high part of ROPE_HI_BITS significant bits (row 0) and the float64 rest (row 1)."""
+    table = torch.zeros(2, block_d // 2, dtype=torch.float64)
+    for m in range(head_dim // 2):
+        turns = base ** (-2 * m / head_dim) / (2 * math.pi)
+        mantissa, exponent = math.frexp(turns)
+        hi = math.ldexp(round(mantissa * 2**ROPE_HI_BITS), exponent - ROPE_HI_BITS)
+        table[0, m], table[1, m] = hi, turns - hi
+    return table.float().to(device)
+
+
 def _log_inv(num_pos: int, max_distance: int) -> float:
     exact = num_pos // 2
     return (num_pos - exact) / math.log(max_distance / exact) if num_pos >= 2 else 0.0
@@ -2946,6 +3558,9 @@ class Problem:
         pos_max_distance,
         time_log_base,
         options,
+        window=0,
+        block=0,
+        rope_base=0.0,
     ):
         self.q, self.k, self.v = q, k, v
         self.options = options
@@ -2986,8 +3601,13 @@ class Problem:
             NUM_POS=self.num_pos,
             NUM_TIME=self.num_time,
             FAST=not INTERPRET,
+            WINDOW=int(window or 0),
+            MASK_BLOCK=int(block or 0),
+            ROPE=bool(rope_base),
         )
         self.block_d = max(16, _pow2_at_least(self.head_dim))
+        self.window, self.mask_block, self.rope_base = int(window or 0), int(block or 0), float(rope_base or 0.0)
+        self.rope = rope_frequencies(self.head_dim, self.rope_base, self.block_d, q.device) if rope_base else q_offsets
 
     def resident(self) -> str | None:
         """Which side a program keeps loaded while it walks the other (`RESIDENT_MAX_TILE`): "kv" where every key
@@ -3001,6 +3621,15 @@ class Problem:
         if _resident_block(self.max_q_len) * self.block_d <= RESIDENT_MAX_TILE:
             return "q"
         return None
+
+    def block_kernel(self) -> bool:
+        """Whether the block kernels (`block_attention`) run this problem: a block of 64 or 128 positions, head dims
+        up to 128; other block sizes are a mask of the tiled kernels."""
+        return self.mask_block in (64, 128) and self.block_d <= 128
+
+    def tma_ok(self, *tensors) -> bool:
+        """Whether the tensor-descriptor tiles apply: the layout allows them and no RoPE (rotated in registers)."""
+        return not self.rope_base and tma_ok(*tensors)
 
     def fuse_dq(self) -> bool:
         return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
@@ -3034,6 +3663,10 @@ def forward(p: Problem):
     lse = torch.empty((p.total_out, p.heads), dtype=torch.float32, device=q.device)
     if p.total_out == 0 or p.num_seqs == 0:
         return out.zero_(), lse.fill_(float("inf"))
+    if p.block_kernel():
+        from gemrec.kernels import block_attention
+
+        return block_attention.forward(p, out, lse)
     ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
     args = (
         q,
@@ -3046,6 +3679,7 @@ def forward(p: Problem):
         tt,
         qts,
         kts,
+        p.rope,
         p.q_off,
         p.kv_off,
         q.stride(0),
@@ -3074,14 +3708,14 @@ def forward(p: Problem):
             return (_cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
         _KERNELS["fwd_rkv"](
-            grid, args, {**consts, "BLOCK_N": _resident_block(p.max_kv_len)}, p.bucket, p.options, tma=tma_ok(q)
+            grid, args, {**consts, "BLOCK_N": _resident_block(p.max_kv_len)}, p.bucket, p.options, tma=p.tma_ok(q)
         )
     else:
 
         def grid(meta):
             return (_cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-        _KERNELS["fwd"](grid, args, consts, p.bucket, p.options, tma=tma_ok(k, v))
+        _KERNELS["fwd"](grid, args, consts, p.bucket, p.options, tma=p.tma_ok(k, v))
     return out, lse
 
 
@@ -3150,6 +3784,7 @@ def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
         dtt_arg,
         qts,
         kts,
+        p.rope,
         p.q_off,
         p.kv_off,
         q.stride(0),
@@ -3186,7 +3821,7 @@ def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
         p.bucket,
         p.options,
         reset=tuple(t for t in (dpt, dtt) if t is not None),
-        tma=tma_ok(q, go, out, k, v),
+        tma=p.tma_ok(q, go, out, k, v),
     )
     return dq
 
@@ -3226,6 +3861,7 @@ def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
         dtt_arg,
         qts,
         kts,
+        p.rope,
         p.q_off,
         p.kv_off,
         q.stride(0),
@@ -3259,7 +3895,7 @@ def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
         p.bucket,
         p.options,
         reset=tuple(t for t in (dka, dva, dpt, dtt) if t is not None),
-        tma=tma_ok(q, go, out),
+        tma=p.tma_ok(q, go, out),
     )
     return dq, dka.to(k.dtype), dva.to(v.dtype)
 
@@ -3294,6 +3930,7 @@ def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
         dtt_arg,
         qts,
         kts,
+        p.rope,
         p.q_off,
         p.kv_off,
         q.stride(0),
@@ -3329,7 +3966,7 @@ def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
         p.bucket,
         p.options,
         reset=tuple(t for t in (dqa, dpt, dtt) if t is not None),
-        tma=tma_ok(k, v),
+        tma=p.tma_ok(k, v),
     )
     return dqa, dk, dv
 
@@ -3349,6 +3986,10 @@ def backward(p: Problem, grad_out, out, lse):
         dq = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
         dk = torch.zeros((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
         dv = torch.zeros((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
+    elif p.block_kernel():
+        from gemrec.kernels import block_attention
+
+        dq, dk, dv = block_attention.backward(p, grad_out, num_kv_rows, dab, dpt, dtt)
     elif resident == "kv":
         dq, dk, dv = _backward_kv_resident(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt)
     elif resident == "q":
@@ -3388,6 +4029,7 @@ def backward(p: Problem, grad_out, out, lse):
             tt,
             qts,
             kts,
+            p.rope,
             p.q_off,
             p.kv_off,
             q.stride(0),
@@ -3423,7 +4065,7 @@ def backward(p: Problem, grad_out, out, lse):
             p.bucket,
             p.options,
             reset=(dqa,) if fused else (),
-            tma=tma_ok(q, go),
+            tma=p.tma_ok(q, go),
         )
         if fused:
             dq = dqa
@@ -3451,6 +4093,7 @@ def backward(p: Problem, grad_out, out, lse):
                 dtt_arg,
                 qts,
                 kts,
+                p.rope,
                 p.q_off,
                 p.kv_off,
                 q.stride(0),
@@ -3483,7 +4126,7 @@ def backward(p: Problem, grad_out, out, lse):
                 p.bucket,
                 p.options,
                 reset=tuple(t for t in (dpt, dtt) if t is not None),
-                tma=tma_ok(k, v),
+                tma=p.tma_ok(k, v),
             )
     if p.q_shared:
         dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)

@@ -1,12 +1,13 @@
 """The autotuner's report: the tile kept is the fastest of the warmed-up finalists, not of the 25 ms bursts."""
 
+import torch
 from gemrec.kernels import triton_attention as kernels
 
 
 def test_report_keeps_the_fastest_warmed_finalist(monkeypatch):
     burst_best, sustained_best = kernels.CONFIGS["fwd"][0], kernels.CONFIGS["fwd"][1]
     entry = {
-        "key": (("consts",), (4096, 4096, 131072, 131072), True, 0),
+        "key": (("consts",), torch.bfloat16, (4096, 4096, 131072, 131072), True, 0),
         "consts": {"MODE": 0},
         "started": 0.0,
         "seconds": 2.0,
@@ -25,7 +26,7 @@ def test_report_keeps_the_fastest_warmed_finalist(monkeypatch):
 def test_single_candidate_has_no_finalists(monkeypatch):
     only = kernels.CONFIGS["delta"][0]
     entry = {
-        "key": (("consts",), 0, False, 0),
+        "key": (("consts",), torch.float32, 0, False, 0),
         "consts": {"MODE": 1},
         "started": 0.0,
         "seconds": 0.1,

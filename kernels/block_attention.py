@@ -1,0 +1,562 @@
+"""Block attention kernels: each query sees only the keys of its own block of `block` positions (64 or 128).
+
+A program owns one block of positions of one (sequence, head): the keys at those positions and the queries at them
+(query row i sits at position i + Lkv - Lq). Every score a query has lies in that program's one tile, so the forward
+is a plain softmax (no online rescaling) and the backward recomputes it from the scores: no logsumexp read, no delta
+pass (delta_i = sum_j p_ij dp_ij, in registers). K and V (and in the backward the dK, dV accumulators) stay loaded
+while the program walks its queries in SUB_M-row slices. With RoPE, q and k are rotated as they load and dq, dk
+rotated back in fp32 registers before their stores (`triton_attention._rope_load` / `_rope_store`); causal and window
+masks, score biases, activations and norms as in `triton_attention`, whose `Problem` drives these launches.
+"""
+
+import torch
+import triton
+import triton.language as tl
+from gemrec.kernels import triton_attention as ta
+
+
+@triton.jit
+def _block_rows(q_off, kv_off, b, Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr, MASK_BLOCK: tl.constexpr):
+    """Program i of axis 0 takes the i-th block of positions from the one of the sequence's first query (at Lkv - Lq,
+    rounded down to a block): the sequence's starts and lengths, the block's first query row r0 (negative where the
+    block starts before the first query) and its keys."""
+    q_start, q_len, kv_start, kv_len, o_start, dkv_start = ta._seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
+    shift = kv_len - q_len
+    first = tl.where(shift >= 0, shift // MASK_BLOCK, -((MASK_BLOCK - 1 - shift) // MASK_BLOCK))
+    p0 = (first + tl.program_id(0)) * MASK_BLOCK
+    keys = p0 + tl.arange(0, MASK_BLOCK)
+    return q_start, q_len, kv_start, kv_len, o_start, dkv_start, shift, p0 - shift, keys
+
+
+@triton.jit
+def _block_kv(
+    K,
+    V,
+    RF,
+    kv_start,
+    kv_len,
+    keys,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    h,
+    HEAD_DIM: tl.constexpr,
+    FAST: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROPE: tl.constexpr,
+):
+    """The block's K (with ROPE rotated by the key positions) and V tiles, which keys exist and the tiles' mask."""
+    offs_d = tl.arange(0, BLOCK_D)
+    key_ok = (keys >= 0) & (keys < kv_len)
+    kmask = key_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    if ROPE:
+        k = ta._rope_load(K, kv_start + keys, stride_kt, stride_kh, h, keys, key_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+    else:
+        k = ta._load_tile(K, kv_start + keys, stride_kt, stride_kh, h, offs_d, kmask, True)
+    v = ta._load_tile(V, kv_start + keys, stride_vt, stride_vh, h, offs_d, kmask, True)
+    return k, v, key_ok, kmask
+
+
+@triton.jit
+def _block_scores(
+    q,
+    k,
+    rows,
+    keys,
+    row_ok,
+    key_ok,
+    shift,
+    h,
+    o_start,
+    kv_start,
+    scale,
+    AB,
+    stride_abt,
+    stride_abh,
+    PT,
+    stride_pth,
+    TT,
+    stride_tth,
+    QTS,
+    KTS,
+    pos_log_inv,
+    time_log_inv,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """A slice's scores against the block's keys and which pairs are seen; then softmax probabilities (MODE 0, the
+    whole row is here: exact max and sum) or the activation and its derivative."""
+    s = tl.dot(q, tl.trans(k)) * scale
+    if HAS_AB or HAS_POS or HAS_TIME:
+        s += ta._bias(
+            rows[:, None],
+            keys[None, :],
+            row_ok[:, None],
+            key_ok[None, :],
+            shift,
+            h,
+            o_start,
+            kv_start,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            stride_pth,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+        )
+    valid = row_ok[:, None] & key_ok[None, :]
+    if CAUSAL or WINDOW > 0:  # the block itself holds by construction
+        valid = valid & ta._visible(rows[:, None] + shift, keys[None, :], CAUSAL, WINDOW, 0)
+    if MODE == 0:
+        t = tl.where(valid, s * 1.4426950408889634, float("-inf"))
+        m = tl.max(t, 1)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)  # a row that sees no key
+        e = tl.math.exp2(t - m_safe[:, None])
+        lsum = tl.sum(e, 1)
+        l_ok = lsum > 0.0
+        p = e / tl.where(l_ok, lsum, 1.0)[:, None]
+        lse = tl.where(l_ok, m_safe + tl.math.log2(tl.where(l_ok, lsum, 1.0)), float("inf"))
+        da = p
+    else:
+        a, da = ta._activation(s, MODE, FAST)
+        p = tl.where(valid, a, 0.0)
+        da = tl.where(valid, da, 0.0)
+        lse = tl.zeros((q.shape[0],), dtype=tl.float32)
+    return p, da, lse, valid
+
+
+@triton.jit
+def _block_fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    AB,
+    PT,
+    TT,
+    QTS,
+    KTS,
+    RF,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    inv_max_len,
+    pos_log_inv,
+    time_log_inv,
+    num_heads,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NORM: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SUB_M: tl.constexpr,
+):
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len, o_start, _, shift, r0, keys = _block_rows(
+        q_off, kv_off, b, Q_STRIDE, KV_STRIDE, MASK_BLOCK
+    )
+    if (r0 >= q_len) | (q_len == 0):
+        return
+    k, v, key_ok, _ = _block_kv(
+        K, V, RF, kv_start, kv_len, keys, stride_kt, stride_kh, stride_vt, stride_vh, h, HEAD_DIM, FAST, BLOCK_D, ROPE
+    )
+    offs_d = tl.arange(0, BLOCK_D)
+    ns = ta._norm_scale(kv_len, inv_max_len, NORM)
+    for sub in tl.static_range(MASK_BLOCK // SUB_M):
+        rows = r0 + sub * SUB_M + tl.arange(0, SUB_M)
+        row_ok = (rows >= 0) & (rows < q_len)
+        qmask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        if ROPE:
+            q = ta._rope_load(
+                Q, q_start + rows, stride_qt, stride_qh, h, rows + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
+            )
+        else:
+            q = ta._load_tile(Q, q_start + rows, stride_qt, stride_qh, h, offs_d, qmask, True)
+        p, _, lse, _ = _block_scores(
+            q,
+            k,
+            rows,
+            keys,
+            row_ok,
+            key_ok,
+            shift,
+            h,
+            o_start,
+            kv_start,
+            scale,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            stride_pth,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            MODE,
+            CAUSAL,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            FAST,
+            WINDOW,
+        )
+        out = tl.dot(p.to(v.dtype), v)
+        if MODE == 0:
+            tl.store(LSE + (o_start + rows) * num_heads + h, lse, mask=row_ok)
+        else:
+            out = out * ns
+        o_rows = o_start + rows
+        tl.store(
+            Out + o_rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
+            out.to(Out.dtype.element_ty),
+            mask=qmask,
+        )
+
+
+@triton.jit
+def _block_bwd_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    DQ,
+    DK,
+    DV,
+    AB,
+    DAB,
+    PT,
+    DPT,
+    TT,
+    DTT,
+    QTS,
+    KTS,
+    RF,
+    q_off,
+    kv_off,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_dot,
+    stride_doh,
+    stride_dqt,
+    stride_dqh,
+    stride_dkt,
+    stride_dkh,
+    stride_dvt,
+    stride_dvh,
+    stride_abt,
+    stride_abh,
+    stride_pth,
+    stride_tth,
+    scale,
+    inv_max_len,
+    pos_log_inv,
+    time_log_inv,
+    HEAD_DIM: tl.constexpr,
+    MODE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    NORM: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    HAS_AB: tl.constexpr,
+    HAS_POS: tl.constexpr,
+    HAS_TIME: tl.constexpr,
+    NUM_POS: tl.constexpr,
+    NUM_TIME: tl.constexpr,
+    FAST: tl.constexpr,
+    WINDOW: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    ROPE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SUB_M: tl.constexpr,
+):
+    """dQ of the block's queries and dK, dV of its keys (every query that sees them is here: plain stores), the
+    score-bias gradients; softmax recomputed whole per row, its delta sum_j p dp in registers."""
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, q_len, kv_start, kv_len, o_start, dkv_start, shift, r0, keys = _block_rows(
+        q_off, kv_off, b, Q_STRIDE, KV_STRIDE, MASK_BLOCK
+    )
+    if (r0 >= q_len) | (q_len == 0):
+        return
+    k, v, key_ok, kmask = _block_kv(
+        K, V, RF, kv_start, kv_len, keys, stride_kt, stride_kh, stride_vt, stride_vh, h, HEAD_DIM, FAST, BLOCK_D, ROPE
+    )
+    offs_d = tl.arange(0, BLOCK_D)
+    ns = ta._norm_scale(kv_len, inv_max_len, NORM)
+    dk = tl.zeros((MASK_BLOCK, BLOCK_D), dtype=tl.float32)
+    dv = tl.zeros((MASK_BLOCK, BLOCK_D), dtype=tl.float32)
+    for sub in tl.static_range(MASK_BLOCK // SUB_M):
+        rows = r0 + sub * SUB_M + tl.arange(0, SUB_M)
+        row_ok = (rows >= 0) & (rows < q_len)
+        o_rows = o_start + rows
+        qmask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        if ROPE:
+            q = ta._rope_load(
+                Q, q_start + rows, stride_qt, stride_qh, h, rows + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
+            )
+        else:
+            q = ta._load_tile(Q, q_start + rows, stride_qt, stride_qh, h, offs_d, qmask, True)
+        do = ta._load_tile(DO, o_rows, stride_dot, stride_doh, h, offs_d, qmask, True)
+        p, da, _, valid = _block_scores(
+            q,
+            k,
+            rows,
+            keys,
+            row_ok,
+            key_ok,
+            shift,
+            h,
+            o_start,
+            kv_start,
+            scale,
+            AB,
+            stride_abt,
+            stride_abh,
+            PT,
+            stride_pth,
+            TT,
+            stride_tth,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            MODE,
+            CAUSAL,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+            FAST,
+            WINDOW,
+        )
+        dp = tl.dot(do, tl.trans(v))
+        if MODE == 0:
+            ds = p * (dp - tl.sum(p * dp, 1)[:, None])
+        else:
+            p = p * ns
+            ds = dp * da * ns
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        ds_lo = ds.to(q.dtype)
+        dk += tl.dot(tl.trans(ds_lo), q)
+        dq = tl.dot(ds_lo, k) * scale
+        if ROPE:
+            ta._rope_store(
+                DQ, o_rows, stride_dqt, stride_dqh, h, dq, rows + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST, False
+            )
+        else:
+            tl.store(
+                DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
+                dq.to(DQ.dtype.element_ty),
+                mask=qmask,
+            )
+        ta._bias_grads(
+            ds,
+            rows[:, None],
+            keys[None, :],
+            row_ok[:, None],
+            key_ok[None, :],
+            valid,
+            shift,
+            h,
+            o_start,
+            kv_start,
+            DAB,
+            stride_abt,
+            stride_abh,
+            DPT,
+            DTT,
+            QTS,
+            KTS,
+            pos_log_inv,
+            time_log_inv,
+            HAS_AB,
+            HAS_POS,
+            HAS_TIME,
+            NUM_POS,
+            NUM_TIME,
+        )
+    dkv_rows = dkv_start + keys
+    if ROPE:
+        ta._rope_store(
+            DK, dkv_rows, stride_dkt, stride_dkh, h, dk * scale, keys, key_ok, RF, HEAD_DIM, BLOCK_D, FAST, False
+        )
+    else:
+        tl.store(
+            DK + dkv_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :],
+            (dk * scale).to(DK.dtype.element_ty),
+            mask=kmask,
+        )
+    tl.store(
+        DV + dkv_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask
+    )
+
+
+def _grid(p):
+    def grid(meta):  # one more block than the rows need: a query sequence's first position may sit inside a block
+        return (ta._cdiv(max(p.max_q_len, 1), p.mask_block) + 1, p.heads, p.num_seqs)
+
+    return grid
+
+
+def forward(p, out, lse):
+    """Fills `out` and, for softmax, the log2-domain logsumexp `lse` of a `Problem` with `block_kernel()`."""
+    q, k, v = p.q, p.k, p.v
+    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
+    args = (
+        q,
+        k,
+        v,
+        out,
+        lse,
+        ab,
+        pt,
+        tt,
+        qts,
+        kts,
+        p.rope,
+        p.q_off,
+        p.kv_off,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        out.stride(0),
+        out.stride(1),
+        sabt,
+        sabh,
+        spt,
+        stt,
+        p.scale,
+        p.inv_max_len,
+        p.pos_log_inv,
+        p.time_log_inv,
+        p.heads,
+    )
+    KERNELS["block_fwd"](_grid(p), args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket, p.options)
+    return out, lse
+
+
+def backward(p, go, num_kv_rows, dab, dpt, dtt):
+    """(dq, dk, dv) in the rows of the output and of the (shared: expanded) keys; bias gradients in place. Keys
+    before a sequence's first query block have no program: zeros, except in self-attention (every block has one)."""
+    q, k, v = p.q, p.k, p.v
+    dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+    alloc = torch.empty if p.q_off is p.kv_off else torch.zeros
+    dk = alloc((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
+    dv = alloc((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
+    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
+    dab_arg, dpt_arg, dtt_arg = ta._bias_grad_args(p, dab, dpt, dtt)
+    args = (
+        q,
+        k,
+        v,
+        go,
+        dq,
+        dk,
+        dv,
+        ab,
+        dab_arg,
+        pt,
+        dpt_arg,
+        tt,
+        dtt_arg,
+        qts,
+        kts,
+        p.rope,
+        p.q_off,
+        p.kv_off,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        go.stride(0),
+        go.stride(1),
+        dq.stride(0),
+        dq.stride(1),
+        dk.stride(0),
+        dk.stride(1),
+        dv.stride(0),
+        dv.stride(1),
+        sabt,
+        sabh,
+        spt,
+        stt,
+        p.scale,
+        p.inv_max_len,
+        p.pos_log_inv,
+        p.time_log_inv,
+    )
+    KERNELS["block_bwd"](
+        _grid(p),
+        args,
+        {**p.consts, "BLOCK_D": p.block_d},
+        p.bucket,
+        p.options,
+        reset=tuple(t for t in (dpt, dtt) if t is not None),
+    )
+    return dq, dk, dv
+
+
+# slices of 32 query rows in the interpreter: a 64-key block takes two
+KERNELS = {
+    "block_fwd": ta._Kernel(_block_fwd_kernel, "block_fwd", interpret_tiles={"SUB_M": 32}),
+    "block_bwd": ta._Kernel(_block_bwd_kernel, "block_bwd", interpret_tiles={"SUB_M": 32}),
+}
+ta._KERNELS.update(KERNELS)  # one registry of every kernel: `tuned_configs` reports these too
