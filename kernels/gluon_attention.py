@@ -30,7 +30,7 @@ CONSUMER_REGS = gl.constexpr(240)
 def covers(consts: dict, dtype) -> bool:
     return (
         not (consts["HAS_AB"] or consts["HAS_POS"] or consts["HAS_TIME"])
-        and not (consts["WINDOW"] or consts["MASK_BLOCK"] or consts["ROPE"])
+        and not (consts.get("WINDOW") or consts.get("MASK_BLOCK") or consts.get("ROPE"))
         and consts["HEAD_DIM"] in (64, 128)
         and consts["FAST"]
         and dtype.itemsize == 2
