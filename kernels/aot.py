@@ -157,12 +157,12 @@ def static_report(config_names: list[str], options: KernelOptions = KernelOption
     rows = []
     for name in config_names:
         cfg = CONFIGS[name]
-        for op, causal in cfg.variants:
+        for variant in cfg.variants:
             case = make_case(cfg, 0, torch.device("cpu"), num_seqs=min(cfg.num_seqs, 8))
 
-            def fwd_bwd(options, op=op, case=case, causal=causal):
+            def fwd_bwd(options, variant=variant, case=case):
                 leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-                run_ours(op, case, causal, "triton", *leaves, options=options).sum().backward()
+                run_ours(variant, case, "triton", *leaves, options=options).sum().backward()
 
             launches = record_launches(functools.partial(fwd_bwd, options))
             if all(launch.kind != "bwd1" for launch in launches):  # the one-launch backward too, where it applies
@@ -178,7 +178,7 @@ def static_report(config_names: list[str], options: KernelOptions = KernelOption
                     usage = {**resource_usage(compiled), "sass": sass_counts(compiled)}
                     row = {
                         "config": name,
-                        "variant": f"{op}{'-causal' if causal else ''}",
+                        "variant": variant.name,
                         "kernel": launch.kind,
                         "fuse_dq": launch.consts.get("FUSE_DQ"),
                         "tiles": tiles,

@@ -2,9 +2,12 @@
 
 Peers (each on its own preferred layout, the layout conversion left out of its time): FlexAttention with
 a document mask over the packed tokens, padded SDPA with a key-padding mask, nested-tensor (jagged) SDPA,
-and, for GDPA, `torch.compile` of a padded pointwise attention. TFLOP/s always count the real (unpadded,
-unmasked) query-key pairs: 4*pairs*H*D forward, 10*pairs*H*D backward. Each is timed eagerly (launched from
-Python, host costs included) and, after every eager timing, replayed from a CUDA graph (device time only).
+and, for GDPA, `torch.compile` of a padded pointwise attention. Variants with a window or block mask are timed
+against FlexAttention with the same mask (document, causal, window or block); variants with fused RoPE also against
+our same kernel after a separate rotary (the model's rotate-half on q and k, in bf16). TFLOP/s always count the real
+(unpadded, unmasked) query-key pairs: 4*pairs*H*D forward, 10*pairs*H*D backward; the block variants also report
+the bytes they must move and the TB/s that makes. Each is timed eagerly (launched from Python, host costs included)
+and, after every eager timing, replayed from a CUDA graph (device time only).
 """
 
 import json
@@ -20,6 +23,33 @@ import torch
 import torch.nn.functional as F
 from gemrec.kernels.ops import attention_flops, gdpa, jagged_attention
 from gemrec.kernels.options import KernelOptions
+from gemrec.kernels.reference import rope_cos_sin, rotate_half
+
+ROPE_BASE = 10000.0
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One timed call: op ("jfa" softmax or "gdpa" silu), causal, and the API's window / block / rope_base."""
+
+    op: str
+    causal: bool
+    window: int | None = None
+    block: int | None = None
+    rope_base: float | None = None
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.op}{'-causal' if self.causal else ''}"
+            + (f"-w{self.window}" if self.window else "")
+            + (f"-b{self.block}" if self.block else "")
+            + ("-rope" if self.rope_base else "")
+        )
+
+    @property
+    def masks(self) -> dict:
+        return {"window": self.window, "block": self.block, "rope_base": self.rope_base}
 
 
 @dataclass(frozen=True)
@@ -30,8 +60,9 @@ class Config:
     head_dim: int
     q_lens: str  # "uniform:LO:HI", "lognormal:MEDIAN:MAX" or "shared:N"
     kv_lens: str  # same forms, or "self" (self-attention)
-    variants: tuple[tuple[str, bool], ...]  # (op, causal); op in {"jfa", "gdpa"}
+    variants: tuple[Variant, ...]
     targets: str
+    plain_peers: bool = True  # the unmasked variants' peers (Flex document mask, SDPA); off where they only repeat A
 
 
 CONFIGS = {
@@ -42,7 +73,7 @@ CONFIGS = {
         128,
         "uniform:1:4096",
         "self",
-        (("jfa", False), ("jfa", True), ("gdpa", True)),
+        (Variant("jfa", False), Variant("jfa", True), Variant("gdpa", True)),
         "JFA >= 450 fwd, >= 350 fwd+bwd; GDPA silu causal >= 450 fwd, >= 300 fwd+bwd",
     ),
     "B": Config(
@@ -52,7 +83,7 @@ CONFIGS = {
         64,
         "lognormal:128:1024",
         "self",
-        (("jfa", False), ("jfa", True), ("gdpa", False), ("gdpa", True)),
+        (Variant("jfa", False), Variant("jfa", True), Variant("gdpa", False), Variant("gdpa", True)),
         ">= 2x FlexAttention, both ops",
     ),
     "C-cross": Config(
@@ -62,11 +93,52 @@ CONFIGS = {
         128,
         "uniform:1:4096",
         "uniform:16:64",
-        (("jfa", False), ("gdpa", False)),
+        (Variant("jfa", False), Variant("gdpa", False)),
         ">= 2x the best peer",
     ),
     "C-pma": Config(
-        "C-pma", 32, 8, 128, "shared:32", "uniform:1:4096", (("jfa", False), ("gdpa", False)), ">= 2x the best peer"
+        "C-pma",
+        32,
+        8,
+        128,
+        "shared:32",
+        "uniform:1:4096",
+        (Variant("jfa", False), Variant("gdpa", False)),
+        ">= 2x the best peer",
+    ),
+    # long histories (issue 17): full causal attention as the baseline, a 1024-event window, 64-event blocks
+    "long": Config(
+        "long",
+        8,
+        8,
+        128,
+        "uniform:4096:16384",
+        "self",
+        (
+            Variant("jfa", True),
+            Variant("jfa", True, window=1024),
+            Variant("jfa", True, block=64),
+            Variant("jfa", True, block=64, rope_base=ROPE_BASE),
+            Variant("jfa", True, window=1024, rope_base=ROPE_BASE),
+        ),
+        "SWA w1024 <= 0.55 ms fwd, <= 2.7 ms fwd+bwd; block 64 + fused RoPE <= 0.25 ms fwd, <= 0.75 ms fwd+bwd; "
+        "fused RoPE >= 1.3x separate rotary + the same attention (fwd+bwd)",
+        plain_peers=False,
+    ),
+    "mixed": Config(
+        "mixed",
+        32,
+        8,
+        128,
+        "lognormal:2048:16384",
+        "self",
+        (
+            Variant("jfa", True),
+            Variant("jfa", True, window=1024),
+            Variant("jfa", True, block=64, rope_base=ROPE_BASE),
+        ),
+        "runs (FlexAttention runs out of memory building its masks here)",
+        plain_peers=False,
     ),
 }
 
@@ -127,46 +199,25 @@ def make_case(cfg: Config, seed: int, device, dtype=torch.bfloat16, num_seqs: in
     )
 
 
-def run_ours(op: str, case: Case, causal: bool, backend="auto", q=None, k=None, v=None, options=None):
+def run_ours(variant: Variant, case: Case, backend="auto", q=None, k=None, v=None, options=None, **masks):
+    """Our op on the case (q, k, v override its tensors; `masks` the variant's window / block / rope_base)."""
     q, k, v = (case.q if q is None else q), (case.k if k is None else k), (case.v if v is None else v)
-    if op == "jfa":
-        return jagged_attention(
-            q,
-            k,
-            v,
-            case.q_offsets,
-            case.kv_offsets,
-            case.max_q,
-            case.max_kv,
-            causal=causal,
-            backend=backend,
-            options=options,
-        )
-    return gdpa(
-        q,
-        k,
-        v,
-        case.q_offsets,
-        case.kv_offsets,
-        case.max_q,
-        case.max_kv,
-        activation="silu",
-        causal=causal,
-        normalize="kv_len",
-        backend=backend,
-        options=options,
-    )
+    args = (q, k, v, case.q_offsets, case.kv_offsets, case.max_q, case.max_kv)
+    kw = {"causal": variant.causal, "backend": backend, "options": options, **(variant.masks | masks)}
+    if variant.op == "jfa":
+        return jagged_attention(*args, **kw)
+    return gdpa(*args, activation="silu", normalize="kv_len", **kw)
 
 
-def check_correctness(cfg: Config, op: str, causal: bool, device, seed: int, options: KernelOptions) -> dict:
+def check_correctness(cfg: Config, variant: Variant, device, seed: int, options: KernelOptions) -> dict:
     """bf16 kernel vs fp32 reference on a few sequences of the config: output and all input grads."""
     case = make_case(cfg, seed, device, num_seqs=4)
     leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-    out = run_ours(op, case, causal, "triton", *leaves, options=options)
+    out = run_ours(variant, case, "triton", *leaves, options=options)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, grad)
     ref_leaves = [t.detach().float().requires_grad_() for t in (case.q, case.k, case.v)]
-    ref = run_ours(op, case, causal, "reference", *ref_leaves)
+    ref = run_ours(variant, case, "reference", *ref_leaves)
     ref_grads = torch.autograd.grad(ref, ref_leaves, grad.float())
 
     def rel(a, b):
@@ -195,44 +246,104 @@ def _masks(case: Case, causal: bool, device):
     return mask[:, None]  # (B, 1, Lq, Lkv)
 
 
-def peers(op: str, case: Case, causal: bool, device):
-    """name -> (callable of the leaf tensors returning an output, leaf tensors) for each peer that applies."""
+def _positions(lens: list[int], shifts: list[int], device) -> torch.Tensor:
+    """Each jagged row's position: its index within its sequence plus the sequence's shift."""
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=device), torch.tensor(lens, device=device))
+    start = offsets_of(lens, device)[:-1]
+    return torch.arange(seq.numel(), device=device) - start[seq] + torch.tensor(shifts, device=device)[seq]
+
+
+def _flex(case: Case, variant: Variant, device):
+    """FlexAttention (compiled) with a document mask over the packed tokens, plus the variant's causal, window and
+    block conditions, written so that the mask never holds an integer tokens x tokens temporary."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    causal, window, block = variant.causal, variant.window, variant.block
+    doc_q = torch.repeat_interleave(
+        torch.arange(len(case.q_lens), device=device), torch.tensor(case.q_lens, device=device)
+    )
+    doc_kv = torch.repeat_interleave(
+        torch.arange(len(case.kv_lens), device=device), torch.tensor(case.kv_lens, device=device)
+    )
+    shifts = [lk - lq for lq, lk in zip(case.q_lens, case.kv_lens)]
+    pos_q = _positions(case.q_lens, shifts, device)
+    pos_kv = _positions(case.kv_lens, [0] * len(case.kv_lens), device)
+
+    def mask(b, h, qi, ki):
+        pq, pk = pos_q[qi], pos_kv[ki]
+        seen = doc_q[qi] == doc_kv[ki]
+        if causal:
+            seen = seen & (pk <= pq)
+        if window:
+            seen = seen & (pk > pq - window)
+            if not causal:
+                seen = seen & (pk < pq + window)
+        if block:
+            seen = seen & (pq // block == pk // block)
+        return seen
+
+    block_mask = create_block_mask(mask, None, None, doc_q.numel(), doc_kv.numel(), device=device)
+    flex = torch.compile(flex_attention, dynamic=False)
     scale = case.q.shape[-1] ** -0.5
     q_full = case.q.repeat(len(case.kv_lens), 1, 1) if case.shared_q else case.q
+    leaves = [t.detach().clone().transpose(0, 1)[None].requires_grad_() for t in (q_full, case.k, case.v)]
+    return (lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=scale)), leaves
+
+
+def _separate_rotary(variant: Variant, case: Case, device, options: KernelOptions):
+    """Our same kernel after a separate rotary, as the model's `Rotary` + `rotate` do it: cos/sin gathered from fp32
+    tables per call, q and k rotated in their dtype (a rotated copy of each written and, backward, read again)."""
+    head_dim = case.q.shape[-1]
+    cos, sin = (
+        t.float()
+        for t in rope_cos_sin(torch.arange(max(case.max_q, case.max_kv), device=device), head_dim, variant.rope_base)
+    )
+    shifts = [lk - lq for lq, lk in zip(case.q_lens, case.kv_lens)]
+    pos_q = _positions(
+        case.q_lens if not case.shared_q else case.q_lens[:1], shifts[:1] if case.shared_q else shifts, device
+    )
+    pos_kv = _positions(case.kv_lens, [0] * len(case.kv_lens), device)
+
+    def fn(q, k, v):
+        q = rotate_half(q, cos[pos_q][:, None], sin[pos_q][:, None])
+        k = rotate_half(k, cos[pos_kv][:, None], sin[pos_kv][:, None])
+        return run_ours(variant, case, "auto", q, k, v, options=options, rope_base=None)
+
+    return fn, [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
+
+
+def peers(variant: Variant, case: Case, device, options: KernelOptions, plain: bool = True):
+    """name -> (callable of the leaf tensors returning an output, leaf tensors) for each peer that applies: for a
+    masked variant, FlexAttention with its mask; for fused RoPE, the separate rotary; for unmasked variants (where
+    `plain`), Flex's document mask, SDPA padded and nested, compiled padded GDPA."""
     out = {}
+    if variant.rope_base:
+        out["ours, separate rotary"] = _separate_rotary(variant, case, device, options)
+    if variant.window or variant.block:
+        if variant.op == "jfa":
+            label = "+".join(
+                ["doc"] + ["causal"] * variant.causal + [f"window {variant.window}"] * bool(variant.window)
+            )
+            label += f"+block {variant.block}" if variant.block else ""
+            out[f"flex ({label} mask)"] = _flex(case, variant, device)
+        return out
+    if not plain:
+        return out
+    causal = variant.causal
+    scale = case.q.shape[-1] ** -0.5
+    q_full = case.q.repeat(len(case.kv_lens), 1, 1) if case.shared_q else case.q
     mask = _masks(case, causal, device)
     qp = _padded(q_full, case.q_lens, case.max_q).requires_grad_()
     kp = _padded(case.k, case.kv_lens, case.max_kv).requires_grad_()
     vp = _padded(case.v, case.kv_lens, case.max_kv).requires_grad_()
-    if op == "jfa":
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-        doc_q = torch.repeat_interleave(
-            torch.arange(len(case.q_lens), device=device), torch.tensor(case.q_lens, device=device)
-        )
-        doc_kv = torch.repeat_interleave(
-            torch.arange(len(case.kv_lens), device=device), torch.tensor(case.kv_lens, device=device)
-        )
-        q_off, kv_off = offsets_of(case.q_lens, device), offsets_of(case.kv_lens, device)
-        pos_q = torch.arange(doc_q.numel(), device=device) - q_off[doc_q]
-        pos_kv = torch.arange(doc_kv.numel(), device=device) - kv_off[doc_kv]
-        shift = torch.tensor(case.kv_lens, device=device) - torch.tensor(case.q_lens, device=device)
-
-        def doc_mask(b, h, qi, ki):
-            same = doc_q[qi] == doc_kv[ki]
-            if causal:
-                same = same & (pos_kv[ki] <= pos_q[qi] + shift[doc_q[qi]])
-            return same
-
-        block_mask = create_block_mask(doc_mask, None, None, doc_q.numel(), doc_kv.numel(), device=device)
-        flex = torch.compile(flex_attention, dynamic=False)
-        fq, fk, fv = (t.detach().clone().transpose(0, 1)[None].requires_grad_() for t in (q_full, case.k, case.v))
-        out["flex (doc mask)"] = (lambda q, k, v: flex(q, k, v, block_mask=block_mask, scale=scale), [fq, fk, fv])
+    if variant.op == "jfa":
+        out["flex (doc mask)"] = _flex(case, variant, device)
         out["sdpa padded (mask)"] = (
             lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale),
             [qp, kp, vp],
         )
         nq, nk, nv = (t.detach().clone().requires_grad_() for t in (q_full, case.k, case.v))
+        kv_off = offsets_of(case.kv_lens, device)
 
         def nested(nq, nk, nv):
             jq = torch.nested.nested_tensor_from_jagged(nq, offsets_of(case.q_lens, device)).transpose(1, 2)
@@ -305,17 +416,17 @@ def profile_ours(config_names: list[str], options: KernelOptions, seed: int = 0,
     for name in config_names:
         cfg = CONFIGS[name]
         case = make_case(cfg, seed, device)
-        for op, causal in cfg.variants:
+        for variant in cfg.variants:
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
             for _ in range(3):  # autotune and warm up outside the profile
-                out = run_ours(op, case, causal, "auto", *leaves, options=options)
+                out = run_ours(variant, case, "auto", *leaves, options=options)
                 torch.autograd.grad(out, leaves, torch.ones_like(out))
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = run_ours(op, case, causal, "auto", *leaves, options=options)
+                out = run_ours(variant, case, "auto", *leaves, options=options)
                 torch.autograd.grad(out, leaves, torch.ones_like(out))
                 torch.cuda.synchronize()
-            progress(f"profile {name}/{op}{'-causal' if causal else ''}")
+            progress(f"profile {name}/{variant.name}")
             progress(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))
 
 
@@ -335,12 +446,26 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def least_bytes(case: Case) -> dict[str, int]:
+    """The fewest bytes each timing must move through device memory: forward reads q, k, v and writes out (and the
+    softmax's logsumexp, 4 bytes per row and head); backward reads q, k, v and dO and writes dq, dk, dv."""
+    q_rows = sum(case.q_lens)
+    heads, head_dim, size = case.q.shape[1], case.q.shape[2], case.q.element_size()
+    q_side, kv_side = q_rows * heads * head_dim * size, case.k.shape[0] * heads * head_dim * size
+    fwd = 2 * q_side + 2 * kv_side + q_rows * heads * 4
+    total = fwd + 3 * q_side + 4 * kv_side
+    return {"fwd": fwd, "fwd+bwd": total, "graph fwd": fwd, "graph fwd+bwd": total}
+
+
 def _record(row: dict, label: str, flops: int, fn, leaves, backward: bool, graph: bool) -> None:
-    """row[label_ms / label_tflops] from `_time`, or row[label_error] where it fails (a peer's OOM, say)."""
+    """row[label_ms / label_tflops (/ label_tbps with row["bytes"])] from `_time`, or row[label_error] where it fails
+    (a peer's OOM, say)."""
     try:
         ms = _time(fn, leaves, backward, graph)
         row[f"{label}_ms"] = ms
         row[f"{label}_tflops"] = flops / (ms * 1e-3) / 1e12
+        if "bytes" in row:
+            row[f"{label}_tbps"] = row["bytes"][label] / (ms * 1e-3) / 1e12
     except Exception as err:
         row[f"{label}_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
     torch.cuda.empty_cache()
@@ -375,9 +500,9 @@ def run_benchmark(
     checks = {}
     for name in config_names:
         cfg = CONFIGS[name]
-        for op, causal in cfg.variants:
-            key = f"{name}/{op}{'-causal' if causal else ''}"
-            checks[key] = check_correctness(cfg, op, causal, device, seed + 1, options)
+        for variant in cfg.variants:
+            key = f"{name}/{variant.name}"
+            checks[key] = check_correctness(cfg, variant, device, seed + 1, options)
             progress(f"check {key}: {'ok' if checks[key]['ok'] else 'FAIL'} {checks[key]['errors']}")
     from gemrec.kernels.triton_attention import tuned_configs
 
@@ -385,31 +510,46 @@ def run_benchmark(
         cfg = CONFIGS[name]
         case = make_case(cfg, seed, device)
         tuned_before = len(tuned_configs())
-        for op, causal in cfg.variants:
-            variant = f"{op}{'-causal' if causal else ''}"
-            fwd_flops, bwd_flops = attention_flops(case.q_offsets, case.kv_offsets, cfg.heads, cfg.head_dim, causal)
+        for variant in cfg.variants:
+            fwd_flops, bwd_flops = attention_flops(
+                case.q_offsets,
+                case.kv_offsets,
+                cfg.heads,
+                cfg.head_dim,
+                variant.causal,
+                window=variant.window,
+                block=variant.block,
+            )
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
             impls = {
                 "ours (triton)": (
-                    lambda q, k, v, op=op, causal=causal, case=case: run_ours(
-                        op, case, causal, "auto", q, k, v, options=options
+                    lambda q, k, v, variant=variant, case=case: run_ours(
+                        variant, case, "auto", q, k, v, options=options
                     ),
                     leaves,
                 )
             }
             if with_peers:
                 try:
-                    impls.update(peers(op, case, causal, device))
+                    impls.update(peers(variant, case, device, options, plain=cfg.plain_peers))
                 except Exception as err:  # a peer that cannot even be set up is reported, not fatal
-                    progress(f"peers for {name}/{variant} unavailable: {type(err).__name__}: {err}")
+                    reason = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+                    progress(f"peers for {name}/{variant.name} unavailable: {reason}")
+                    rows.append(
+                        {"config": name, "variant": variant.name, "impl": "peers (setup failed)"}
+                        | {f"{label}_error": reason for label in LABELS}
+                    )
+                torch.cuda.empty_cache()
             for impl, (fn, impl_leaves) in impls.items():
                 row = {
                     "config": name,
-                    "variant": variant,
+                    "variant": variant.name,
                     "impl": impl,
                     "fwd_gflop": fwd_flops / 1e9,
                     "bwd_gflop": bwd_flops / 1e9,
                 }
+                if variant.block:  # memory-bound: the bytes it must move, and the TB/s each timing makes of them
+                    row["bytes"] = least_bytes(case)
                 for label, backward, graph, flops in _timings(fwd_flops, bwd_flops):
                     if not graph:
                         _record(row, label, flops, fn, impl_leaves, backward, graph)
@@ -422,7 +562,8 @@ def run_benchmark(
         for entry in tuned_configs()[tuned_before:]:  # every candidate's time, per kernel tuned for this config
             consts = entry["constexprs"]
             progress(
-                f"  tuned {name} {entry['kernel']} mode={consts['MODE']} causal={consts['CAUSAL']} "
+                f"  tuned {name} {entry['kernel']} {entry['dtype']} mode={consts['MODE']} causal={consts['CAUSAL']} "
+                f"window={consts.get('WINDOW')} block={consts.get('MASK_BLOCK')} rope={consts.get('ROPE')} "
                 f"fuse_dq={consts.get('FUSE_DQ')} buckets={entry['len_buckets']}: "
                 + " ".join(f"{c}={ms}" for c, ms in entry["candidates_ms"].items())
                 + (
@@ -463,10 +604,11 @@ LABELS = tuple(label for label, *_ in _timings(0, 0))  # the timing columns, in 
 def format_row(row: dict) -> str:
     def cell(label):
         if f"{label}_tflops" in row:
-            return f"{row[f'{label}_ms']:.3f} ms {row[f'{label}_tflops']:.0f} TF/s"
+            tbps = f" {row[f'{label}_tbps']:.2f} TB/s" if f"{label}_tbps" in row else ""
+            return f"{row[f'{label}_ms']:.3f} ms {row[f'{label}_tflops']:.0f} TF/s{tbps}"
         return row.get(f"{label}_error", "-")
 
-    return f"{row['config']:8s} {row['variant']:12s} {row['impl']:26s} " + " ".join(
+    return f"{row['config']:8s} {row['variant']:22s} {row['impl']:30s} " + " ".join(
         f"{label} {cell(label):22s}" for label in LABELS
     )
 
@@ -482,7 +624,8 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             for k, v in meta["checks"].items()
         ),
         "",
-        "Eager: each call launched from Python. Graph: replayed from a CUDA graph (device time, no host costs).",
+        "Eager: each call launched from Python. Graph: replayed from a CUDA graph (device time, no host costs). "
+        "Block variants: TB/s of the least bytes the call must move (`least_bytes`).",
         "",
         "| config | variant | impl | " + " | ".join(f"{label} ms | {label} TFLOP/s" for label in LABELS) + " |",
         "|---|---|---|" + "---|---|" * len(LABELS),
@@ -492,7 +635,9 @@ def markdown(meta: dict, rows: list[dict]) -> str:
         return f"{r[f'{label}_ms']:.3f}" if f"{label}_ms" in r else r.get(f"{label}_error", "-")[:40]
 
     def tf(r, label):
-        return f"{r[f'{label}_tflops']:.0f}" if f"{label}_tflops" in r else "-"
+        if f"{label}_tflops" not in r:
+            return "-"
+        return f"{r[f'{label}_tflops']:.0f}" + (f" ({r[f'{label}_tbps']:.2f} TB/s)" if f"{label}_tbps" in r else "")
 
     for r in rows:
         lines.append(

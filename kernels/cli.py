@@ -57,7 +57,9 @@ def kernel_options(args: argparse.Namespace):
 
 def register(groups: dict) -> None:
     p = groups["bench"].add_parser("kernels", help="jagged attention / GDPA kernels vs FlexAttention, SDPA, compile")
-    p.add_argument("--configs", default="A,B,C-cross,C-pma", help="comma-separated configs (A, B, C-cross, C-pma)")
+    p.add_argument(
+        "--configs", default="A,B,C-cross,C-pma", help="comma-separated configs (A, B, C-cross, C-pma, long, mixed)"
+    )
     p.add_argument("--out", default="runs/bench-kernels", help="folder for kernels_bench.json/.md")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", action="store_true", help="time only our kernels")

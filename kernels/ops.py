@@ -2,7 +2,8 @@
 
 The Triton path is a `torch.library` custom op pair (`gemrec::attention_fwd` / `gemrec::attention_bwd`)
 with fake implementations (so `torch.compile(fullgraph=True)` traces through it), autograd, and FLOP
-formulas for `FlopCounterMode` that count only real (unpadded, unmasked) query-key pairs.
+formulas for `FlopCounterMode` that count only real (unpadded, unmasked) query-key pairs, the window and block masks
+included.
 """
 
 from dataclasses import dataclass
@@ -70,6 +71,9 @@ def _problem(
     kv_timestamps,
     pos_max_distance,
     time_log_base,
+    window,
+    block,
+    rope_base,
     options,
 ):
     module = _kernels(q.device)
@@ -92,6 +96,9 @@ def _problem(
         kv_timestamps,
         pos_max_distance,
         time_log_base,
+        window,
+        block,
+        rope_base,
         options,
     )
 
@@ -122,6 +129,9 @@ def attention_fwd(
     kv_timestamps: torch.Tensor | None,
     pos_max_distance: int,
     time_log_base: float,
+    window: int,
+    block: int,
+    rope_base: float,
     options: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse); lse is the log2-domain logsumexp per (row, head) for softmax, unused otherwise."""
@@ -144,6 +154,9 @@ def attention_fwd(
         kv_timestamps,
         pos_max_distance,
         time_log_base,
+        window,
+        block,
+        rope_base,
         KernelOptions.from_flags(options),
     )
     return module.forward(problem)
@@ -169,6 +182,9 @@ def _(
     kv_timestamps,
     pos_max_distance,
     time_log_base,
+    window,
+    block,
+    rope_base,
     options,
 ):
     rows = _num_out_rows(q, q_offsets, kv_offsets)
@@ -198,6 +214,9 @@ def attention_bwd(
     kv_timestamps: torch.Tensor | None,
     pos_max_distance: int,
     time_log_base: float,
+    window: int,
+    block: int,
+    rope_base: float,
     options: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); absent biases get empty tensors."""
@@ -220,6 +239,9 @@ def attention_bwd(
         kv_timestamps,
         pos_max_distance,
         time_log_base,
+        window,
+        block,
+        rope_base,
         KernelOptions.from_flags(options),
     )
     grads = module.backward(problem, grad_out, out, lse)
@@ -249,6 +271,9 @@ def _(
     kv_timestamps,
     pos_max_distance,
     time_log_base,
+    window,
+    block,
+    rope_base,
     options,
 ):
     def like(t):
@@ -277,6 +302,9 @@ def _setup_context(ctx, inputs, output):
         kv_timestamps,
         pos_max_distance,
         time_log_base,
+        window,
+        block,
+        rope_base,
         options,
     ) = inputs
     out, lse = output
@@ -285,7 +313,7 @@ def _setup_context(ctx, inputs, output):
     )
     ctx.set_materialize_grads(False)  # lse gets no gradient: skip allocating zeros for it
     ctx.params = (max_q_len, max_kv_len, mode, causal, scale, norm)
-    ctx.bias_params = (pos_max_distance, time_log_base)
+    ctx.extra_params = (pos_max_distance, time_log_base, window, block, rope_base)
     ctx.options = options
 
 
@@ -308,7 +336,7 @@ def _backward(ctx, grad_out, grad_lse):
         time_table,
         q_timestamps,
         kv_timestamps,
-        *ctx.bias_params,
+        *ctx.extra_params,
         ctx.options,
     )
     return (
@@ -326,6 +354,9 @@ def _backward(ctx, grad_out, grad_lse):
         dab if attn_bias is not None else None,
         dpt if pos_table is not None else None,
         dtt if time_table is not None else None,
+        None,
+        None,
+        None,
         None,
         None,
         None,
@@ -365,7 +396,7 @@ class _Attention(torch.autograd.Function):
         q_timestamps,
         kv_timestamps,
         params,
-        bias_params,
+        extra_params,
         options,
     ):
         # None: the same tensor as q_offsets (torch.compile refuses one tensor passed twice to a Function)
@@ -382,7 +413,7 @@ class _Attention(torch.autograd.Function):
             time_table,
             q_timestamps,
             kv_timestamps,
-            *bias_params,
+            *extra_params,
         )
         if _direct(q):
             module, problem = _problem(*args, options)
@@ -392,7 +423,7 @@ class _Attention(torch.autograd.Function):
         ctx.save_for_backward(
             q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps
         )
-        ctx.params, ctx.bias_params, ctx.options = params, bias_params, options
+        ctx.params, ctx.extra_params, ctx.options = params, extra_params, options
         return out
 
     @staticmethod
@@ -413,7 +444,7 @@ class _Attention(torch.autograd.Function):
                 time_table,
                 q_timestamps,
                 kv_timestamps,
-                *ctx.bias_params,
+                *ctx.extra_params,
                 ctx.options,
             )
             dq, dk, dv, dab, dpt, dtt = module.backward(problem, grad_out, out, lse)
@@ -433,7 +464,7 @@ class _Attention(torch.autograd.Function):
                 time_table,
                 q_timestamps,
                 kv_timestamps,
-                *ctx.bias_params,
+                *ctx.extra_params,
                 ctx.options.flags,
             )
         return (
@@ -453,22 +484,54 @@ class _Attention(torch.autograd.Function):
         )
 
 
-def attention_pairs(q_offsets, kv_offsets, causal: bool) -> int:
-    """Number of (query, key) pairs that are really computed: the unit of the FLOP count. Offsets are (B+1,)
-    tensors or lists of ints; a 2-entry side is shared by every sequence of the other."""
+def _triangle(n: int) -> int:
+    """0 + 1 + ... + (n - 1), 0 for n <= 0."""
+    return n * (n - 1) // 2 if n > 0 else 0
+
+
+def _clamped_prefix(n: int, cap: int) -> int:
+    """sum of min(t, cap) over 0 <= t < n (0 for n <= 0)."""
+    if n <= cap + 1:
+        return _triangle(n)
+    return _triangle(cap + 1) + (n - 1 - cap) * cap
+
+
+def sequence_pairs(q_len: int, kv_len: int, causal: bool, window: int | None = None, block: int | None = None) -> int:
+    """(query, key) pairs one sequence's mask lets through, in closed form: query i sits at position
+    i + kv_len - q_len and sees key j as `jagged_attention` says (causal, window, block)."""
+    if q_len <= 0 or kv_len <= 0:
+        return 0
+    first = kv_len - q_len  # the first query's position; keys sit at 0 .. kv_len - 1
+    if not block:
+
+        def below(c: int) -> int:  # sum over the queries' positions p of clamp(p + c, 0, kv_len)
+            return _clamped_prefix(kv_len + c, kv_len) - _clamped_prefix(first + c, kv_len)
+
+        seen = below(1) if causal else below(window) if window else q_len * kv_len
+        return seen - (below(1 - window) if window else 0)
+    # a query at p = B * block + r (p >= 0; below 0 it shares no block with a key) sees the keys
+    # B * block + [max(r - window + 1, 0), min(r + c, block)) that lie below kv_len
+    c = 1 if causal else window if window else block
+    w = window if window else block
+
+    def rows(r_from: int, r_to: int, cap: int) -> int:  # queries r_from <= r < r_to of a block, keys below cap
+        ends = _clamped_prefix(r_to + c, cap) - _clamped_prefix(r_from + c, cap)
+        return ends - (_triangle(r_to - w + 1) - _triangle(r_from - w + 1))
+
+    start = max(first, 0)
+    b0, b1 = start // block, (kv_len - 1) // block
+    last = kv_len - b1 * block
+    if b0 == b1:
+        return rows(start - b0 * block, last, last)
+    return rows(start - b0 * block, block, block) + (b1 - b0 - 1) * rows(0, block, block) + rows(0, last, last)
+
+
+def attention_pairs(q_offsets, kv_offsets, causal: bool, *, window: int | None = None, block: int | None = None) -> int:
+    """Number of (query, key) pairs that are really computed: the unit of the FLOP count, counting only the pairs
+    the mask lets through (`sequence_pairs`, closed form per sequence). Offsets are (B+1,) tensors or lists of
+    ints; a 2-entry side is shared by every sequence of the other."""
     _, q_lens, _, kv_lens = sequences(_host_list(q_offsets), _host_list(kv_offsets))
-    if not causal:
-        return sum(a * b for a, b in zip(q_lens, kv_lens))
-
-    def ramp(x: int, cap: int) -> int:  # sum_{a=1..x} min(a, cap)
-        if x <= 0:
-            return 0
-        if x <= cap:
-            return x * (x + 1) // 2
-        return cap * (cap + 1) // 2 + (x - cap) * cap
-
-    # query i sees min(kv_len, max(0, i + kv_len - q_len + 1)) keys (bottom-right alignment)
-    return sum(ramp(lk, lk) - ramp(lk - lq, lk) for lq, lk in zip(q_lens, kv_lens))
+    return sum(sequence_pairs(lq, lk, causal, window, block) for lq, lk in zip(q_lens, kv_lens))
 
 
 def _host_list(offsets) -> list[int]:
@@ -476,30 +539,63 @@ def _host_list(offsets) -> list[int]:
 
 
 def attention_flops(
-    q_offsets, kv_offsets, heads: int, head_dim: int, causal: bool, *, recompute: bool = True
+    q_offsets,
+    kv_offsets,
+    heads: int,
+    head_dim: int,
+    causal: bool,
+    *,
+    window: int | None = None,
+    block: int | None = None,
+    recompute: bool = True,
 ) -> tuple[int, int]:
-    """(forward, backward) FLOPs over the real query-key pairs only, 2 per multiply-add. Forward: the 2 matmuls
-    (scores, weighted sum of values). Backward: the 4 gradient matmuls, plus with `recompute` the scores that the
-    kernels recompute (5 in all, as FlashAttention's benchmarks count kernel FLOPs); `recompute=False` is the
-    model-FLOPs convention of MFU (backward = 2x forward)."""
-    pairs = attention_pairs(q_offsets, kv_offsets, causal)
+    """(forward, backward) FLOPs over the real query-key pairs only (those the mask lets through), 2 per
+    multiply-add. Forward: the 2 matmuls (scores, weighted sum of values). Backward: the 4 gradient matmuls, plus
+    with `recompute` the scores that the kernels recompute (5 in all, as FlashAttention's benchmarks count kernel
+    FLOPs); `recompute=False` is the model-FLOPs convention of MFU (backward = 2x forward). RoPE's elementwise work
+    is not counted."""
+    pairs = attention_pairs(q_offsets, kv_offsets, causal, window=window, block=block)
     return 4 * pairs * heads * head_dim, (10 if recompute else 8) * pairs * heads * head_dim
 
 
-def _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal) -> tuple[int, int]:
+def _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, window, block) -> tuple[int, int]:
+    window, block = window or None, block or None
     try:
-        return attention_flops(q_offsets, kv_offsets, q.shape[1], q.shape[2], causal)
+        return attention_flops(q_offsets, kv_offsets, q.shape[1], q.shape[2], causal, window=window, block=block)
     except (RuntimeError, NotImplementedError):  # fake tensors (compile-time counting): padded upper bound
         num_seqs = max(q_offsets.shape[0], kv_offsets.shape[0]) - 1
-        pairs = num_seqs * max_q_len * max_kv_len
+        keys = min(max_kv_len, window * (1 if causal else 2) if window else max_kv_len, block or max_kv_len)
+        pairs = num_seqs * max_q_len * keys
         return 4 * pairs * q.shape[1] * q.shape[2], 10 * pairs * q.shape[1] * q.shape[2]
 
 
 @register_flop_formula(torch.ops.gemrec.attention_fwd, get_raw=True)
 def _attention_fwd_flops(
-    q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, mode, causal, *args, out_val=None, **kwargs
+    q,
+    k,
+    v,
+    q_offsets,
+    kv_offsets,
+    max_q_len,
+    max_kv_len,
+    mode,
+    causal,
+    scale,
+    norm,
+    attn_bias,
+    pos_table,
+    time_table,
+    q_timestamps,
+    kv_timestamps,
+    pos_max_distance,
+    time_log_base,
+    window,
+    block,
+    *args,
+    out_val=None,
+    **kwargs,
 ) -> int:
-    return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)[0]
+    return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, window, block)[0]
 
 
 @register_flop_formula(torch.ops.gemrec.attention_bwd, get_raw=True)
@@ -516,11 +612,22 @@ def _attention_bwd_flops(
     max_kv_len,
     mode,
     causal,
+    scale,
+    norm,
+    attn_bias,
+    pos_table,
+    time_table,
+    q_timestamps,
+    kv_timestamps,
+    pos_max_distance,
+    time_log_base,
+    window,
+    block,
     *args,
     out_val=None,
     **kwargs,
 ) -> int:
-    return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal)[1]
+    return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, window, block)[1]
 
 
 def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel: RelativeBias, backend, compiling):
@@ -591,6 +698,18 @@ def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, 
                 )
 
 
+def _validate_masks(q, window, block, rope_base) -> None:
+    """Refuses a bad window, block or rope_base by name (messages formatted only on failure)."""
+    for name, value in (("window", window), ("block", block)):
+        if value is not None and (type(value) is not int or value < 1):
+            raise ValueError(f"{name} must be None or a positive int, got {value!r}")
+    if rope_base is not None:
+        if type(rope_base) not in (int, float) or not 0 < rope_base < float("inf"):
+            raise ValueError(f"rope_base must be None or a positive finite float, got {rope_base!r}")
+        if q.shape[-1] % 2:
+            raise ValueError(f"rope_base rotates halves of the head dim: head_dim must be even, got {q.shape[-1]}")
+
+
 def _attention(
     q,
     k,
@@ -606,8 +725,12 @@ def _attention(
     attn_bias,
     rel_bias,
     backend,
+    window,
+    block,
+    rope_base,
     options,
 ):
+    _validate_masks(q, window, block, rope_base)
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
     if normalize not in NORMALIZE:
@@ -646,10 +769,13 @@ def _attention(
             kv_timestamps=rel.kv_timestamps,
             pos_max_distance=rel.max_distance,
             time_log_base=rel.time_log_base,
+            window=window,
+            block=block,
+            rope_base=rope_base,
         )
     contiguous = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, attn_bias)]
     params = (int(max_q_len), int(max_kv_len), ACTIVATIONS[activation], bool(causal), scale, NORMALIZE[normalize])
-    bias_params = (int(rel.max_distance), float(rel.time_log_base))
+    extra_params = (int(rel.max_distance), float(rel.time_log_base), window or 0, block or 0, float(rope_base or 0.0))
     kv_arg = None if kv_offsets is q_offsets else kv_offsets
     inputs = [*contiguous, rel.position, rel.time, q_offsets, kv_arg, rel.q_timestamps, rel.kv_timestamps]
     present = [t for t in inputs if t is not None]
@@ -657,7 +783,7 @@ def _attention(
     # the H200 trace showed the model cut at every attention call). Eagerly, the Function, unless one tensor has
     # two roles (k is v, say).
     if not compiling and len({id(t) for t in present}) == len(present):
-        return _Attention.apply(*inputs, params, bias_params, options)
+        return _Attention.apply(*inputs, params, extra_params, options)
     out, _ = attention_fwd(
         *contiguous[:3],
         q_offsets,
@@ -668,7 +794,7 @@ def _attention(
         rel.time,
         rel.q_timestamps,
         rel.kv_timestamps,
-        *bias_params,
+        *extra_params,
         options.flags,
     )
     return out
@@ -687,6 +813,9 @@ def jagged_attention(
     scale=None,
     attn_bias=None,
     rel_bias=None,
+    window=None,
+    block=None,
+    rope_base=None,
     backend="auto",
     options=None,
 ):
@@ -694,9 +823,14 @@ def jagged_attention(
 
     q: (total_q, H, D); k, v: (total_kv, H, D); offsets: (B+1,) int64. A 2-entry `q_offsets` with B > 1
     shares one query sequence across all B key sequences (PMA seeds; output is (B * len_q, H, D)); a
-    2-entry `kv_offsets` likewise shares one key/value sequence. Causal is bottom-right aligned: query i
-    of a length-Lq sequence sees keys j <= i + (Lkv - Lq). `attn_bias`: (output rows, H, max_kv_len) dense
-    per-query-row bias; `rel_bias`: a `[H, num_buckets]` position table or a `RelativeBias`.
+    2-entry `kv_offsets` likewise shares one key/value sequence. Positions are 0-based within each sequence; query
+    i of a length-Lq sequence sits at position i + (Lkv - Lq) (bottom-right aligned). causal: it sees keys
+    j <= its position. `attn_bias`: (output rows, H, max_kv_len) dense per-query-row bias; `rel_bias`: a
+    `[H, num_buckets]` position table or a `RelativeBias`.
+    window=W: causal, key j is seen iff pos - W < j <= pos; not causal, iff |pos - j| < W. block=b: iff
+    pos // b == j // b (and j <= pos when causal). rope_base=theta: q and k rotated by their positions before the
+    dot product (rotate-half: [x1 cos - x2 sin, x1 sin + x2 cos] for the halves x1, x2 of the head dim, angle
+    pos * theta^(-2m/D)), inside the kernels; gradients are w.r.t. the unrotated q and k. All combine.
     backend: "auto" (Triton on CUDA for head dims 16..256, the reference otherwise), "triton" (the interpreter on
     CPU) or "reference" (`reference.attention_reference`). options: a `KernelOptions` for the Triton path (tiles,
     kernel variants, autotuning; never the result beyond rounding), its defaults when None.
@@ -716,6 +850,9 @@ def jagged_attention(
         attn_bias,
         rel_bias,
         backend,
+        window,
+        block,
+        rope_base,
         options,
     )
 
@@ -735,13 +872,17 @@ def gdpa(
     normalize="kv_len",
     attn_bias=None,
     rel_bias=None,
+    window=None,
+    block=None,
+    rope_base=None,
     backend="auto",
     options=None,
 ):
     """Generalized dot-product attention: out = act(scale * q k^T + bias) v * norm, no softmax.
 
     activation: silu, gelu, gelu_tanh, relu, relu2. normalize: "kv_len" (1 / the sequence's key count),
-    "max_len" (1 / max_kv_len, as HSTU) or "none". Layout, sharing, causal, bias, backend and options as
+    "max_len" (1 / max_kv_len, as HSTU) or "none". Layout, sharing, causal, bias, window, block, rope_base, backend
+    and options as
     `jagged_attention`.
     """
     if activation == "softmax":
@@ -761,5 +902,8 @@ def gdpa(
         attn_bias,
         rel_bias,
         backend,
+        window,
+        block,
+        rope_base,
         options,
     )

@@ -49,6 +49,22 @@ def _activation(s: torch.Tensor, name: str) -> torch.Tensor:
     raise ValueError(f"unknown activation {name!r}; expected one of {sorted(ACTIVATIONS)}")
 
 
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of the rotary angles pos * base^(-2m/D), m < D/2, from float64 angles (as the model's tables):
+    shape (*positions.shape, D/2), float64."""
+    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64, device=positions.device) / head_dim)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE of x's last dim, [x1 cos - x2 sin, x1 sin + x2 cos] for its halves x1, x2, computed in x's
+    dtype; cos and sin (`rope_cos_sin`) broadcast against x[..., : D/2]."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
 def sequences(q_offsets: list[int], kv_offsets: list[int]) -> tuple[list[int], list[int], list[int], list[int]]:
     """Per sequence (q_start, q_len, kv_start, kv_len) from host offsets; a 2-entry side is shared by all."""
     num_seqs = max(len(q_offsets), len(kv_offsets)) - 1
@@ -107,10 +123,14 @@ def attention_reference(
     kv_timestamps=None,
     pos_max_distance=128,
     time_log_base=2.0,
+    window=None,
+    block=None,
+    rope_base=None,
     max_padding=None,
 ):
-    """out[i] = sum_j w(i, j) v[j] over each sequence's own keys; see `gemrec.kernels` for the semantics.
-    `max_padding`: the grouping's padding fraction, `MAX_PADDING` when None."""
+    """out[i] = sum_j w(i, j) v[j] over each sequence's own keys; see `gemrec.kernels` for the semantics (masks:
+    `window`, `block`; rotary: `rope_base`, q and k rotated in the compute dtype). `max_padding`: the grouping's
+    padding fraction, `MAX_PADDING` when None."""
     heads, head_dim = q.shape[1], q.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -158,13 +178,22 @@ def attention_reference(
         qg = qg.view(b, lq, heads, head_dim).transpose(1, 2)  # (b, H, lq, D)
         kg = kg.view(b, lkv, heads, head_dim).transpose(1, 2)
         vg = vg.view(b, lkv, heads, vg.shape[-1]).transpose(1, 2)
-        scores = (torch.matmul(qg, kg.transpose(-1, -2)) * scale).to(compute)  # (b, H, lq, lkv); fp32 under autocast
         q_pos, kv_pos = torch.arange(lq, device=device), torch.arange(lkv, device=device)
+        if rope_base:  # queries at their bottom-right aligned positions, keys at their own
+            cos, sin = rope_cos_sin(q_pos + (lens_kv - lens_q)[:, None], head_dim, rope_base)
+            qg = rotate_half(qg, cos[:, None], sin[:, None])
+            kg = rotate_half(kg, *rope_cos_sin(kv_pos, head_dim, rope_base))
+        scores = (torch.matmul(qg, kg.transpose(-1, -2)) * scale).to(compute)  # (b, H, lq, lkv); fp32 under autocast
         allowed = (kv_pos < lens_kv[:, None])[:, None, None, :]
-        if causal or pos_table is not None:
+        if causal or pos_table is not None or window or block:
             rel = q_pos[:, None] + (lens_kv - lens_q)[:, None, None] - kv_pos  # (b, lq, lkv), bottom-right aligned
             if causal:
                 allowed = allowed & (rel >= 0)[:, None]
+            if window:
+                allowed = allowed & ((rel if causal else rel.abs()) < window)[:, None]
+            if block:
+                q_block = torch.div(q_pos[:, None] + (lens_kv - lens_q)[:, None, None], block, rounding_mode="floor")
+                allowed = allowed & (q_block == kv_pos // block)[:, None]
         if attn_bias is not None:
             scores = scores + attn_bias[rows][:, :, :lkv].to(compute).view(b, lq, heads, lkv).transpose(1, 2)
         if pos_table is not None:

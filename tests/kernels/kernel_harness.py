@@ -30,9 +30,44 @@ def _time_bucket(dt: int, rel: RelativeBias) -> int:
     return min(rel.time.shape[1] - 1, int(math.log(max(dt, 1)) / math.log(rel.time_log_base)))
 
 
-def naive(q, k, v, q_lens, kv_lens, *, activation="softmax", causal=False, scale=None, normalize="kv_len", **bias):
-    """One sequence at a time, scalar bucket math in float64. A 1-entry `q_lens` (or `kv_lens`) is one sequence
-    shared by every sequence of the other side. `bias`: attn_bias, rel (a RelativeBias), max_kv (for
+def _rotated(x: torch.Tensor, positions: range, base: float) -> torch.Tensor:
+    """Rotate-half RoPE of (len, heads, D) rows at `positions`, angles from scalar float64 math."""
+    half = x.shape[-1] // 2
+    angle = torch.tensor(
+        [[p * base ** (-2 * m / x.shape[-1]) for m in range(half)] for p in positions], dtype=torch.float64
+    ).view(-1, half)
+    cos, sin = angle.cos()[:, None].to(x.dtype), angle.sin()[:, None].to(x.dtype)
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+def _seen(p: int, j: int, causal: bool, window: int | None, block: int | None) -> bool:
+    """Whether a query at position p sees key j, straight from the API's words."""
+    if causal and j > p:
+        return False
+    if window and not (p - window < j if causal else abs(p - j) < window):
+        return False
+    return not block or p // block == j // block
+
+
+def naive(
+    q,
+    k,
+    v,
+    q_lens,
+    kv_lens,
+    *,
+    activation="softmax",
+    causal=False,
+    scale=None,
+    normalize="kv_len",
+    window=None,
+    block=None,
+    rope_base=None,
+    **bias,
+):
+    """One sequence at a time, scalar bucket and mask math in float64. A 1-entry `q_lens` (or `kv_lens`) is one
+    sequence shared by every sequence of the other side. `bias`: attn_bias, rel (a RelativeBias), max_kv (for
     normalize="max_len")."""
     attn_bias, rel = bias.get("attn_bias"), bias.get("rel") or RelativeBias()
     scale = q.shape[-1] ** -0.5 if scale is None else scale
@@ -42,6 +77,8 @@ def naive(q, k, v, q_lens, kv_lens, *, activation="softmax", causal=False, scale
     for b in range(num_seqs):
         lq, lk = q_lens[0 if shared_q else b], kv_lens[0 if shared_kv else b]
         qs, ks, vs = q[q0 : q0 + lq], k[k0 : k0 + lk], v[k0 : k0 + lk]
+        if rope_base:
+            qs, ks = _rotated(qs, range(lk - lq, lk), rope_base), _rotated(ks, range(lk), rope_base)
         s = torch.einsum("ihd,jhd->hij", qs, ks) * scale
         if attn_bias is not None:
             s = s + attn_bias[o0 : o0 + lq, :, :lk].transpose(0, 1)
@@ -51,9 +88,9 @@ def naive(q, k, v, q_lens, kv_lens, *, activation="softmax", causal=False, scale
         if rel.time is not None:
             dt = (rel.q_timestamps[o0 : o0 + lq, None] - rel.kv_timestamps[None, k0 : k0 + lk]).abs()
             s = s + rel.time[:, _each(dt, lambda t: _time_bucket(t, rel))]
-        allowed = torch.ones(lq, lk, dtype=torch.bool)
-        if causal:
-            allowed = torch.arange(lk)[None, :] <= torch.arange(lq)[:, None] + (lk - lq)
+        allowed = torch.tensor(
+            [[_seen(i + lk - lq, j, causal, window, block) for j in range(lk)] for i in range(lq)], dtype=torch.bool
+        ).view(lq, lk)
         if activation == "softmax":
             w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)
         else:
