@@ -65,7 +65,9 @@ def check(
     normalize="kv_len",
     bias=False,
     seed=0,
+    **masks,
 ):
+    """bf16 kernels vs the fp64 reference on the same bf16-rounded inputs; `masks`: window, block, rope_base."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     shared_q = len(q_lens) == 1 and len(kv_lens) > 1
     q_off, kv_off = offsets_of(q_lens), offsets_of(kv_lens)
@@ -100,7 +102,7 @@ def check(
             if bias
             else None
         )
-        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend, options=options)
+        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend, options=options, **masks)
         if op == "jfa":
             out = jagged_attention(*leaves, q_off, kv_off, max(q_lens), max(kv_lens), **kw)
         else:
@@ -226,3 +228,47 @@ def test_gluon_forward(config, op, causal, activation, head_dim, normalize, opti
     check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 333, 17], options, seed=23, **kw)  # longer queries than keys
     check(op, [3, 129, 1], [1000, 130, 0], options, seed=24, **kw)  # longer keys than queries
     assert {c.get("GLUON") for c in kernels._KERNELS["fwd"].best.values()} == {True}
+
+
+MASKED = [
+    ("jfa", True, dict(window=256)),
+    ("jfa", False, dict(window=100, rope_base=10000.0)),
+    ("gdpa", True, dict(window=300, rope_base=10000.0)),
+    ("jfa", True, dict(block=64, rope_base=10000.0)),  # the block kernels
+    ("gdpa", False, dict(block=64)),
+    ("jfa", False, dict(block=128, rope_base=500.0)),
+    ("jfa", True, dict(block=32, window=20)),  # a block mask of the tiled kernels
+    ("jfa", True, dict(rope_base=10000.0)),  # RoPE in the full causal kernels
+]
+UNTUNED = KernelOptions(autotune=False)  # the GPU's default path, first tiles (RoPE loads skip tensor descriptors)
+
+
+@pytest.mark.parametrize("op,causal,masks", MASKED, ids=lambda x: "-".join(x) if isinstance(x, dict) else str(x))
+def test_masks_and_rope_bf16(op, causal, masks):
+    check(op, [*LENGTHS, 4100], [*LENGTHS, 4100], UNTUNED, causal=causal, seed=51, **masks)
+    check(op, [300, 2000, 5], [700, 2100, 1], UNTUNED, causal=causal, seed=52, **masks)  # longer keys than queries
+
+
+def test_masks_and_rope_with_biases_bf16():
+    check("jfa", LENGTHS, LENGTHS, UNTUNED, causal=True, bias=True, seed=53, window=128, rope_base=10000.0)
+    check("gdpa", LENGTHS, LENGTHS, UNTUNED, causal=True, bias=True, seed=54, block=64, rope_base=10000.0)
+
+
+@pytest.mark.parametrize("autotune", [True, False], ids=["tuned", "untuned"])
+def test_fp32_at_16k_runs_on_tiles_that_fit(autotune):
+    """The local-MFU pass's eager fp32 forward at 16k lengths once crashed: a tile tuned for bf16 was reused for fp32
+    (459,776 bytes of shared memory; a Gluon tile that does not compile for fp32). Tiles are tuned per dtype and only
+    those that fit the device are offered; untuned, the first that fits runs."""
+    options = KernelOptions(autotune=autotune)
+    gen = torch.Generator(device="cuda").manual_seed(55)
+    lens = [16384, 3000]
+    off = offsets_of(lens)
+    q, k, v = (torch.randn(sum(lens), 2, 128, device="cuda", generator=gen) for _ in range(3))
+    backward = not autotune  # tuning every backward kernel too would take minutes; the crash was in the forward
+    for dtype in (torch.bfloat16, torch.float32):  # bf16 tunes first, as in the training step before the MFU pass
+        leaves = [t.to(dtype).requires_grad_(backward) for t in (q, k, v)]
+        out = jagged_attention(*leaves, off, off, 16384, 16384, causal=True, options=options)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out)) if backward else []
+        assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    ref = jagged_attention(q.double(), k.double(), v.double(), off, off, 16384, 16384, causal=True, backend="reference")
+    assert rel_err(out, ref) < 1e-2

@@ -9,6 +9,9 @@ dims nearly every shape here fits the resident-K/V kernels, so the main tests ru
 """
 
 import dataclasses
+import importlib.util
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +44,9 @@ def compare(
     seed=0,
     tol=2e-5,
     options=ONE_LAUNCH,
+    **masks,
 ):
+    """Triton (interpreter) vs the reference, output and every gradient; `masks`: window, block, rope_base."""
     gen = torch.Generator().manual_seed(seed)
     shared_q = len(q_lens) == 1 and len(kv_lens) > 1
     rows = q_lens[0] * len(kv_lens) if shared_q else sum(q_lens)
@@ -75,7 +80,7 @@ def compare(
             if bias
             else None
         )
-        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend, options=options)
+        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend, options=options, **masks)
         if op == "jfa":
             out = jagged_attention(*leaves, offsets_of(q_lens), offsets_of(kv_lens), max_q, max_kv, **kw)
         else:
@@ -341,3 +346,114 @@ def test_a_sequence_never_reads_its_neighbours_rows(op):
         else gdpa(q[:21], k[:21], v[:21], first, first, 21, 21, activation=op, backend="reference")
     )
     torch.testing.assert_close(out[:21], ref, rtol=1e-5, atol=1e-5)
+
+
+MASKS = {
+    "window3": dict(window=3),
+    "window_longer_than_every_sequence": dict(window=200),
+    "block16": dict(block=16),  # a mask of the tiled kernels (blocks other than 64 and 128)
+    "block64": dict(block=64),  # the block kernels
+    "block64_window5": dict(block=64, window=5),
+}
+MASK_LENGTHS = [66, 0, 5, 1, 20]  # two 64-blocks, empty, length 1, lengths not multiples of any block or tile
+
+
+@pytest.mark.parametrize("rope", [False, True], ids=["no_rope", "rope"])
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("op", ["jfa", "silu"])
+def test_masks_and_rope(op, causal, mask, rope, monkeypatch):
+    """Every mask x RoPE x op x causal through the tiled kernels (separate launches) or the block kernels: output and
+    the gradients of q, k, v, and with causal ones, of every score bias too."""
+    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
+    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
+    masks = MASKS[mask] | ({"rope_base": 100.0} if rope else {})
+    seed = sorted(MASKS).index(mask) * 4 + 2 * causal + rope
+    compare(MASK_LENGTHS, MASK_LENGTHS, op=op, causal=causal, bias=causal, seed=seed, **masks)
+
+
+def test_masks_and_rope_on_every_kernel_path(kernel_path):
+    """Cross-attention, shared seeds and head dim 24 (12-wide halves) with windows, blocks and RoPE: the
+    resident-side kernels (K/V or queries kept loaded) with the one-launch backward, or the tiled kernels."""
+    compare([20, 3, 40], [5, 1, 2], causal=True, bias=True, seed=31, window=2, rope_base=10.0)
+    compare([4], [20, 0, 37], op="silu", seed=32, window=3, rope_base=10.0)  # PMA seeds: q rotated per sequence
+    compare([30, 3], [20, 1], op="silu", seed=34, block=4, rope_base=10000.0, dim=24)
+
+
+def test_masks_and_rope_with_dq_fused_into_the_key_block_kernel(monkeypatch):
+    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
+    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
+    monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # dq by atomics from the dK/dV kernel everywhere
+    compare([50, 20, 0], [50, 20, 0], causal=True, seed=35, window=20, rope_base=100.0)
+    compare([40, 20], [50, 20], op="silu", seed=36, window=30, block=32, rope_base=1000.0)
+
+
+def test_block_kernel_with_longer_queries_or_keys_and_fp16():
+    # bottom-right alignment: query blocks of positions that start inside a block, queries before the first key
+    compare([100, 7], [70, 40], causal=True, seed=38, block=64, rope_base=10.0)
+    compare([40, 70], [100, 7], op="silu", seed=39, block=64, window=10)
+    compare([4], [70, 0, 64], seed=40, block=64, rope_base=10.0)  # shared seeds over key blocks
+    compare([130], [130], causal=True, seed=41, block=128, rope_base=10.0)
+    compare([70], [70], causal=True, dtype=torch.float16, tol=1e-2, seed=42, block=64, rope_base=10000.0)
+
+
+BASELINE = "f932c8c"  # main before window/block/rope_base existed: "today's" kernels
+
+
+def _baseline_kernels(tmp_path):
+    """The kernels module of BASELINE, from git, imported beside today's."""
+    root = Path(__file__).resolve().parents[2]
+    shown = subprocess.run(
+        ["git", "-C", str(root), "show", f"{BASELINE}:kernels/triton_attention.py"], capture_output=True, text=True
+    )
+    if shown.returncode:
+        pytest.skip(f"needs the git history holding {BASELINE}: {shown.stderr.strip()[:200]}")
+    path = tmp_path / "baseline_triton_attention.py"
+    path.write_text(shown.stdout)
+    spec = importlib.util.spec_from_file_location("baseline_triton_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("resident,one_launch", [("0", "0"), ("0", "1"), ("1", "1")])
+def test_without_masks_or_rope_bit_identical_to_the_kernels_before_them(resident, one_launch, tmp_path, monkeypatch):
+    """window=None, block=None, rope_base=None: outputs and gradients equal, bit for bit, to BASELINE's kernels."""
+    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", resident)
+    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", one_launch)
+    baseline = _baseline_kernels(tmp_path)
+    gen = torch.Generator().manual_seed(43)
+    lens = [45, 0, 17, 1, 33]
+    off = offsets_of(lens)
+    q, k, v = (torch.randn(sum(lens), HEADS, DIM, generator=gen) for _ in range(3))
+    bias = torch.randn(sum(lens), HEADS, 45, generator=gen)
+    for mode, causal, attn_bias in [(0, True, None), (0, False, bias), (1, True, None), (3, False, bias)]:
+        args = (
+            q,
+            k,
+            v,
+            off,
+            off,
+            45,
+            45,
+            mode,
+            causal,
+            0.3,
+            1 if mode else 0,
+            attn_bias,
+            None,
+            None,
+            None,
+            None,
+            128,
+            2,
+        )
+        today, before = kernels_module.Problem(*args), baseline.Problem(*args)
+        out, lse = kernels_module.forward(today)
+        out_before, lse_before = baseline.forward(before)
+        grad = torch.randn(out.shape, generator=gen)
+        results = [out, *kernels_module.backward(today, grad, out, lse)]
+        results_before = [out_before, *baseline.backward(before, grad, out_before, lse_before)]
+        assert torch.equal(lse, lse_before) or mode != 0
+        for got, want in zip(results, results_before):
+            assert (got is None and want is None) or torch.equal(got, want), (mode, causal)
