@@ -96,10 +96,10 @@ def _problem(
         kv_timestamps,
         pos_max_distance,
         time_log_base,
-        window,
-        block,
-        rope_base,
         options,
+        window=window,
+        block=block,
+        rope_base=rope_base,
     )
 
 

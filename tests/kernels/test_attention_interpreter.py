@@ -362,30 +362,27 @@ MASK_LENGTHS = [66, 0, 5, 1, 20]  # two 64-blocks, empty, length 1, lengths not 
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("op", ["jfa", "silu"])
-def test_masks_and_rope(op, causal, mask, rope, monkeypatch):
+def test_masks_and_rope(op, causal, mask, rope):
     """Every mask x RoPE x op x causal through the tiled kernels (separate launches) or the block kernels: output and
     the gradients of q, k, v, and with causal ones, of every score bias too."""
-    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
-    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
     masks = MASKS[mask] | ({"rope_base": 100.0} if rope else {})
     seed = sorted(MASKS).index(mask) * 4 + 2 * causal + rope
-    compare(MASK_LENGTHS, MASK_LENGTHS, op=op, causal=causal, bias=causal, seed=seed, **masks)
+    compare(MASK_LENGTHS, MASK_LENGTHS, op=op, causal=causal, bias=causal, seed=seed, options=SEPARATE, **masks)
 
 
 def test_masks_and_rope_on_every_kernel_path(kernel_path):
     """Cross-attention, shared seeds and head dim 24 (12-wide halves) with windows, blocks and RoPE: the
     resident-side kernels (K/V or queries kept loaded) with the one-launch backward, or the tiled kernels."""
-    compare([20, 3, 40], [5, 1, 2], causal=True, bias=True, seed=31, window=2, rope_base=10.0)
-    compare([4], [20, 0, 37], op="silu", seed=32, window=3, rope_base=10.0)  # PMA seeds: q rotated per sequence
-    compare([30, 3], [20, 1], op="silu", seed=34, block=4, rope_base=10000.0, dim=24)
+    kw = dict(options=kernel_path, rope_base=10.0)
+    compare([20, 3, 40], [5, 1, 2], causal=True, bias=True, seed=31, window=2, **kw)
+    compare([4], [20, 0, 37], op="silu", seed=32, window=3, **kw)  # PMA seeds: q rotated per key sequence
+    compare([30, 3], [20, 1], op="silu", seed=34, block=4, dim=24, **kw)
 
 
 def test_masks_and_rope_with_dq_fused_into_the_key_block_kernel(monkeypatch):
-    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", "0")
-    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", "0")
     monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # dq by atomics from the dK/dV kernel everywhere
-    compare([50, 20, 0], [50, 20, 0], causal=True, seed=35, window=20, rope_base=100.0)
-    compare([40, 20], [50, 20], op="silu", seed=36, window=30, block=32, rope_base=1000.0)
+    compare([50, 20, 0], [50, 20, 0], causal=True, seed=35, window=20, rope_base=100.0, options=SEPARATE)
+    compare([40, 20], [50, 20], op="silu", seed=36, window=30, block=32, rope_base=1000.0, options=SEPARATE)
 
 
 def test_block_kernel_with_longer_queries_or_keys_and_fp16():
@@ -416,11 +413,13 @@ def _baseline_kernels(tmp_path):
     return module
 
 
-@pytest.mark.parametrize("resident,one_launch", [("0", "0"), ("0", "1"), ("1", "1")])
+@pytest.mark.parametrize("resident,one_launch", [(False, False), (False, True), (True, True)])
 def test_without_masks_or_rope_bit_identical_to_the_kernels_before_them(resident, one_launch, tmp_path, monkeypatch):
-    """window=None, block=None, rope_base=None: outputs and gradients equal, bit for bit, to BASELINE's kernels."""
-    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", resident)
-    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", one_launch)
+    """window=None, block=None, rope_base=None: outputs and gradients equal, bit for bit, to BASELINE's kernels (which
+    read their options from environment variables)."""
+    monkeypatch.setenv("GEMREC_KERNEL_RESIDENT", str(int(resident)))
+    monkeypatch.setenv("GEMREC_KERNEL_ONE_LAUNCH", str(int(one_launch)))
+    options = KernelOptions(resident=resident, one_launch=one_launch)
     baseline = _baseline_kernels(tmp_path)
     gen = torch.Generator().manual_seed(43)
     lens = [45, 0, 17, 1, 33]
@@ -448,7 +447,7 @@ def test_without_masks_or_rope_bit_identical_to_the_kernels_before_them(resident
             128,
             2,
         )
-        today, before = kernels_module.Problem(*args), baseline.Problem(*args)
+        today, before = kernels_module.Problem(*args, options), baseline.Problem(*args)
         out, lse = kernels_module.forward(today)
         out_before, lse_before = baseline.forward(before)
         grad = torch.randn(out.shape, generator=gen)
