@@ -17,6 +17,12 @@ ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust
   `RelativeBias`); every bias gets its gradient, and no `[B, H, N, N]` tensor is ever built.
 - `jagged_attention`: softmax. `gdpa`: `act(scores) v * norm`, act in silu, gelu, gelu_tanh, relu, relu2;
   norm 1/kv_len (per sequence), 1/max_kv_len (HSTU) or none.
+- Masks and RoPE, by keyword (positions 0-based per sequence, a query at i + Lkv - Lq): `window=W` (causal: keys
+  pos - W < j <= pos; not causal: |pos - j| < W), `block=b` (pos // b == j // b, and j <= pos when causal),
+  `rope_base=theta` (q and k rotated rotate-half by their positions inside the kernels, gradients w.r.t. the
+  unrotated q, k). The tiled kernels skip key tiles a window or block leaves out and mask only edge tiles; blocks of
+  64 and 128 (head dims up to 128) run on their own kernels (`block_attention.py`). FLOPs count only the pairs a mask
+  lets through (`attention_pairs`, closed form per sequence).
 - Backends: "auto" runs the Triton kernels on CUDA tensors with head dims 16..256 and the pure-torch reference
   (`reference.py`: length-grouped, fast on CPU, what every test compares against) otherwise; "triton" on CPU
   tensors needs TRITON_INTERPRET=1 set before triton is first imported; "reference" always the reference.

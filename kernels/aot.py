@@ -77,7 +77,7 @@ def record_launches(call) -> list[Launch]:
 
 def compile_launch(launch: Launch, config: dict | None = None, target=HOPPER):
     """The compiled kernel (cubin in `.asm["cubin"]`) of one launch with a tile config (default: the first
-    candidate, what runs when autotuning is off). Arguments are specialized as triton's launcher does on a GPU
+    candidate, what runs untuned where it fits). Arguments are specialized as triton's launcher does on a GPU
     (16-byte aligned pointers and ints divisible by 16 marked so, ints equal to 1 made constants), so loads get
     the same vectorization and the cubin the same registers as the real launch."""
     config = config or launch.candidates()[0]

@@ -5,6 +5,14 @@ activations (see `ACTIVATIONS`). Every program works on one (query block, head, 
 (key block, head, sequence) tile of the jagged layout `(total_tokens, heads, head_dim)`; nothing is
 padded. Scores are `scale * q.k + attn_bias + pos_table[bucket(rel_pos)] + time_table[bucket(dt)]`.
 
+Masks: each query position sees one interval of keys (`_key_range`: causal, WINDOW, MASK_BLOCK), monotone in the
+position, so a block of queries loops over the key tiles some row sees in up to three runs (`_key_tiles`): masked
+tiles only later rows see, unmasked ones every row sees whole, masked ones at the diagonal and the far edge; the
+backward's key blocks likewise over query tiles (`_query_tiles`). Tiles no row sees are never visited. Without a
+window or block mask the loops are the plain causal ones, bit for bit. RoPE (ROPE, table `rope_frequencies`): q and
+k tiles are rotated as they load (`_rope_load`, halves interleaved: q.k unchanged) and gradients w.r.t. rotated
+tiles rotated back in fp32 registers before they are stored or added (`_rope_store`); no rotated copy in memory.
+
 Backward: without score biases one kernel per key block computes dK, dV and adds its share of dQ into an
 fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients come from dQ-side tiles) or
 when the key sequences are short (few key blocks per query, where the atomics would cost more than the
@@ -3029,8 +3037,9 @@ def _rq(block, chunk, warps, stages, tma=False):
 
 
 # Candidate tiles per kernel (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA), all compiled in parallel and timed on
-# the first call of each tuning key; head dims above 128 get the smaller tiles that fit in shared memory. The first
-# entry of each list is the default when autotuning is off (`KernelOptions.autotune`). TMA: the tiles the inner
+# the first call of each tuning key (per dtype: a call only gets the tiles whose `shared_estimate` fits the device);
+# head dims above 128 get the smaller tiles that fit in shared memory. With autotuning off (`KernelOptions.autotune`),
+# the first of them whose compiled kernel fits runs (`first_fitting`). TMA: the tiles the inner
 # loop streams (K/V forward and in dQ, Q/dO in dK/dV) come through per-sequence tensor descriptors (TMA) instead of
 # pointer tensors; those candidates are dropped when a tensor's layout does not allow a descriptor, or with
 # `KernelOptions.tma` off.
@@ -3140,8 +3149,8 @@ CONFIGS = {
 }
 LARGE_HEAD_DIM_CONFIGS = {
     "fwd": [_cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2, True)],
-    "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True)],
-    "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2, True)],
+    "dkdv": [_cfg(32, 64, 4, 2), _cfg(64, 64, 8, 2), _cfg(32, 64, 4, 2, True), _cfg(32, 32, 4, 2)],
+    "dq": [_cfg(64, 32, 4, 2), _cfg(64, 64, 8, 2), _cfg(64, 32, 4, 2, True), _cfg(32, 32, 4, 2)],
     "fwd_rkv": [_rcfg(64, 512, 4, 2), _rcfg(64, 512, 8, 2), _rcfg(64, 512, 4, 2, True)],
     "bwd_rkv": [_rcfg(32, 512, 4, 2), _rcfg(32, 512, 8, 2), _rcfg(32, 512, 4, 2, True)],
     "bwd_rq": [_rq(32, 512, 4, 2), _rq(32, 512, 8, 2), _rq(32, 512, 4, 2, True)],
@@ -3173,24 +3182,25 @@ GLUON_CONFIGS = {"fwd": [_gcfg(128, 3), _gcfg(64, 3)]}
 
 
 def shared_estimate(kind: str, config: dict, consts: dict, itemsize: int) -> int:
-    """A lower bound on a tile's shared memory (bytes): the tiles its matrix products read from shared memory, the
-    streamed ones in at least two pipeline stages (the forward's K/V ring in all of them). Tiles above the device's
-    limit for the dtype are never offered (fp32 doubles every tile: A's 128x128 forward tile needs 459,776 bytes)."""
+    """A tile's shared memory (bytes) as its matrix products' operands take it: the resident tiles once, the streamed
+    ones once per pipeline stage, the backward's transposed score tiles (exact for the forward, within a few percent
+    or above for the rest on sm_90). A pre-filter: fp32 doubles every tile (A's 128x128 forward tile needs 459,776
+    bytes), and what passes is still compiled and checked against the device (`first_fitting`, the tuner)."""
     bd = consts.get("BLOCK_D", consts["HEAD_DIM"])
     bm, bn = config.get("BLOCK_M", consts.get("BLOCK_M", 0)), config.get("BLOCK_N", consts.get("BLOCK_N", 0))
-    stages = config.get("num_stages", 1)
-    rows = {
-        "fwd": bm + 2 * stages * bn,
-        "dkdv": 2 * bn + 4 * bm,
-        "bwd1": 2 * bn + 4 * bm,
-        "dq": 2 * bm + 4 * bn,
-        "fwd_rkv": 2 * bn + bm,
-        "bwd_rkv": 2 * bn + 4 * bm,
-        "bwd_rq": 2 * bm + 4 * bn,
-        "block_fwd": 2 * consts.get("MASK_BLOCK", 0) + config.get("SUB_M", 0),
-        "block_bwd": 2 * consts.get("MASK_BLOCK", 0) + 2 * config.get("SUB_M", 0),
+    stages, block, sub = config.get("num_stages", 1), consts.get("MASK_BLOCK", 0), config.get("SUB_M", 0)
+    tiles = {
+        "fwd": bm * bd + 2 * stages * bn * bd,
+        "dkdv": 2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm,
+        "bwd1": 2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm,
+        "dq": 2 * bm * bd + 2 * stages * bn * bd + 2 * bn * bm,
+        "fwd_rkv": 2 * bn * bd + stages * bm * bd,
+        "bwd_rkv": 2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm,
+        "bwd_rq": 2 * bm * bd + 2 * stages * bn * bd + 2 * bn * bm,
+        "block_fwd": 2 * block * bd + sub * bd,
+        "block_bwd": 2 * block * bd + 2 * sub * bd + 2 * block * sub,
     }.get(kind, 0)
-    return rows * bd * itemsize
+    return tiles * itemsize
 
 
 def _candidates(kind: str, consts: dict, dtype, tma: bool = True, shared_limit: int | None = None) -> list[dict]:
@@ -3243,6 +3253,16 @@ def launch_hooked() -> bool:
     own path, which calls the hooks. Triton 3.6 keeps the hooks as chains that are never None, empty when unused."""
     hooks = triton.knobs.runtime
     return any(bool(getattr(hook, "calls", hook)) for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook))
+
+
+def first_fitting(kind: str, candidates: list[dict], shared, limit: int, what: str) -> dict:
+    """The first candidate whose compiled kernel's shared memory (`shared(config)`, bytes) fits `limit`: what runs
+    untuned; none fitting is an error naming the kernel, the call and the tiles tried."""
+    for config in candidates:
+        if shared(config) <= limit:
+            return config
+    tried = [_config_name(c) for c in candidates]
+    raise RuntimeError(f"no {kind} tile fits the device's {limit} bytes of shared memory ({what}): {tried}")
 
 
 @functools.cache
@@ -3362,15 +3382,11 @@ class _Kernel:
         )
 
     def _first_fitting(self, grid, args, consts, candidates, limit: int) -> dict:
-        """The first candidate whose compiled kernel fits `limit` bytes of shared memory (what runs untuned)."""
-        for config in candidates:
+        def shared(config):
             fn, tiles = self.variant(config)
-            if fn.warmup(*args, grid=grid(config), **consts, **tiles).metadata.shared <= limit:
-                return config
-        raise RuntimeError(
-            f"no {self.kind} tile fits the device's {limit} bytes of shared memory for {args[0].dtype} "
-            f"(head_dim {consts['HEAD_DIM']}): {[_config_name(c) for c in candidates]}"
-        )
+            return fn.warmup(*args, grid=grid(config), **consts, **tiles).metadata.shared
+
+        return first_fitting(self.kind, candidates, shared, limit, f"{args[0].dtype}, head_dim {consts['HEAD_DIM']}")
 
     def _tune(self, tune_key, grid, args, consts, candidates, reset) -> dict:
         from triton.runtime._async_compile import AsyncCompileMode

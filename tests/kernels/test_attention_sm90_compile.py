@@ -178,3 +178,66 @@ def test_gluon_candidates_only_where_covered(change):
     assert kernels.gluon_candidates(consts=consts, **args) == kernels.GLUON_CONFIGS["fwd"]
     args.update({k: change.pop(k) for k in list(change) if k in args})
     assert kernels.gluon_candidates(consts={**consts, **change}, **args) == []
+
+
+def gdpa_block64_rope_with_position_bias(options=DEFAULT):  # the block kernels, RoPE and a bucket table
+    q, k, v = tensors(1000, 2, 128, torch.bfloat16)
+    off = offsets_of([300, 0, 700])
+    table = torch.zeros(2, 16, requires_grad=True)
+    gdpa(q, k, v, off, off, 700, 700, block=64, rope_base=1e4, rel_bias=table, backend="triton").sum().backward()
+
+
+def jfa_causal_fp32(options=DEFAULT):  # the local-MFU pass's dtype: every tile twice the bytes of bf16's
+    q, k, v = tensors(1000, 2, 128, torch.float32)
+    off = offsets_of([300, 0, 700])
+    jagged_attention(q, k, v, off, off, 700, 700, causal=True, backend="triton", options=options).sum().backward()
+
+
+@pytest.mark.parametrize(
+    "call,kinds",
+    [
+        (gdpa_block64_rope_with_position_bias, ["block_fwd", "block_bwd"]),
+        (jfa_causal_fp32, ["fwd", "delta", "dkdv"]),
+    ],
+    ids=lambda x: x.__name__ if callable(x) else None,
+)
+def test_masks_rope_and_fp32_run_on_a_tile_that_fits(call, kinds):
+    """What runs untuned (`first_fitting`: candidates in order, compiled, until one fits the device) compiles for
+    sm_90 within its shared memory; RoPE loads offer no tensor-descriptor tiles."""
+    from gemrec.kernels.aot import compile_launch, record_launches
+
+    launches = record_launches(call)
+    assert [launch.kind for launch in launches] == kinds
+    for launch in launches:
+        candidates = launch.candidates()
+        assert candidates and (not launch.consts.get("ROPE") or not any(c.get("TMA") for c in candidates))
+        compiled = {}
+
+        def shared(config, launch=launch, compiled=compiled):
+            compiled[kernels._config_name(config)] = compile_launch(launch, config)
+            return compiled[kernels._config_name(config)].metadata.shared
+
+        config = kernels.first_fitting(launch.kind, candidates, shared, SHARED_MEMORY_LIMIT, "sm_90")
+        assert compiled[kernels._config_name(config)].asm["cubin"], launch.kind
+
+
+def test_only_tiles_that_fit_the_dtype_are_offered():
+    # the issue's crash: A's 128x128 forward tile, tuned for bf16, needs 459,776 bytes in fp32
+    consts = {"HEAD_DIM": 128, "BLOCK_D": 128}
+    issue_tile = kernels._cfg(128, 128, 8, 3, True)
+    assert kernels.shared_estimate("fwd", issue_tile, consts, 4) > SHARED_MEMORY_LIMIT
+    assert issue_tile in kernels._candidates("fwd", consts, torch.bfloat16, True, SHARED_MEMORY_LIMIT)
+    assert issue_tile not in kernels._candidates("fwd", consts, torch.float32, True, SHARED_MEMORY_LIMIT)
+    # every kernel keeps tiles for every dtype the API takes and every head dim, and fp32 keeps a subset of bf16's
+    for kind in kernels.CONFIGS:
+        for head_dim in (16, 64, 128, 256):
+            block_d = max(16, head_dim)
+            resident = kernels.RESIDENT_MAX_TILE // block_d  # the resident side's rows where those kernels run
+            consts = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": resident, "BLOCK_N": resident}
+            consts["MASK_BLOCK"] = 64
+            offered = {
+                dtype: kernels._candidates(kind, consts, dtype, True, SHARED_MEMORY_LIMIT)
+                for dtype in (torch.float32, torch.float16, torch.bfloat16)
+            }
+            assert all(offered.values()), (kind, head_dim, {d: len(c) for d, c in offered.items()})
+            assert all(c in offered[torch.bfloat16] for c in offered[torch.float32]), (kind, head_dim)
