@@ -41,7 +41,7 @@ def _rotated(x: torch.Tensor, positions: range, base: float) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
-def _seen(p: int, j: int, causal: bool, window: int | None, block: int | None) -> bool:
+def sees(p: int, j: int, causal: bool, window: int | None, block: int | None) -> bool:
     """Whether a query at position p sees key j, straight from the API's words."""
     if causal and j > p:
         return False
@@ -89,7 +89,7 @@ def naive(
             dt = (rel.q_timestamps[o0 : o0 + lq, None] - rel.kv_timestamps[None, k0 : k0 + lk]).abs()
             s = s + rel.time[:, _each(dt, lambda t: _time_bucket(t, rel))]
         allowed = torch.tensor(
-            [[_seen(i + lk - lq, j, causal, window, block) for j in range(lk)] for i in range(lq)], dtype=torch.bool
+            [[sees(i + lk - lq, j, causal, window, block) for j in range(lk)] for i in range(lq)], dtype=torch.bool
         ).view(lq, lk)
         if activation == "softmax":
             w = torch.softmax(s.masked_fill(~allowed, -math.inf), -1).nan_to_num(0.0)

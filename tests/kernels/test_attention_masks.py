@@ -9,7 +9,7 @@ import torch
 from gemrec.kernels import RelativeBias, attention_flops, attention_pairs, gdpa, jagged_attention
 from gemrec.kernels.ops import sequence_pairs
 from gemrec.kernels.reference import rope_cos_sin, rotate_half
-from kernel_harness import naive, offsets_of
+from kernel_harness import naive, offsets_of, sees
 
 MASKS = [
     dict(window=3),
@@ -67,12 +67,7 @@ def test_rope_is_rotate_half_with_the_models_angles():
 
 
 def _brute_pairs(lq: int, lk: int, causal: bool, window: int | None, block: int | None) -> int:
-    pairs = 0
-    for i, j in itertools.product(range(lq), range(lk)):
-        p = i + lk - lq
-        ok = (not causal or j <= p) and (not window or (p - j < window if causal else abs(p - j) < window))
-        pairs += ok and (not block or p // block == j // block)
-    return pairs
+    return sum(sees(i + lk - lq, j, causal, window, block) for i, j in itertools.product(range(lq), range(lk)))
 
 
 def test_pair_counts_are_closed_form_and_exact():
