@@ -34,13 +34,14 @@ def test_redis_outage_is_unavailable_and_not_serving(movielens_dataset, redis_st
     memory = MemoryStore(movielens_dataset)
     redis_proc = redis_starter(free_port, tmp_path)
     url = f"redis://127.0.0.1:{free_port}/0"
-    materialize(memory, url, progress=False)
-    store = RedisStore(url, memory.schema.dataset_checksum)
-    store.client.save()  # a dump the restarted redis loads
-    core = FeatureServiceCore(store, probe_s=0.2)
-    server = Server(ServerOptions(port=0), register(core), health_hook=core.bind_health)
-    address = f"127.0.0.1:{server.port}"
+    store = server = None
     try:
+        materialize(memory, url, progress=False)
+        store = RedisStore(url, memory.schema.dataset_checksum)
+        store.client.save()  # a dump the restarted redis loads
+        core = FeatureServiceCore(store, probe_s=0.2)
+        server = Server(ServerOptions(port=0), register(core), health_hook=core.bind_health)
+        address = f"127.0.0.1:{server.port}"
         with caplog.at_level(logging.INFO, logger="gemrec"), open_channel(address) as channel:
             with FeatureClient(address, retries=0, timeout_s=10) as client:
                 assert client.lookup("item", [1], ["item_id"])["item_id"][0].tolist() == [1]
@@ -58,7 +59,9 @@ def test_redis_outage_is_unavailable_and_not_serving(movielens_dataset, redis_st
         assert events.count("store_unreachable") == 1 and events.count("store_reachable") == 1
         assert not [r for r in caplog.records if r.exc_info], "no tracebacks for an outage"
     finally:
-        server.stop(0)
-        store.close()
+        if server is not None:
+            server.stop(0)
+        if store is not None:
+            store.close()
         redis_proc.terminate()
         redis_proc.wait(timeout=10)
