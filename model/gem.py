@@ -41,9 +41,15 @@ def _check_input(inp: ModelInput, schema: FeatureSchema, with_sequence: bool) ->
         raise ValueError(f"sparse_features has stride {inp.sparse_features.stride()}, expected batch size {batch}")
     if not with_sequence:
         return
-    tokens = inp.num_tokens
-    if tuple(inp.seq_offsets.shape) != (batch + 1,):
+    tokens, histories = inp.num_tokens, inp.num_histories
+    if inp.history_index is None and histories != batch:
         raise ValueError(f"seq_offsets must be ({batch + 1},), got {tuple(inp.seq_offsets.shape)}")
+    if inp.history_index is not None:
+        if tuple(inp.history_index.shape) != (batch,):
+            raise ValueError(f"history_index must be ({batch},), got {tuple(inp.history_index.shape)}")
+        index = inp.history_index
+        if index.device.type == "cpu" and batch and (int(index.min()) < 0 or int(index.max()) >= histories):
+            raise ValueError(f"history_index must be in [0, {histories}) (the histories of seq_offsets)")
     if tuple(inp.seq_timestamps.shape) != (tokens,):
         raise ValueError(f"seq_timestamps must be ({tokens},) like seq_item_ids, got {tuple(inp.seq_timestamps.shape)}")
     if inp.seq_actions.dim() != 2 or tuple(inp.seq_actions.shape) != (tokens, schema.num_actions):
@@ -228,9 +234,26 @@ class GEMModel(nn.Module):
         return MoEFeedForward(c.d_model, c.moe_hidden, c.moe_num_experts, c.moe_top_k, c.init_std)
 
     def _token_example(self, inp: ModelInput) -> torch.Tensor:
-        """The example index of every history token, (T,)."""
-        batch = torch.arange(inp.batch_size, device=inp.seq_offsets.device)
-        return torch.repeat_interleave(batch, inp.seq_lengths(), output_size=inp.num_tokens)
+        """The history (= example, unless examples share histories) of every history token, (T,)."""
+        histories = torch.arange(inp.num_histories, device=inp.seq_offsets.device)
+        return torch.repeat_interleave(histories, inp.seq_lengths(), output_size=inp.num_tokens)
+
+    @staticmethod
+    def _history_timestamps(inp: ModelInput) -> torch.Tensor:
+        """The target time of every history: its examples' (candidates of one request share it; latest wins)."""
+        if inp.history_index is None:
+            return inp.timestamps
+        out = inp.timestamps.new_zeros(inp.num_histories)
+        return out.scatter_reduce(0, inp.history_index, inp.timestamps, "amax", include_self=False)
+
+    @staticmethod
+    def _per_example(seq: torch.Tensor, offsets: torch.Tensor, index: torch.Tensor):
+        """The token rows of history index[i] for every example i: (rows of seq, offsets (B+1,))."""
+        lengths = (offsets[1:] - offsets[:-1])[index]
+        out_offsets = F.pad(torch.cumsum(lengths, 0), (1, 0))
+        total = int(out_offsets[-1])
+        shift = torch.repeat_interleave(offsets[:-1][index] - out_offsets[:-1], lengths, output_size=total)
+        return seq[shift + torch.arange(total, device=seq.device)], out_offsets
 
     def _sequence(self, inp: ModelInput, token_emb, token_example, target_emb) -> torch.Tensor:
         """The sequence tower's output per history token, (T, d_model)."""
@@ -239,7 +262,7 @@ class GEMModel(nn.Module):
         positions = torch.arange(tokens, device=device) - offsets[token_example]
         rope = self.rotary(positions, max_len) if self.rotary is not None else None
         from_end = offsets[1:][token_example] - 1 - torch.arange(tokens, device=device)
-        seconds = inp.timestamps[token_example] - inp.seq_timestamps
+        seconds = self._history_timestamps(inp)[token_example] - inp.seq_timestamps
         seq = self.seq_dropout(self.seq_input(token_emb, inp.seq_actions, seconds, from_end, target_emb))
         for layer in self.seq_tower:
             seq = layer(seq, offsets, max_len, rope)
@@ -267,6 +290,12 @@ class GEMModel(nn.Module):
         batch = inp.batch_size
         offsets, max_len = inp.seq_offsets, inp.max_seq_len
         device = offsets.device
+        shared = inp.history_index is not None
+        if shared and self.seq_input.target_proj is not None:
+            raise ValueError(
+                "examples sharing a history (history_index) need model.target_aware=false: "
+                "target-aware history tokens differ per example"
+            )
         example_emb, token_emb = self.embeddings(
             inp.sparse_features, inp.seq_item_ids, inp.seq_item_features, batch_size=batch
         )
@@ -275,7 +304,10 @@ class GEMModel(nn.Module):
         if self.seq_input.target_proj is not None:
             target_emb = example_emb.index_select(1, self.embeddings.token_columns)[token_example]
         seq = self._sequence(inp, token_emb, token_example, target_emb)
-        summaries = self.pma(seq, offsets, max_len, batch)
+        summaries = self.pma(seq, offsets, max_len, inp.num_histories)
+        if shared:  # the towers ran once per history; the candidates' layers read their history's tokens
+            summaries = summaries[inp.history_index]
+            seq, offsets = self._per_example(seq, offsets, inp.history_index)
         x = self.feature_input(example_emb, inp.dense_features)
         for layer in self.nonseq_tower:
             x, _ = layer(x, seq, offsets, max_len)
@@ -290,14 +322,16 @@ class GEMModel(nn.Module):
 
     def flops(self, inp: ModelInput) -> dict[str, tuple[int, int]]:
         batch = inp.batch_size
-        seq = Jagged(inp.seq_lengths().tolist())
+        seq = Jagged(inp.seq_lengths().tolist())  # per history
+        lengths = inp.seq_lengths() if inp.history_index is None else inp.seq_lengths()[inp.history_index]
+        example_seq = Jagged(lengths.tolist())  # per example
         counts = {"seq_input": self.seq_input.flops(seq.tokens)}
         for i, layer in enumerate(self.seq_tower):
             counts[f"seq_tower.{i}"] = layer.flops(seq)
         counts["pma"] = self.pma.flops(seq)
         counts["feature_input"] = self.feature_input.flops(batch)
         for i, layer in enumerate(self.nonseq_tower):
-            counts[f"nonseq_tower.{i}"] = layer.flops(batch, self.feature_input.num_tokens, seq)
+            counts[f"nonseq_tower.{i}"] = layer.flops(batch, self.feature_input.num_tokens, example_seq)
         for i, layer in enumerate(self.interaction):
             counts[f"interaction.{i}"] = layer.flops(batch, self.num_tokens, None)
         counts["heads"] = self.heads.flops(batch)

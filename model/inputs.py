@@ -109,6 +109,9 @@ class ModelInput:
     seq_item_features: Any  # KeyedJaggedTensor | JaggedFeatures | None, stride T
     max_seq_len: int  # host-side max history length in this batch
     timestamps: torch.Tensor  # (B,) int64 unix seconds of the target events
+    # Not in Batch: (B,) int64 index of each example's history when examples share histories (H of them, in
+    # the seq_* fields, seq_offsets (H+1,)): several candidates scored for one request. None: one per example.
+    history_index: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -118,7 +121,12 @@ class ModelInput:
     def num_tokens(self) -> int:
         return int(self.seq_item_ids.shape[0])
 
+    @property
+    def num_histories(self) -> int:
+        return int(self.seq_offsets.shape[0]) - 1
+
     def seq_lengths(self) -> torch.Tensor:
+        """History lengths, one per history (per example unless `history_index` shares them)."""
         return self.seq_offsets[1:] - self.seq_offsets[:-1]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> ModelInput:

@@ -141,8 +141,12 @@ class RankerArm:
         return max(1, math.ceil(len(self.data.splits["train"]) / self.config.batch_size))
 
     def _input(self, targets: Targets, candidates: np.ndarray):
+        """One example per candidate. Without target-aware tokens a user's candidates share one pass of the
+        sequence tower (`history_index`); with them each candidate gets its own copy of the history."""
         rows = np.repeat(np.arange(len(targets)), candidates.shape[1])
-        return self.data.model_input(targets.history.take(rows), targets.users[rows], candidates.reshape(-1))
+        if self.model.config.target_aware:
+            return self.data.model_input(targets.history.take(rows), targets.users[rows], candidates.reshape(-1))
+        return self.data.model_input(targets.history, targets.users[rows], candidates.reshape(-1), history_index=rows)
 
     def batches(self, rng: np.random.Generator):
         """(input, labels) per batch of positives, each followed by its sampled negatives."""

@@ -158,13 +158,18 @@ class SeqRecData:
         return torch.from_numpy(self.item_embedding), features
 
     def model_input(
-        self, history: Jagged, users: np.ndarray | None = None, candidates: np.ndarray | None = None
+        self,
+        history: Jagged,
+        users: np.ndarray | None = None,
+        candidates: np.ndarray | None = None,
+        history_index: np.ndarray | None = None,
     ) -> ModelInput:
-        """One example per history row. With `users` and `candidates` (the pointwise ranker) the examples'
-        sparse features are the user and the candidate item with its features; without them (retrieval) they
-        are empty: the model sees the history alone."""
-        rows = len(history)
+        """One example per history row, or per `history_index` entry (examples sharing histories). With `users`
+        and `candidates` (the pointwise ranker; one per example) the examples' sparse features are the user and
+        the candidate item with its features; without them (retrieval) they are empty: the model sees the
+        history alone."""
         lengths = history.lengths
+        rows = len(history) if history_index is None else len(history_index)
         tokens = len(history.values)
         seq_features = None
         if self.feature_names:
@@ -192,5 +197,8 @@ class SeqRecData:
             seq_actions=torch.zeros(tokens, 0),
             seq_item_features=seq_features,
             max_seq_len=int(lengths.max(initial=0)),
-            timestamps=torch.from_numpy(lengths.astype(np.int64)),
+            timestamps=torch.from_numpy(
+                (lengths if history_index is None else lengths[history_index]).astype(np.int64)
+            ),
+            history_index=None if history_index is None else torch.from_numpy(np.asarray(history_index, np.int64)),
         )

@@ -107,3 +107,41 @@ def test_losses_by_hand():
     pos_logit, neg_logit = (hidden * items[targets]).sum(1), (hidden * items[neg]).sum(1)
     manual = -(torch.log(torch.sigmoid(pos_logit)).mean() + torch.log(1 - torch.sigmoid(neg_logit)).mean())
     torch.testing.assert_close(bce_loss(hidden, items[targets], items[neg]), manual)
+
+
+def test_shared_histories_score_like_copies():
+    """Candidates sharing one pass of the sequence tower (history_index) get the logits of full copies."""
+    from dataclasses import replace
+
+    from gemrec.model import JaggedFeatures, model_flops
+
+    model = gem(target_aware=False)
+    hist = random_input(SCHEMA, 2, 5, lengths=[3, 5], seed=8)
+    candidates = random_input(SCHEMA, 6, 1, seed=9).sparse_features  # 3 candidates per history
+    index = torch.tensor([0, 0, 0, 1, 1, 1])
+    timestamps = hist.timestamps[index]
+    shared = replace(hist, sparse_features=candidates, dense_features=torch.zeros(6, 0), timestamps=timestamps)
+    shared.history_index = index
+    # The same examples with each history copied per candidate.
+    rows = torch.cat([torch.arange(0, 3)] * 3 + [torch.arange(3, 8)] * 3)
+    item_values, item_lengths = hist.seq_item_features["item_attributes"]
+    starts = torch.nn.functional.pad(torch.cumsum(item_lengths, 0), (1, 0))
+    attr_values = torch.cat([item_values[starts[r] : starts[r + 1]] for r in rows.tolist()])
+    copies = replace(
+        shared,
+        seq_offsets=torch.tensor([0, 3, 6, 9, 14, 19, 24]),
+        seq_item_ids=hist.seq_item_ids[rows],
+        seq_timestamps=hist.seq_timestamps[rows],
+        seq_actions=hist.seq_actions[rows],
+        seq_item_features=JaggedFeatures(["item_attributes"], attr_values, item_lengths[rows]),
+        history_index=None,
+    )
+    torch.testing.assert_close(model(shared).logits, model(copies).logits)
+    flops_shared, flops_copies = model_flops(model, shared), model_flops(model, copies)
+    assert flops_shared["seq_tower.0"][0] * 3 == flops_copies["seq_tower.0"][0]
+    assert flops_shared["nonseq_tower.0"] == flops_copies["nonseq_tower.0"]
+    with pytest.raises(ValueError, match="need model.target_aware=false"):
+        gem(target_aware=True)(shared)
+    shared.history_index = torch.tensor([0, 0, 0, 1, 1, 2])
+    with pytest.raises(ValueError, match=r"history_index must be in \[0, 2\)"):
+        model(shared)
