@@ -1,11 +1,13 @@
-"""GPU training benchmark: a recipe (default `h200-bench`) on production-shaped synthetic batches.
+"""GPU training benchmark: a recipe (default `h200-bench`) on production-shaped batches staged on the device.
 
-Batches are built as `ModelInput` with `JaggedFeatures` (no torchrec, no data service: the GPU machine has
-neither), a few distinct ones generated up front and rotated, so the numbers are the model + optimizer
-alone. Reports QPS, tokens/s, E2E MFU, per-layer local MFU (each layer alone, forward + backward), the
-scaling ratio, and a profiler table of where the step time goes.
+Batches are built as `ModelInput` with `JaggedFeatures` (no torchrec), synthetic by default or, with
+`--dataset DIR`, collated in process from that dataset's train split (its schema; the batches the data service
+would send, e.g. from `gemrec data synth --profile h200-bench`). A few distinct ones are staged up front and
+rotated, so the numbers are the model + optimizer alone. Reports QPS, tokens/s, E2E MFU, per-layer local MFU
+(each layer alone, forward + backward, compiled when the step is), the scaling ratio, the model's FLOP count
+against `FlopCounterMode` on one batch, and a profiler table of where the step time goes.
 
-    python -m gemrec.components.trainer.gpu_bench --recipe h200-bench --out DIR [--set section.key=value]
+    python -m gemrec.components.trainer.gpu_bench --recipe h200-bench --out DIR [--dataset DIR] [--set sec.key=val]
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from gemrec.components.trainer.mfu import (
     total_flops,
 )
 from gemrec.components.trainer.training import set_determinism, setup_training, timed_steps
-from gemrec.model import FeatureSchema, ModelInput, model_flops
+from gemrec.model import FeatureSchema, ModelInput, model_flops, train_step
 from gemrec.model.bench import count_host_syncs
 from gemrec.model.synthetic import bench_schema, lognormal_lengths, random_input, random_labels
 
@@ -58,6 +60,29 @@ def synthetic_batch(
     return inp, random_labels(batch_size, schema.num_tasks, gen)
 
 
+def dataset_batches(dataset: Path, config, count: int) -> tuple[FeatureSchema, list[tuple[ModelInput, torch.Tensor]]]:
+    """The dataset's schema and its first `count` training batches (host, as the trainer reads them in process)."""
+    from gemrec.components.data_service.dataset import Dataset
+    from gemrec.components.trainer.data import DatasetStream, to_model_input
+
+    ds = Dataset.open(dataset)
+    stream = DatasetStream(ds, config.data.batch_size, config.data.max_seq_len, config.train.seed, prefetch=0)
+    batches = [(to_model_input(batch), batch.labels) for _, batch in zip(range(count), stream)]
+    return FeatureSchema.from_manifest(ds.manifest), batches
+
+
+def flop_count_check(model, inp: ModelInput, labels: torch.Tensor, autocast) -> dict:
+    """The model's FLOP count of one batch against `FlopCounterMode` over the same forward + backward (eager)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        train_step(model, inp, labels, autocast=autocast)
+    model.zero_grad(set_to_none=True)
+    counted, measured = total_flops(model_flops(model, inp)), counter.get_total_flops()
+    return {"model": counted, "flop_counter": measured, "model_over_counter": counted / measured}
+
+
 def profile_steps(step, steps: int, device: torch.device, trace: Path | None = None) -> tuple[str, float]:
     """(the profiler's op table, compiled graphs run per step). More than one graph per step means
     torch.compile broke the model into pieces (each break also materialises tensors and runs Python between)."""
@@ -83,6 +108,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--trace", action="store_true", help="also write the profiled steps' Chrome trace")
+    parser.add_argument("--dataset", type=Path, help="stage batches of this dataset's train split (its schema)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
 
@@ -92,15 +118,16 @@ def run(argv: list[str] | None = None) -> dict:
     bench = config.bench
     device = torch.device(args.device)
     set_determinism(config.train.seed, False)
-    schema = synthetic_schema(bench)
+    if args.dataset is not None:
+        schema, host = dataset_batches(args.dataset, config, bench.distinct_batches)
+    else:
+        schema, gen = synthetic_schema(bench), torch.Generator().manual_seed(config.train.seed)
+        host = [
+            synthetic_batch(schema, bench, config.data.batch_size, config.data.max_seq_len, gen)
+            for _ in range(bench.distinct_batches)
+        ]
     training = setup_training(config, schema, device, bench.warmup_steps + bench.steps)
     model, bf16, autocast = training.model, training.bf16, training.autocast
-
-    gen = torch.Generator().manual_seed(config.train.seed)
-    host = [
-        synthetic_batch(schema, bench, config.data.batch_size, config.data.max_seq_len, gen)
-        for _ in range(bench.distinct_batches)
-    ]
     flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
     batches = [(inp.to(device), labels.to(device)) for inp, labels in host]
     tokens = [inp.num_tokens for inp, _ in host]
@@ -129,7 +156,8 @@ def run(argv: list[str] | None = None) -> dict:
     )
     e2e = step_flops / seconds / peak.flops
 
-    inp0, _ = batches[0]
+    inp0, labels0 = batches[0]
+    flop_check = flop_count_check(model, inp0, labels0, autocast)
     local, layers = measure_local_mfu(
         model,
         model_flops(model, host[0][0]),
@@ -138,6 +166,7 @@ def run(argv: list[str] | None = None) -> dict:
         device,
         autocast,
         repeats=max(3, config.train.local_mfu_repeats),
+        compile=config.train.compile,
     )
     step_ms = 1000 * seconds / bench.steps
     host_syncs, sync_sites = count_host_syncs(step) if device.type == "cuda" else (0, [])
@@ -146,6 +175,7 @@ def run(argv: list[str] | None = None) -> dict:
     )
     result = {
         "recipe": config.recipe,
+        "batches": f"dataset {args.dataset}" if args.dataset is not None else "synthetic",
         "device": peak.device,
         "torch": torch.__version__,
         "precision": config.train.precision + (" (bf16 autocast)" if bf16 else " (fp32)"),
@@ -169,7 +199,9 @@ def run(argv: list[str] | None = None) -> dict:
         "mfu_e2e_vs_measured": step_flops / seconds / measured,
         "mfu_e2e_vs_fp8_peak": step_flops / seconds / H200_FP8_DENSE_PEAK_FLOPS if "H200" in peak.device else None,
         "mfu_local": local,
+        "local_mfu_compiled": config.train.compile,
         "scaling_ratio": e2e / local if local else float("nan"),
+        "flop_count": flop_check,
         "layers": [
             {
                 "name": r.name,

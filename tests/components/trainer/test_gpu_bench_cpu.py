@@ -34,6 +34,19 @@ def test_gpu_bench_reports_mfu_layers_and_profile_on_cpu(tmp_path):
     assert "Self CPU" in (tmp_path / "profile.txt").read_text()
 
 
+def test_gpu_bench_stages_dataset_batches_and_checks_the_flop_count(synth_dataset, tmp_path):
+    """--dataset: the dataset's schema and train batches, staged (the staged arm beside training through the
+    services); the FLOP count is compared with FlopCounterMode on one batch (on the GPU within 1%; on the CPU the
+    reference pads similar lengths into groups, so the counter reads more)."""
+    result = run(
+        ["--recipe", "tiny", "--device", "cpu", "--out", str(tmp_path), "--dataset", str(synth_dataset), *SMALL]
+    )
+    assert result["batches"] == f"dataset {synth_dataset}" and result["batch_size"] == 8
+    check = result["flop_count"]
+    assert check["model"] > 0 and 0.5 < check["model_over_counter"] <= 1.0
+    assert result["mfu_local"] > 0 and result["local_mfu_compiled"] is False
+
+
 def test_scaling_bench_splits_one_global_batch_by_attention_cost():
     from gemrec.components.data_service.balance import example_cost, imbalance
     from gemrec.components.trainer.config import load_recipe
