@@ -234,8 +234,11 @@ def _result(future: futures.Future) -> bytes:
         return future.result()
     except ServiceError:
         raise
-    except grpc.RpcError as err:  # the feature service behind --features
-        raise Unavailable(f"feature service: {err.code().name}: {err.details()}") from None
+    except grpc.RpcError as err:  # the feature service behind --features: only its outages are worth a retry
+        transient = err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        raise (Unavailable if transient else ServiceError)(
+            f"feature service: {err.code().name}: {err.details()}"
+        ) from None
     except Exception as err:
         raise ServiceError(f"building a batch failed: {type(err).__name__}: {err}") from err
 

@@ -144,6 +144,27 @@ def test_features_from_the_feature_service_give_the_same_batches(ds, movielens_d
         feature_server.stop(0)
 
 
+def test_feature_service_rejections_fail_the_stream_at_once(movielens_dataset, synth_dataset):
+    """A feature service that rejects the lookups (here: another dataset's, which lacks these features) is no
+    outage: the stream fails with INTERNAL naming it, without the client retrying until its timeout."""
+    feature_server = Server(
+        ServerOptions(port=0), register_features(FeatureServiceCore(MemoryStore(movielens_dataset)))
+    )
+    features = FeatureClient(f"127.0.0.1:{feature_server.port}")
+    server = Server(ServerOptions(port=0), register(DataLoaderCore(Dataset.open(synth_dataset), features)))
+    try:
+        client = DataClient(f"127.0.0.1:{server.port}", "train", batch_size=16, max_seq_len=8, wait_timeout_s=60)
+        start = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            next(iter(client))
+        assert err.value.code() == grpc.StatusCode.INTERNAL and "feature service: " in err.value.details()
+        assert client.reconnects == 0 and time.monotonic() - start < 30
+    finally:
+        server.stop(0)
+        features.close()
+        feature_server.stop(0)
+
+
 def test_dataset_info(address, ds):
     info = DataClient(address).info()
     assert info["split_sizes"] == {s: ds.num_examples(s) for s in ds.splits}
