@@ -340,6 +340,7 @@ def run_summary(
         },
         "train_loss": train_loss,
         "train_seconds": seconds,
+        "timed_steps": int(timed_steps),
         "checkpoint": checkpoint,
         "mlflow": mlflow,
         "dataset": dataset,

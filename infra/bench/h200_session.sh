@@ -7,6 +7,12 @@
 #   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
 #   scaling  scaling_bench (compiled, ZeRO-2, bf16 reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile
 #            cache) with nothing else running, and its report
+#   services the real path on GPU 0: `gemrec data synth --profile h200-bench`, `gemrec serve features` and
+#            `gemrec serve data` as processes on this machine's CPUs, the compiled h200-bench step trained through
+#            --data-addr (no MLflow), then gpu_bench compiled on batches of the same dataset staged on the GPU;
+#            services_report.json: E2E MFU through the services vs staged, the wait for data (share, p50/p99),
+#            batches read ahead, data-service CPU per batch, local MFU (compiled layers), the FLOP-count check.
+#            One nvidia-h200 call: `bash infra/bench/h200_session.sh OUT 420 services` (about 8 minutes)
 # On a 1-GPU host (nvidia-h200) the kernels part runs its steps one after another on that GPU instead.
 # Each step has its own time limit, so a slow step cannot eat the others. All parts take about 10 minutes plus
 # compile time: within one device call's 10-minute limit, run `tests,kernels,trainer` and `scaling` as two calls.
@@ -22,10 +28,15 @@ limit=${2:-300}
 parts=",${3:-tests,kernels,trainer,scaling},"
 root=$(cd "$(dirname "$0")/../.." && pwd)
 # a `git archive` snapshot has no history: its commit comes from COMMIT (`git rev-parse --short HEAD > COMMIT`)
-if [[ -f $root/COMMIT ]]; then export GEMREC_COMMIT=$(cat "$root/COMMIT"); fi
+if [[ -f $root/COMMIT ]]; then export GEMREC_COMMIT=$(cat "$root/COMMIT") GEMREC_GIT_COMMIT=$(cat "$root/COMMIT"); fi
 mkdir -p "$out" /tmp/gemrec-path
 ln -sfn "$root" /tmp/gemrec-path/gemrec
 export PYTHONPATH=/tmp/gemrec-path PYTHONUNBUFFERED=1
+# Wheels carried in .whl (the image lacks grpcio-health-checking, grpcio-reflection and this protobuf) go first.
+if compgen -G "$root/.whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gemrec-site \
+    "$root"/.whl/*.whl && export PYTHONPATH=/tmp/gemrec-site:$PYTHONPATH
+fi
 cd "$root"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv > "$out/gpus.txt"
 gpus=$(nvidia-smi -L | wc -l)
@@ -68,6 +79,59 @@ if want scaling; then
   run scaling_1 python3 -m torch.distributed.run --nproc_per_node 1 -m $S --out "$out/scaling" $common $steps
   python3 -m $S report "$out"/scaling/*.json > "$out/scaling_report.md" 2>&1
   cat "$out/scaling_report.md"
+fi
+if want services; then
+  export CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR=/tmp/gemrec-inductor  # the staged run reuses the kernels
+  data=/tmp/gemrec-h200-bench-data
+  serve() { local name=$1; shift; python3 -m gemrec.cli serve "$@" > "$out/services_$name.log" 2>&1 & }
+  healthy() { python3 -c "import sys; from gemrec.components.common.grpc_channel import open_channel, wait_healthy
+for port in sys.argv[1:]:
+    with open_channel(f'127.0.0.1:{port}') as channel: wait_healthy(channel, timeout_s=120)" "$@"; }
+  run services_synth python3 -m gemrec.cli data synth --profile h200-bench --out "$data" --overwrite
+  serve features features --dataset "$data" --port 50061
+  features_pid=$!
+  serve data data --dataset "$data" --features 127.0.0.1:50061 --port 50062 --workers 8
+  data_pid=$!
+  healthy 50061 50062 && nproc > "$out/services_cpus.txt"
+  # 8 untimed steps (compilation), then 32 timed ones in windows of 8, as gpu_bench's 8 warm-up and 32 timed steps
+  steps="--set train.steps=40 --set train.log_every=8 --set train.untimed_steps=8"
+  run services_train python3 -m gemrec.cli train --recipe h200-bench --data-addr 127.0.0.1:50062 --device cuda \
+    --no-tracking --no-progress --run-dir /tmp/gemrec-services-run --metrics-out "$out/services_train.json" $steps \
+    --set train.compile=true --set train.local_mfu=false --set checkpoint.every=0 --set data.eval_max_examples=1024
+  ps -o pid,rss,cputime,args -p "$data_pid,$features_pid" > "$out/services_ps.txt"
+  kill "$data_pid" "$features_pid"
+  wait "$data_pid" "$features_pid"
+  run services_staged python3 -m $T.gpu_bench --dataset "$data" --out "$out/services_staged" \
+    --set train.compile=true --set bench.warmup_steps=8 --set bench.steps=32
+  python3 - "$out" <<'PY' 2>&1 | tee "$out/services_report.txt"
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+train = json.loads((out / "services_train.json").read_text())
+staged = json.loads((out / "services_staged" / "gpu_bench.json").read_text())
+report = {
+    "mfu_e2e_services": train["mfu"]["e2e"],
+    "mfu_e2e_staged": staged["mfu_e2e"],
+    "services_over_staged": train["mfu"]["e2e"] / staged["mfu_e2e"],  # target >= 0.97
+    "data_wait_share": train["data"]["wait_share"],  # target < 0.02
+    "data_wait_ms_p50": train["data"]["wait_ms_p50"],
+    "data_wait_ms_p99": train["data"]["wait_ms_p99"],
+    "batches_in_flight": train["data"]["batches_in_flight"],
+    "data_service_cpu_ms_per_batch": train["data"]["service_cpu_ms_per_batch"],
+    "step_ms_services": 1000 * train["train_seconds"] / train["timed_steps"],
+    "step_ms_staged": staged["step_ms"],
+    "qps_services": train["qps"],
+    "qps_staged": staged["qps"],
+    "mfu_local_compiled": staged["mfu_local"],
+    "scaling_ratio_staged": staged["scaling_ratio"],  # <= 1 with compiled layers
+    "flop_count": staged["flop_count"],  # model / FlopCounterMode within 1%
+    "mean_tokens_per_batch_staged": staged["mean_tokens_per_batch"],
+    "device": staged["device"],
+}
+(out / "services_report.json").write_text(json.dumps(report, indent=2))
+print(json.dumps(report, indent=2))
+PY
+  unset CUDA_VISIBLE_DEVICES
 fi
 cat "$out/status.txt"
 (cd "$out" && tar czf all.tgz --exclude=all.tgz .)
