@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Self
 
-from gemrec.config import Section
+from gemrec.config import ConfigError, Section, field_error
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,8 @@ class FeatureSchema:
 
 
 Arch = Literal["gem", "dlrm"]
+SeqMask = Literal["full", "window", "block"]
+Rope = Literal["fused", "separate", "none"]
 
 
 @dataclass(frozen=True)
@@ -140,9 +143,16 @@ class ModelConfig(Section):
     seq_causal: bool = True
     dropout: float = 0.0  # on the sequence tower's input tokens and residual branches (training only)
     attention_backend: Literal["auto", "reference"] = "auto"  # auto: Triton kernels on CUDA; reference: PyTorch
-    rotary: bool = True
+    # Which earlier tokens a history token sees (the kernels' masks): all; those within seq_window positions; those
+    # of its own seq_block-token block. Each size is read only by its mask, so a recipe can carry both.
+    seq_attention_mask: SeqMask = "full"
+    seq_window: int | None = None
+    seq_block: int | None = None
+    # Rotary positions in the sequence tower: rotated inside the attention kernels (fused), by the model before
+    # them from cos/sin tables (separate), or none. Older recipes' `rotary = true | false` reads as separate | none.
+    rope: Rope = "separate"
     rotary_base: float = 10000.0
-    rotary_max_positions: int = 32768  # longest sequence the rotary tables cover
+    rotary_max_positions: int = 32768  # longest sequence the separate rotary's tables cover
     time_encoding: Literal["log_bucket", "continuous"] = "log_bucket"  # of the time since the target event
     num_time_buckets: int = 64
     recency_buckets: int = 32  # embedding of each token's rank from the end of its history; 0 = off
@@ -182,12 +192,52 @@ class ModelConfig(Section):
             self.require(getattr(self, name) >= 0, name, "must be >= 0")
         self.require(self.d_model % self.num_heads == 0, "d_model", f"must be divisible by num_heads {self.num_heads}")
         self.require(
-            not self.rotary or (self.d_model // self.num_heads) % 2 == 0,
+            self.rope == "none" or (self.d_model // self.num_heads) % 2 == 0,
             "d_model",
-            f"rotary positions need an even head dim (d_model / num_heads {self.num_heads})",
+            f"rotary positions (rope = {self.rope!r}) need an even head dim (d_model / num_heads {self.num_heads})",
         )
+        self.require(self.rotary_base > 0, "rotary_base", "must be > 0")
+        for mask, key in (("window", "seq_window"), ("block", "seq_block")):
+            size = getattr(self, key)
+            self.require(size is None or size >= 1, key, "must be >= 1 (or unset)")
+            self.require(
+                self.seq_attention_mask != mask or size is not None,
+                key,
+                f"seq_attention_mask = {mask!r} needs model.{key} (a size >= 1)",
+            )
         self.require(
             not self.moe_every or 1 <= self.moe_top_k <= self.moe_num_experts,
             "moe_top_k",
             f"must be in [1, moe_num_experts = {self.moe_num_experts}]",
         )
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any] | None) -> Self:
+        """As `Section.from_dict`; an older recipe's `rotary = true | false` is read as `rope = "separate" | "none"`,
+        and refused when it contradicts a `rope` given beside it."""
+        if not isinstance(values, Mapping) or "rotary" not in values:
+            return super().from_dict(values)
+        values = dict(values)
+        rotary = values.pop("rotary")
+        if not isinstance(rotary, bool):
+            raise field_error(cls.SECTION, "rotary", rotary, "must be true or false (the older spelling of model.rope)")
+        rope = values.setdefault("rope", "separate" if rotary else "none")
+        if (rope != "none") != rotary:
+            raise ConfigError(
+                f"model.rotary = {str(rotary).lower()} contradicts model.rope = {rope!r}: "
+                "rotary is the older spelling of rope (true = 'separate', false = 'none'); set only model.rope"
+            )
+        return super().from_dict(values)
+
+    @property
+    def seq_mask(self) -> tuple[int | None, int | None]:
+        """(window, block): the kernels' mask keywords of the sequence tower's self-attention (None: off)."""
+        return (
+            self.seq_window if self.seq_attention_mask == "window" else None,
+            self.seq_block if self.seq_attention_mask == "block" else None,
+        )
+
+    @property
+    def fused_rope_base(self) -> float | None:
+        """The kernels' `rope_base` of the sequence tower's self-attention (None unless rope = "fused")."""
+        return self.rotary_base if self.rope == "fused" else None

@@ -4,7 +4,8 @@ gem, per batch of B examples with T history tokens in total:
 
     embeddings      one sparse lookup: example features (B, F, E) and history tokens (T, 1 + S, E)
     seq_input       token = proj(item + side-feature embeddings) + action encoding + time-since-target
-    seq_tower       N pre-norm layers of jagged self-attention (softmax or SiLU, causal or not, rotary) + MLP
+    seq_tower       N pre-norm layers of jagged self-attention (softmax or SiLU, causal or not, full, windowed or
+                    block-local, rotary fused into the kernels or separate) + MLP
     pma             K learned seeds attend over each sequence -> (B, K, d) summary tokens
     feature_input   one token per sparse feature plus one for the dense features -> (B, F', d)
     nonseq_tower    self-attention among feature tokens, cross-attention from them into the sequence, MLP
@@ -204,10 +205,21 @@ class GEMModel(nn.Module):
         hidden = int(config.mlp_ratio * d)
         self.embeddings = SparseEmbeddings(schema, config)
         self.seq_input = SeqInput(schema, config)
-        self.rotary = Rotary(d // heads, config.rotary_base, config.rotary_max_positions) if config.rotary else None
+        separate, (window, block) = config.rope == "separate", config.seq_mask
+        self.rotary = Rotary(d // heads, config.rotary_base, config.rotary_max_positions) if separate else None
         self.seq_dropout = nn.Dropout(config.dropout)
         self.seq_tower = nn.ModuleList(
-            SeqLayer(d, heads, hidden, config.seq_attention, config.seq_causal, config.dropout)
+            SeqLayer(
+                d,
+                heads,
+                hidden,
+                config.seq_attention,
+                config.seq_causal,
+                config.dropout,
+                window=window,
+                block=block,
+                rope_base=config.fused_rope_base,
+            )
             for _ in range(config.seq_layers)
         )
         self.seq_norm = nn.LayerNorm(d)

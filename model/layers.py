@@ -12,6 +12,7 @@ from itertools import accumulate
 import torch
 import torch.nn.functional as F
 from gemrec.kernels import KernelOptions, attention_flops, gdpa, jagged_attention
+from gemrec.kernels.reference import rope_cos_sin, rotate_half
 from gemrec.model.moe import MoEFeedForward
 from torch import nn
 
@@ -49,15 +50,16 @@ def add(*pairs: tuple[int, int]) -> tuple[int, int]:
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding, one position per token. cos/sin come from tables built once: looking them up
-    keeps trigonometry out of the step (compiled, the angles were recomputed inside every rotation kernel)."""
+    """The separate rotary (`rope = "separate"`): cos/sin of each token's position looked up in tables built once
+    (`gemrec.kernels.reference.rope_cos_sin`, float64 angles stored as float32), for `rotate_half` on q and k before
+    the kernels. Tables keep trigonometry out of the step (compiled, the angles were recomputed inside every
+    rotation kernel); the fused rotary (`rope = "fused"`) rotates inside the kernels instead."""
 
     def __init__(self, head_dim: int, base: float, max_positions: int):
         super().__init__()
-        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * inv_freq
-        self.register_buffer("cos_table", angles.cos().float(), persistent=False)
-        self.register_buffer("sin_table", angles.sin().float(), persistent=False)
+        cos, sin = rope_cos_sin(torch.arange(max_positions), head_dim, base)
+        self.register_buffer("cos_table", cos.float(), persistent=False)
+        self.register_buffer("sin_table", sin.float(), persistent=False)
 
     def forward(self, positions: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin), float32, shape (tokens, 1, head_dim / 2): broadcast over (tokens, heads, head_dim / 2).
@@ -69,15 +71,6 @@ class Rotary(nn.Module):
                 f"{capacity} positions of the rotary tables (raise model.rotary_max_positions)"
             )
         return self.cos_table[positions][:, None, :], self.sin_table[positions][:, None, :]
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary on the last dim of x (tokens, ..., head_dim), computed in x's dtype."""
-    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    while cos.dim() < x.dim():
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
 
 
 class Mlp(nn.Module):
@@ -96,27 +89,43 @@ class Mlp(nn.Module):
 
 
 class JaggedAttention(nn.Module):
-    """Multi-head attention from query tokens to key/value tokens, jagged on both sides."""
+    """Multi-head attention from query tokens to key/value tokens, jagged on both sides.
+
+    `window`, `block` and `rope_base` are the kernels' mask and fused-rotary keywords, passed to every call as they
+    are (None: off); no mask tensor is built here."""
 
     backend = "auto"  # the kernels' backend ("auto" | "reference"); the model sets it from its config
     kernel_options: KernelOptions | None = None  # the kernels' options; the model sets them from its constructor
 
-    def __init__(self, dim: int, heads: int, kind: str = "softmax", causal: bool = False):
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        kind: str = "softmax",
+        causal: bool = False,
+        *,
+        window: int | None = None,
+        block: int | None = None,
+        rope_base: float | None = None,
+    ):
         super().__init__()
         if kind not in ("softmax", "silu"):
             raise ValueError(f"attention kind must be 'softmax' or 'silu', got {kind!r}")
         self.dim, self.heads, self.kind, self.causal = dim, heads, kind, causal
+        self.window, self.block, self.rope_base = window, block, rope_base
         self.wq, self.wkv, self.wo = nn.Linear(dim, dim), nn.Linear(dim, 2 * dim), nn.Linear(dim, dim)
 
     def forward(self, xq, xkv, q_offsets, kv_offsets, max_q_len, max_kv_len, rope=None):
         """`rope`: (cos, sin) from `Rotary` for self-attention (xq is xkv), or None."""
         h = self.heads
         hd = self.dim // h
+        if rope is not None and self.rope_base is not None:
+            raise ValueError("rotary positions are either fused (rope_base) or separate (rope), not both")
         if xq is xkv:  # self-attention: one GEMM for q, k and v, one rotation for q and k
             weight = torch.cat([self.wq.weight, self.wkv.weight])
             bias = torch.cat([self.wq.bias, self.wkv.bias])
             qkv = F.linear(xq, weight, bias).view(xq.shape[0], 3, h, hd)
-            qk = qkv[:, :2] if rope is None else rotate(qkv[:, :2], *rope)
+            qk = qkv[:, :2] if rope is None else rotate_half(qkv[:, :2], *(t[:, None] for t in rope))
             (q, k), v = qk.unbind(1), qkv[:, 2]
         else:
             if rope is not None:
@@ -130,7 +139,14 @@ class JaggedAttention(nn.Module):
         """The kernels' op for this layer's kind: softmax is `jagged_attention`; silu is `gdpa` with SiLU normalised
         by each sequence's key count (HSTU-style)."""
         args = (q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len)
-        kw = dict(causal=self.causal, backend=self.backend, options=self.kernel_options)
+        kw = dict(
+            causal=self.causal,
+            window=self.window,
+            block=self.block,
+            rope_base=self.rope_base,
+            backend=self.backend,
+            options=self.kernel_options,
+        )
         if self.kind == "softmax":
             return jagged_attention(*args, **kw)
         return gdpa(*args, activation="silu", normalize="kv_len", **kw)
@@ -145,18 +161,34 @@ class JaggedAttention(nn.Module):
         )
 
     def core_flops(self, q_offsets: list[int], kv_offsets: list[int]) -> tuple[int, int]:
-        """The attention matmuls themselves, model FLOPs (no recomputation in the backward)."""
+        """The attention matmuls themselves over the pairs the mask lets through, model FLOPs (no recomputation in
+        the backward)."""
         hd = self.dim // self.heads
-        return attention_flops(q_offsets, kv_offsets, self.heads, hd, self.causal, recompute=False)
+        return attention_flops(
+            q_offsets, kv_offsets, self.heads, hd, self.causal, window=self.window, block=self.block, recompute=False
+        )
 
 
 class SeqLayer(nn.Module):
-    """Pre-norm self-attention + MLP over the jagged history tokens; `dropout` on both residual branches."""
+    """Pre-norm self-attention + MLP over the jagged history tokens; `dropout` on both residual branches; `window`,
+    `block`, `rope_base`: the attention's mask and fused rotary (`JaggedAttention`)."""
 
-    def __init__(self, dim: int, heads: int, hidden: int, kind: str, causal: bool, dropout: float = 0.0):
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        hidden: int,
+        kind: str,
+        causal: bool,
+        dropout: float = 0.0,
+        *,
+        window: int | None = None,
+        block: int | None = None,
+        rope_base: float | None = None,
+    ):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = JaggedAttention(dim, heads, kind, causal)
+        self.attn = JaggedAttention(dim, heads, kind, causal, window=window, block=block, rope_base=rope_base)
         self.mlp = Mlp(dim, hidden)
         self.dropout = nn.Dropout(dropout)
 

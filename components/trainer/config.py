@@ -221,10 +221,11 @@ class TrainConfig:
     seqrec: SeqRecConfig = field(default_factory=SeqRecConfig)
 
     def __post_init__(self) -> None:
-        if self.model.rotary and self.data.max_seq_len > self.model.rotary_max_positions:
+        if self.model.rope == "separate" and self.data.max_seq_len > self.model.rotary_max_positions:
             raise ConfigError(
                 f"data.max_seq_len = {self.data.max_seq_len} exceeds model.rotary_max_positions = "
-                f"{self.model.rotary_max_positions}: raise model.rotary_max_positions or shorten the histories"
+                f"{self.model.rotary_max_positions} (the tables of model.rope = 'separate'): raise "
+                "model.rotary_max_positions, use model.rope = 'fused' or shorten the histories"
             )
 
     @classmethod

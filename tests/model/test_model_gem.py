@@ -171,8 +171,8 @@ def test_the_model_sees_the_order_of_events():
     flipped.seq_timestamps = inp.seq_timestamps
     flipped.seq_item_ids, flipped.seq_actions = inp.seq_item_ids.flip(0), inp.seq_actions.flip(0)
     flipped.seq_item_features = reversed_rows(inp.seq_item_features)
-    with_recency = build(seq_causal=False, rotary=False).eval()
-    without = build(seq_causal=False, rotary=False, recency_buckets=0).eval()
+    with_recency = build(seq_causal=False, rope="none").eval()
+    without = build(seq_causal=False, rope="none", recency_buckets=0).eval()
     assert not torch.allclose(with_recency(flipped).logits, with_recency(inp).logits)
     torch.testing.assert_close(without(flipped).logits, without(inp).logits)
 

@@ -1,6 +1,7 @@
 import pytest
 import torch
-from gemrec.model.layers import Rotary, rotate
+from gemrec.kernels.reference import rotate_half
+from gemrec.model.layers import Rotary
 
 
 def test_rotary_is_a_rotation_that_keeps_only_relative_position():
@@ -14,25 +15,25 @@ def test_rotary_is_a_rotation_that_keeps_only_relative_position():
     def score(pq, pk):
         cq, sq = rotary(torch.tensor([pq]), pq + 1)
         ck, sk = rotary(torch.tensor([pk]), pk + 1)
-        return (rotate(q, cq.double(), sq.double()) * rotate(k, ck.double(), sk.double())).sum(-1)
+        return (rotate_half(q, cq.double(), sq.double()) * rotate_half(k, ck.double(), sk.double())).sum(-1)
 
     torch.testing.assert_close(score(3, 1), score(10, 8))
     torch.testing.assert_close(score(0, 0), (q * k).sum(-1))
     assert not torch.allclose(score(3, 1), score(3, 2))
     cos, sin = rotary(torch.tensor([5]), 6)
-    rotated = rotate(q, cos.double(), sin.double())
+    rotated = rotate_half(q, cos.double(), sin.double())
     torch.testing.assert_close(rotated.norm(dim=-1), q.norm(dim=-1))  # norms kept
     # q and k rotated together as (tokens, 2, heads, head_dim) equals rotating each.
-    both = rotate(torch.stack([q, k], 1), cos.double(), sin.double())
+    both = rotate_half(torch.stack([q, k], 1), cos[:, None].double(), sin[:, None].double())
     torch.testing.assert_close(both[:, 0], rotated)
 
 
 def test_rotary_runs_in_the_input_dtype():
     cos, sin = Rotary(16, 10000.0, 4)(torch.arange(4), 4)
     x = torch.randn(4, 2, 16).bfloat16()
-    out = rotate(x, cos, sin)
+    out = rotate_half(x, cos, sin)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.float(), rotate(x.float(), cos, sin), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), rotate_half(x.float(), cos, sin), rtol=2e-2, atol=2e-2)
 
 
 def test_rotary_tables_match_the_angles_and_refuse_longer_sequences():
