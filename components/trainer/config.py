@@ -109,6 +109,9 @@ class Fp8Config(Section):
     amax_history: int = 16  # steps of amax history (delayed scaling)
     overrides: dict[str, Literal["bf16", "fp8"]] = field(default_factory=dict)  # module-name glob -> precision
     gemm: Literal["triton", "cublas"] = "triton"  # the MLPs' dense GEMMs on CUDA; experts always run ours
+    # the towers that feed the task heads (non-sequence, interaction: their MLPs and MoE experts) stay bf16: on the
+    # synthetic set their FP8 cost most of the NE (docs/benchmarks.md); false converts them too
+    top_layers_bf16: bool = True
 
     def check(self) -> None:
         self.require(self.amax_history >= 1, "amax_history", "must be >= 1")

@@ -53,6 +53,8 @@ class Fp8GroupedExperts(GroupedExperts):
         )
 
 
+# The stability recipe's last layers: GEM's towers that feed the task heads (`fp8.top_layers_bf16`).
+TOP_LAYERS = ("nonseq_tower.*", "interaction.*")
 _CONVERSIONS = {Mlp: (Fp8Mlp, fp8.MLP_ROLES), GroupedExperts: (Fp8GroupedExperts, fp8.EXPERT_ROLES)}
 
 
@@ -74,10 +76,11 @@ def convert_to_fp8(model: nn.Module, config: Fp8Config, device: torch.device) ->
         gemm=config.gemm,
     )
     history = config.amax_history if config.scaling == "delayed" else 0
+    overrides = {**({p: "bf16" for p in TOP_LAYERS} if config.top_layers_bf16 else {}), **config.overrides}
     converted = []
     for name, module in model.named_modules():
         target = _CONVERSIONS.get(type(module))
-        if target is None or module_precision(name, config.overrides) != "fp8":
+        if target is None or module_precision(name, overrides) != "fp8":
             continue
         cls, roles = target
         module.__class__ = cls

@@ -51,7 +51,12 @@ def grads_of(model, inp, labels):
 def test_converts_mlps_and_experts_only_and_keeps_the_state_dict(setup):
     model, _, _ = setup
     fp8_model = copy.deepcopy(model)
-    names = precision.convert_to_fp8(fp8_model, Fp8Config(), CPU)
+    assert precision.convert_to_fp8(copy.deepcopy(model), Fp8Config(), CPU) == [
+        "seq_tower.0.mlp",
+        "seq_tower.1.mlp",
+        "pma.mlp",
+    ]  # by default the towers feeding the heads stay bf16
+    names = precision.convert_to_fp8(fp8_model, Fp8Config(top_layers_bf16=False), CPU)
     assert names == [
         "seq_tower.0.mlp",
         "seq_tower.1.mlp",
@@ -70,7 +75,7 @@ def test_converts_mlps_and_experts_only_and_keeps_the_state_dict(setup):
 
 def test_overrides_keep_matching_modules_in_bf16_and_unknown_patterns_are_refused(setup):
     model, _, _ = setup
-    options = Fp8Config(overrides={"interaction.*": "bf16", "interaction.1.*": "fp8"})
+    options = Fp8Config(overrides={"interaction.*": "bf16", "interaction.1.*": "fp8"}, top_layers_bf16=False)
     names = precision.convert_to_fp8(copy.deepcopy(model), options, CPU)
     assert "interaction.0.ffn" not in names and "interaction.1.ffn.experts" in names
     with pytest.raises(ValueError, match=r"\['tower.\*'\] match no module"):
@@ -97,7 +102,7 @@ def test_emulated_fp8_model_tracks_fp32(setup, grad_format):
     model, inp, labels = setup
     ref_loss, ref_grads = grads_of(model, inp, labels)
     fp8_model = copy.deepcopy(model)
-    precision.convert_to_fp8(fp8_model, Fp8Config(grad_format=grad_format), CPU)
+    precision.convert_to_fp8(fp8_model, Fp8Config(grad_format=grad_format, top_layers_bf16=False), CPU)
     loss, grads = grads_of(fp8_model, inp, labels)
     assert float(loss) == pytest.approx(float(ref_loss), rel=0.01)
     for name in ("seq_tower.0.mlp.fc1.weight", "interaction.1.ffn.experts.w1", "heads.trunk.weight"):
@@ -108,7 +113,7 @@ def test_emulated_fp8_model_tracks_fp32(setup, grad_format):
 def test_counters_and_delayed_scaling_over_steps(setup):
     model, inp, labels = setup
     fp8_model = copy.deepcopy(model)
-    precision.convert_to_fp8(fp8_model, Fp8Config(scaling="delayed", amax_history=2), CPU)
+    precision.convert_to_fp8(fp8_model, Fp8Config(scaling="delayed", amax_history=2, top_layers_bf16=False), CPU)
     precision.collect_counters(fp8_model, True)
     for _ in range(2):
         grads_of(fp8_model, inp, labels)
@@ -154,5 +159,5 @@ def test_emulated_fp8_training_tracks_fp32_on_the_tiny_recipe(movielens_dataset,
         assert summaries["fp8"]["ne"][task] == pytest.approx(ne, rel=0.01), task
     run = mlflow.MlflowClient(uri).get_run(summaries["fp8"]["mlflow"]["run_id"])
     assert run.data.params["train.precision"] == "fp8" and run.data.params["fp8.grad_format"] == "e4m3"
-    assert run.data.params["fp8_modules"] == "5"
+    assert run.data.params["fp8_modules"] == "2"  # seq_tower.0.mlp, pma.mlp: the top layers stay bf16
     assert run.data.metrics["train/fp8/nonfinite"] == 0 and "train/fp8/grad_out_underflow" in run.data.metrics
