@@ -134,6 +134,7 @@ def attention_reference(
     heads, head_dim = q.shape[1], q.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    device = q.device
     q_start, q_len, kv_start, kv_len = sequences(q_offsets.tolist(), kv_offsets.tolist())
     if max(q_len, default=0) > max_q_len or max(kv_len, default=0) > max_kv_len:
         raise ValueError(
@@ -142,8 +143,84 @@ def attention_reference(
         )
     if activation != "softmax" and normalize not in ("none", "kv_len", "max_len"):
         raise ValueError(f"unknown normalize {normalize!r}; expected 'none', 'kv_len' or 'max_len'")
-    total_out = sum(q_len)
+
+    def attend(qg, kg, vg, lens_q, lens_kv, ab, q_ts, kv_ts):
+        """One group, (b, length, H, D) inputs with every member padded to the group's lengths (lens_q, lens_kv:
+        (b,) tensors), or None: no padding. ab: (b, lq, H, lkv); q_ts, kv_ts: (b, lq), (b, lkv). -> (b * lq, H, D)."""
+        b, lq, lkv = qg.shape[0], qg.shape[1], kg.shape[1]
+        qg, kg, vg = (x.to(compute).transpose(1, 2) for x in (qg, kg, vg))  # (b, H, l, D)
+        kv_pos = torch.arange(lkv, device=device)
+        # the queries' bottom-right aligned positions: (lq,) without padding, else (b, lq)
+        q_at = torch.arange(lq, device=device) + (lkv - lq if lens_kv is None else (lens_kv - lens_q)[:, None])
+        if rope_base:  # queries at their aligned positions, keys at their own
+            cos, sin = rope_cos_sin(q_at, head_dim, rope_base)
+            qg = rotate_half(qg, *((cos, sin) if lens_kv is None else (cos[:, None], sin[:, None])))
+            kg = rotate_half(kg, *rope_cos_sin(kv_pos, head_dim, rope_base))
+        scores = (torch.matmul(qg, kg.transpose(-1, -2)) * scale).to(compute)  # (b, H, lq, lkv); fp32 under autocast
+        allowed = None if lens_kv is None else (kv_pos < lens_kv[:, None])[:, None, None, :]
+        rel = q_at[..., :, None] - kv_pos if causal or window or pos_table is not None else None  # ([b,] lq, lkv)
+        visible = None
+        for mask in (
+            rel >= 0 if causal else None,
+            (rel if causal else rel.abs()) < window if window else None,
+            torch.div(q_at[..., :, None], block, rounding_mode="floor") == kv_pos // block if block else None,
+        ):
+            if mask is not None:
+                visible = mask if visible is None else visible & mask
+        if visible is not None:
+            visible = visible if visible.dim() == 2 else visible[:, None]
+            allowed = visible if allowed is None else allowed & visible
+        if ab is not None:
+            scores = scores + ab.to(compute).transpose(1, 2)
+        if pos_table is not None:
+            table = pos_table.to(compute)[:, pos_bucket(rel, pos_table.shape[1], pos_max_distance)]
+            scores = scores + (table if rel.dim() == 2 else table.transpose(0, 1))
+        if time_table is not None:
+            bucket = time_bucket(q_ts[:, :, None] - kv_ts[:, None, :], time_table.shape[1], time_log_base)
+            scores = scores + time_table.to(compute)[:, bucket].transpose(0, 1)
+        if activation == "softmax":
+            if allowed is None:
+                weights = scores.softmax(-1)
+            else:  # a finite fill keeps rows without any visible key finite; the mask then zeroes them
+                weights = scores.masked_fill(~allowed, torch.finfo(compute).min).softmax(-1) * allowed
+        else:
+            weights = _activation(scores, activation)
+            weights = weights if allowed is None else weights * allowed
+            if normalize == "kv_len":
+                weights = weights / (lkv if lens_kv is None else lens_kv.to(compute)[:, None, None, None])
+            elif normalize == "max_len":
+                weights = weights / max(max_kv_len, 1)
+        return torch.matmul(weights, vg).transpose(1, 2).reshape(b * lq, heads, -1)
+
+    num_seqs = len(q_len)
+    shared_q, shared_kv = q_offsets.numel() == 2 < num_seqs + 1, kv_offsets.numel() == 2 < num_seqs + 1
+
+    def side(x, start, length, shared):
+        """(num_seqs, length, ...) rows of equal-length sequences: a view, the shared sequence expanded."""
+        if shared:
+            return x[start : start + length].unsqueeze(0).expand(num_seqs, length, *x.shape[1:])
+        return x[start : start + num_seqs * length].view(num_seqs, length, *x.shape[1:])
+
     groups = _length_groups(q_len, kv_len, heads, MAX_PADDING if max_padding is None else max_padding)
+    if len(groups) == 1 and len(groups[0]) == num_seqs and len(set(q_len)) == len(set(kv_len)) == 1:
+        # every sequence of the same lengths (tokens of a fixed count, shared seeds): views, no gathers
+        b, lq, lkv = num_seqs, q_len[0], kv_len[0]
+        kg, vg = side(k, kv_start[0], lkv, shared_kv), side(v, kv_start[0], lkv, shared_kv)
+        ab = None if attn_bias is None else attn_bias[:, :, :lkv].view(b, lq, heads, lkv)
+        q_ts = kv_ts = None
+        if time_table is not None:
+            q_ts, kv_ts = q_timestamps.view(b, lq), side(kv_timestamps, kv_start[0], lkv, shared_kv)
+        out = attend(side(q, q_start[0], lq, shared_q), kg, vg, None, None, ab, q_ts, kv_ts)
+        return out.to(q.dtype)
+    # A shared side repeated once per sequence: a gather of distinct rows backpropagates faster than one of the
+    # same rows many times.
+    if shared_q:
+        q, q_start = side(q, q_start[0], q_len[0], True).flatten(0, 1), [i * q_len[0] for i in range(num_seqs)]
+    if shared_kv:
+        k, v = (side(x, kv_start[0], kv_len[0], True).flatten(0, 1) for x in (k, v))
+        if time_table is not None:
+            kv_timestamps = side(kv_timestamps, kv_start[0], kv_len[0], True).flatten()
+        kv_start = [i * kv_len[0] for i in range(num_seqs)]
     # Index plans on the host: each group's members padded to its longest, all groups back to back.
     members = torch.tensor([i for group in groups for i in group], dtype=torch.long)
     lq_pad = torch.tensor([q_len[g[0]] for g in groups for _ in g], dtype=torch.long)
@@ -154,66 +231,27 @@ def attention_reference(
     out_rows = torch.where(q_valid, out_start[members].repeat_interleave(lq_pad) + q_pos, 0)
     kv_rows, _, _ = _padded_rows(torch.tensor(kv_start, dtype=torch.long)[members], kv_lens[members], lkv_pad)
     # The output row of each padded query row; rows of sequences without keys read the zero row appended last.
-    source_of_row = torch.full((total_out,), q_rows.numel(), dtype=torch.long)
+    source_of_row = torch.full((sum(q_len),), q_rows.numel(), dtype=torch.long)
     source_of_row[out_rows[q_valid]] = torch.arange(q_rows.numel())[q_valid]
-    device = q.device
     sizes = [(len(g), q_len[g[0]], kv_len[g[0]]) for g in groups]
-    q_all = q[q_rows.to(device)].to(compute).split([b * lq for b, lq, _ in sizes])
-    kv_index = kv_rows.to(device)
-    kv_split = [b * lkv for b, _, lkv in sizes]
-    k_all, v_all = k[kv_index].to(compute).split(kv_split), v[kv_index].to(compute).split(kv_split)
-    q_lens_dev, kv_lens_dev = q_lens[members].to(device), kv_lens[members].to(device)
-    out_rows_dev = out_rows.to(device)
+    batches = [b for b, _, _ in sizes]
+    q_split, kv_split = [b * lq for b, lq, _ in sizes], [b * lkv for b, _, lkv in sizes]
+    kv_index, out_index = kv_rows.to(device), out_rows.to(device)
+    per_group = [
+        q[q_rows.to(device)].split(q_split),
+        k[kv_index].split(kv_split),
+        v[kv_index].split(kv_split),
+        q_lens[members].to(device).split(batches),
+        kv_lens[members].to(device).split(batches),
+        out_index.split(q_split),
+        kv_index.split(kv_split),
+    ]
     outs = [torch.cat([q[:0], k[:0], v[:0]]).to(compute)]  # keeps the result in the graph when no group exists
-    start = 0
-    for (b, lq, lkv), qg, kg, vg, lens_q, lens_kv, rows in zip(
-        sizes,
-        q_all,
-        k_all,
-        v_all,
-        q_lens_dev.split([b for b, _, _ in sizes]),
-        kv_lens_dev.split([b for b, _, _ in sizes]),
-        out_rows_dev.split([b * lq for b, lq, _ in sizes]),
-    ):
-        qg = qg.view(b, lq, heads, head_dim).transpose(1, 2)  # (b, H, lq, D)
-        kg = kg.view(b, lkv, heads, head_dim).transpose(1, 2)
-        vg = vg.view(b, lkv, heads, vg.shape[-1]).transpose(1, 2)
-        q_pos, kv_pos = torch.arange(lq, device=device), torch.arange(lkv, device=device)
-        if rope_base:  # queries at their bottom-right aligned positions, keys at their own
-            cos, sin = rope_cos_sin(q_pos + (lens_kv - lens_q)[:, None], head_dim, rope_base)
-            qg = rotate_half(qg, cos[:, None], sin[:, None])
-            kg = rotate_half(kg, *rope_cos_sin(kv_pos, head_dim, rope_base))
-        scores = (torch.matmul(qg, kg.transpose(-1, -2)) * scale).to(compute)  # (b, H, lq, lkv); fp32 under autocast
-        allowed = (kv_pos < lens_kv[:, None])[:, None, None, :]
-        if causal or pos_table is not None or window or block:
-            rel = q_pos[:, None] + (lens_kv - lens_q)[:, None, None] - kv_pos  # (b, lq, lkv), bottom-right aligned
-            if causal:
-                allowed = allowed & (rel >= 0)[:, None]
-            if window:
-                allowed = allowed & ((rel if causal else rel.abs()) < window)[:, None]
-            if block:
-                q_block = torch.div(q_pos[:, None] + (lens_kv - lens_q)[:, None, None], block, rounding_mode="floor")
-                allowed = allowed & (q_block == kv_pos // block)[:, None]
-        if attn_bias is not None:
-            scores = scores + attn_bias[rows][:, :, :lkv].to(compute).view(b, lq, heads, lkv).transpose(1, 2)
-        if pos_table is not None:
-            bucket = pos_bucket(rel, pos_table.shape[1], pos_max_distance)
-            scores = scores + pos_table.to(compute)[:, bucket].transpose(0, 1)
-        if time_table is not None:
-            q_ts = q_timestamps[rows].view(b, lq)
-            kv_ts = kv_timestamps[kv_index[start : start + b * lkv]].view(b, lkv)
-            bucket = time_bucket(q_ts[:, :, None] - kv_ts[:, None, :], time_table.shape[1], time_log_base)
-            scores = scores + time_table.to(compute)[:, bucket].transpose(0, 1)
-        start += b * lkv
-        if activation == "softmax":
-            # A finite fill keeps rows without any visible key finite; the mask then zeroes them.
-            weights = scores.masked_fill(~allowed, torch.finfo(compute).min).softmax(-1) * allowed
-        else:
-            weights = _activation(scores, activation) * allowed
-            if normalize == "kv_len":
-                weights = weights / lens_kv.to(compute)[:, None, None, None]
-            elif normalize == "max_len":
-                weights = weights / max(max_kv_len, 1)
-        outs.append(torch.matmul(weights, vg).transpose(1, 2).reshape(b * lq, heads, -1))
+    for (b, lq, lkv), qg, kg, vg, lens_q, lens_kv, rows, keys in zip(sizes, *per_group):
+        ab = None if attn_bias is None else attn_bias[rows][:, :, :lkv].view(b, lq, heads, lkv)
+        q_ts = None if time_table is None else q_timestamps[rows].view(b, lq)
+        kv_ts = None if time_table is None else kv_timestamps[keys].view(b, lkv)
+        shape = (b, -1, heads, head_dim)
+        outs.append(attend(qg.view(shape), kg.view(shape), vg.view(shape), lens_q, lens_kv, ab, q_ts, kv_ts))
     outs.append(q.new_zeros(1, heads, v.shape[2], dtype=compute))
     return torch.cat(outs).to(q.dtype)[source_of_row.to(device)]

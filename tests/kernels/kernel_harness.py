@@ -2,10 +2,11 @@
 random inputs, one call of either op with all its gradients (`run`), and the error measures the tests assert on."""
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from gemrec.kernels import RelativeBias
+from gemrec.kernels import RelativeBias, gdpa, jagged_attention
 
 
 def offsets_of(lengths, device="cpu") -> torch.Tensor:
@@ -107,3 +108,127 @@ def naive(
         outs.append(torch.einsum("hij,jhd->ihd", w, vs))
         q0, k0, o0 = q0 + (0 if shared_q else lq), k0 + (0 if shared_kv else lk), o0 + lq
     return torch.cat(outs) if outs else q[:0]
+
+
+@dataclass
+class Case:
+    """Random inputs of one jagged problem (float32, on `device`); a 1-entry `q_lens` is one shared query sequence."""
+
+    q_lens: list[int]
+    kv_lens: list[int]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    bias: dict[str, torch.Tensor]  # attn_bias, pos, time; empty without biases
+    q_ts: torch.Tensor
+    kv_ts: torch.Tensor
+    grad: torch.Tensor
+    max_distance: int
+    time_log_base: float
+
+    @property
+    def rows(self) -> int:
+        return self.grad.shape[0]
+
+    def offsets(self):
+        device = self.q.device
+        return offsets_of(self.q_lens, device), offsets_of(self.kv_lens, device)
+
+
+def make_case(
+    q_lens,
+    kv_lens,
+    *,
+    heads,
+    dim,
+    bias=False,
+    seed=0,
+    device="cpu",
+    buckets=(8, 6),
+    max_distance=24,
+    time_log_base=2.5,
+    log_uniform_timestamps=False,
+) -> Case:
+    """Inputs drawn in a fixed order from one seed. `buckets`: (position, time) table sizes. Log-uniform timestamps
+    spread time differences over the buckets (a bucket holding nearly whole rows has a softmax gradient that is a
+    tiny residual of cancelling terms, ill-conditioned in bf16); otherwise uniform in [0, 400)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shared_q = len(q_lens) == 1 and len(kv_lens) > 1
+    rows = q_lens[0] * len(kv_lens) if shared_q else sum(q_lens)
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen, device=device)
+    k = torch.randn(sum(kv_lens), heads, dim, generator=gen, device=device)
+    v = torch.randn(sum(kv_lens), heads, dim, generator=gen, device=device)
+    tables = {}
+    if bias:
+        tables["attn_bias"] = torch.randn(rows, heads, max(kv_lens), generator=gen, device=device)
+        tables["pos"] = torch.randn(heads, buckets[0], generator=gen, device=device)
+        tables["time"] = torch.randn(heads, buckets[1], generator=gen, device=device)
+    if log_uniform_timestamps:
+        q_ts = torch.rand(rows, generator=gen, device=device).mul(16).exp2().long()
+        kv_ts = torch.rand(k.shape[0], generator=gen, device=device).mul(16).exp2().long()
+    else:
+        q_ts = torch.randint(0, 400, (rows,), generator=gen, device=device)
+        kv_ts = torch.randint(0, 400, (k.shape[0],), generator=gen, device=device)
+    grad = torch.randn(rows, heads, dim, generator=gen, device=device)
+    return Case(list(q_lens), list(kv_lens), q, k, v, tables, q_ts, kv_ts, grad, max_distance, time_log_base)
+
+
+GRADIENTS = ["out", "dq", "dk", "dv", "d_attn_bias", "d_pos", "d_time"]
+
+
+def run(
+    case: Case,
+    activation: str,
+    *,
+    backend: str,
+    dtype=torch.float32,
+    round_to=None,
+    causal=False,
+    normalize="kv_len",
+    options=None,
+    **masks,
+) -> list:
+    """[out, dq, dk, dv, (d_attn_bias, d_pos, d_time with biases)] of one call: `jagged_attention` for softmax, else
+    `gdpa`; the inputs cast to `dtype`, through `round_to` first (a reference seeing bf16-rounded inputs, upcast).
+    `masks`: window, block, rope_base. Gradients of inputs the call does not use are None."""
+
+    def cast(t):
+        return (t if round_to is None else t.to(round_to)).to(dtype).requires_grad_()
+
+    leaves = [cast(t) for t in (case.q, case.k, case.v)]
+    tables = {name: cast(t) for name, t in case.bias.items()}
+    rel = None
+    if tables:
+        rel = RelativeBias(
+            position=tables["pos"],
+            time=tables["time"],
+            q_timestamps=case.q_ts,
+            kv_timestamps=case.kv_ts,
+            max_distance=case.max_distance,
+            time_log_base=case.time_log_base,
+        )
+    q_off, kv_off = case.offsets()
+    args = (*leaves, q_off, kv_off, max(case.q_lens), max(case.kv_lens))
+    kw = dict(causal=causal, attn_bias=tables.get("attn_bias"), rel_bias=rel, backend=backend, options=options, **masks)
+    if activation == "softmax":
+        out = jagged_attention(*args, **kw)
+    else:
+        out = gdpa(*args, activation=activation, normalize=normalize, **kw)
+    inputs = leaves + list(tables.values())
+    if not out.numel():
+        return [out.detach(), *(torch.zeros_like(t) for t in inputs)]
+    grads = torch.autograd.grad(
+        out, inputs, case.grad.to(dtype if round_to is None else round_to).to(dtype), allow_unused=True
+    )
+    return [out.detach(), *grads]
+
+
+def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| relative to max(|want|, 1)."""
+    scale = want.double().abs().max().clamp(min=1.0)
+    return float((got.double() - want.double()).abs().max() / scale)
+
+
+def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
+    """||got - want|| / ||want||, in float64."""
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-12))

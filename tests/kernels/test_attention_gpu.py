@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-from gemrec.kernels import KernelOptions, RelativeBias, gdpa, jagged_attention
+from gemrec.kernels import KernelOptions, jagged_attention
+from kernel_harness import GRADIENTS, make_case, offsets_of, rel_l2, run
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,19 +39,11 @@ def options(request, monkeypatch) -> KernelOptions:
     return KernelOptions(tma=tma, one_launch=one_launch, autotune=False)
 
 
-def offsets_of(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64, device="cuda")
-
-
 def poison_allocator(*shapes):
     """Fill freed allocator blocks of the outputs' sizes with NaN so unwritten elements show up."""
     blocks = [torch.full(s, float("nan"), device="cuda", dtype=torch.float32) for s in shapes]
     blocks += [torch.full(s, float("nan"), device="cuda", dtype=torch.bfloat16) for s in shapes]
     del blocks
-
-
-def rel_err(a, b):
-    return float((a.double() - b).norm() / b.norm().clamp(min=1e-12))
 
 
 def check(
@@ -67,58 +60,30 @@ def check(
     seed=0,
     **masks,
 ):
-    """bf16 kernels vs the fp64 reference on the same bf16-rounded inputs; `masks`: window, block, rope_base."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    shared_q = len(q_lens) == 1 and len(kv_lens) > 1
-    q_off, kv_off = offsets_of(q_lens), offsets_of(kv_lens)
-    q = torch.randn(sum(q_lens), heads, head_dim, device="cuda", generator=gen)
-    k = torch.randn(sum(kv_lens), heads, head_dim, device="cuda", generator=gen)
-    v = torch.randn(sum(kv_lens), heads, head_dim, device="cuda", generator=gen)
-    rows = q.shape[0] * len(kv_lens) if shared_q else q.shape[0]
-    extra = {}
-    if bias:
-        extra["attn_bias"] = torch.randn(rows, heads, max(kv_lens), device="cuda", generator=gen)
-        extra["pos"] = torch.randn(heads, 16, device="cuda", generator=gen)
-        extra["time"] = torch.randn(heads, 20, device="cuda", generator=gen)
-    # log-uniform timestamps spread time differences over the buckets (a bucket holding nearly whole rows has
-    # a softmax gradient that is a tiny residual of cancelling terms, ill-conditioned in bf16)
-    q_ts = torch.rand(rows, device="cuda", generator=gen).mul(16).exp2().long()
-    kv_ts = torch.rand(k.shape[0], device="cuda", generator=gen).mul(16).exp2().long()
-    grad = torch.randn(rows, heads, head_dim, device="cuda", generator=gen)
-
-    def call(backend, dtype):
-        # the reference sees the same bf16-rounded inputs, upcast
-        leaves = [t.bfloat16().to(dtype).requires_grad_() for t in (q, k, v)]
-        b = {n: t.bfloat16().to(dtype).requires_grad_() for n, t in extra.items()}
-        rel = (
-            RelativeBias(
-                position=b.get("pos"),
-                time=b.get("time"),
-                q_timestamps=q_ts,
-                kv_timestamps=kv_ts,
-                max_distance=512,
-                time_log_base=2.0,
-            )
-            if bias
-            else None
-        )
-        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend, options=options, **masks)
-        if op == "jfa":
-            out = jagged_attention(*leaves, q_off, kv_off, max(q_lens), max(kv_lens), **kw)
-        else:
-            out = gdpa(
-                *leaves, q_off, kv_off, max(q_lens), max(kv_lens), activation=activation, normalize=normalize, **kw
-            )
-        grads = torch.autograd.grad(out, leaves + list(b.values()), grad.bfloat16().to(dtype))
-        return [out.detach(), *grads]
-
-    ref = call("reference", torch.float64)
+    """bf16 kernels twice (on NaN-poisoned memory) against the fp64 reference on the same bf16-rounded inputs;
+    `masks`: window, block, rope_base."""
+    case = make_case(
+        q_lens,
+        kv_lens,
+        heads=heads,
+        dim=head_dim,
+        bias=bias,
+        seed=seed,
+        device="cuda",
+        buckets=(16, 20),
+        max_distance=512,
+        time_log_base=2.0,
+        log_uniform_timestamps=True,
+    )
+    activation = "softmax" if op == "jfa" else activation
+    kw = dict(round_to=torch.bfloat16, causal=causal, normalize=normalize, **masks)
+    ref = run(case, activation, backend="reference", dtype=torch.float64, **kw)
     for _ in range(2):
-        poison_allocator((rows, heads, head_dim), (k.shape[0], heads, head_dim), (rows, heads))
-        got = call("triton", torch.bfloat16)
-        for name, g, r in zip(["out", "dq", "dk", "dv", "dbias", "dpos", "dtime"], got, ref):
+        poison_allocator((case.rows, heads, head_dim), (case.k.shape[0], heads, head_dim), (case.rows, heads))
+        got = run(case, activation, backend="triton", dtype=torch.bfloat16, options=options, **kw)
+        for name, g, r in zip(GRADIENTS, got, ref):
             assert torch.isfinite(g).all(), f"{name} has unwritten/NaN elements"
-            assert rel_err(g, r) < 1e-2, f"{name}: rel err {rel_err(g, r):.2e}"
+            assert rel_l2(g, r) < 1e-2, f"{name}: rel err {rel_l2(g, r):.2e}"
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -173,14 +138,14 @@ def test_compile_fullgraph_and_flops(options):
     from torch.utils.flop_counter import FlopCounterMode
 
     lens = [5, 300, 77]
-    off = offsets_of(lens)
+    off = offsets_of(lens, "cuda")
     q, k, v = (torch.randn(sum(lens), 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     fn = torch.compile(
         lambda q, k, v: jagged_attention(q, k, v, off, off, 300, 300, causal=True, options=options), fullgraph=True
     )
     out = fn(q, k, v)
     eager = jagged_attention(q, k, v, off, off, 300, 300, causal=True, options=options)
-    assert rel_err(out.float(), eager.double()) < 1e-3
+    assert rel_l2(out.float(), eager) < 1e-3
     with FlopCounterMode(display=False) as counter:
         jagged_attention(q, k, v, off, off, 300, 300, causal=True, options=options).sum().backward()
     fwd, bwd = attention_flops(off, off, 4, 64, causal=True)
@@ -262,7 +227,7 @@ def test_fp32_at_16k_runs_on_tiles_that_fit(autotune):
     options = KernelOptions(autotune=autotune)
     gen = torch.Generator(device="cuda").manual_seed(55)
     lens = [16384, 3000]
-    off = offsets_of(lens)
+    off = offsets_of(lens, "cuda")
     q, k, v = (torch.randn(sum(lens), 2, 128, device="cuda", generator=gen) for _ in range(3))
     backward = not autotune  # tuning every backward kernel too would take minutes; the crash was in the forward
     for dtype in (torch.bfloat16, torch.float32):  # bf16 tunes first, as in the training step before the MFU pass
@@ -271,4 +236,4 @@ def test_fp32_at_16k_runs_on_tiles_that_fit(autotune):
         grads = torch.autograd.grad(out, leaves, torch.ones_like(out)) if backward else []
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     ref = jagged_attention(q.double(), k.double(), v.double(), off, off, 16384, 16384, causal=True, backend="reference")
-    assert rel_err(out, ref) < 1e-2
+    assert rel_l2(out, ref) < 1e-2

@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from gemrec.kernels import KernelOptions, RelativeBias, attention_flops, gdpa, jagged_attention
+from gemrec.kernels import KernelOptions, attention_flops, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from kernel_harness import GRADIENTS, make_case, max_error, offsets_of, run
 
 pytestmark = pytest.mark.skipif(
     not kernels_module.INTERPRET, reason="triton was imported without TRITON_INTERPRET=1 (run in a subprocess)"
@@ -26,10 +27,6 @@ pytestmark = pytest.mark.skipif(
 HEADS, DIM = 2, 16
 ONE_LAUNCH = KernelOptions(one_launch=True)
 SEPARATE = KernelOptions(one_launch=False, resident=False)  # the delta, dK/dV and dQ kernels
-
-
-def offsets_of(lengths):
-    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
 
 
 def compare(
@@ -46,72 +43,21 @@ def compare(
     options=ONE_LAUNCH,
     **masks,
 ):
-    """Triton (interpreter) vs the reference, output and every gradient; `masks`: window, block, rope_base."""
-    gen = torch.Generator().manual_seed(seed)
-    shared_q = len(q_lens) == 1 and len(kv_lens) > 1
-    rows = q_lens[0] * len(kv_lens) if shared_q else sum(q_lens)
-    q = torch.randn(sum(q_lens), HEADS, dim, generator=gen)
-    k = torch.randn(sum(kv_lens), HEADS, dim, generator=gen)
-    v = torch.randn(sum(kv_lens), HEADS, dim, generator=gen)
-    max_q, max_kv = max(q_lens), max(kv_lens)
-    extra = {}
-    if bias:
-        extra = {
-            "attn_bias": torch.randn(rows, HEADS, max_kv, generator=gen),
-            "pos": torch.randn(HEADS, 8, generator=gen),
-            "time": torch.randn(HEADS, 6, generator=gen),
-        }
-    q_ts = torch.randint(0, 400, (rows,), generator=gen)
-    kv_ts = torch.randint(0, 400, (k.shape[0],), generator=gen)
-    grad = torch.randn(rows, HEADS, dim, generator=gen)
-
-    def run(backend):
-        leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
-        b = {n: t.to(dtype).requires_grad_() for n, t in extra.items()}
-        rel = (
-            RelativeBias(
-                position=b["pos"],
-                time=b["time"],
-                q_timestamps=q_ts,
-                kv_timestamps=kv_ts,
-                max_distance=24,
-                time_log_base=2.5,
-            )
-            if bias
-            else None
-        )
-        kw = dict(causal=causal, attn_bias=b.get("attn_bias"), rel_bias=rel, backend=backend, options=options, **masks)
-        if op == "jfa":
-            out = jagged_attention(*leaves, offsets_of(q_lens), offsets_of(kv_lens), max_q, max_kv, **kw)
-        else:
-            out = gdpa(
-                *leaves,
-                offsets_of(q_lens),
-                offsets_of(kv_lens),
-                max_q,
-                max_kv,
-                activation=op,
-                normalize=normalize,
-                **kw,
-            )
-        inputs = leaves + list(b.values())
-        grads = (
-            torch.autograd.grad(out, inputs, grad.to(dtype), allow_unused=True)
-            if out.numel()
-            else [torch.zeros_like(t) for t in inputs]
-        )
-        return [out.detach(), *grads]
-
-    got, want = run("triton"), run("reference")
-    assert got[0].shape == (rows, HEADS, dim)
-    for name, g, w in zip(["out", "dq", "dk", "dv", "d_attn_bias", "d_pos", "d_time"], got, want):
+    """The Triton kernels against the reference: output and every gradient, max error relative to max(|ref|, 1);
+    `masks`: window, block, rope_base."""
+    case = make_case(q_lens, kv_lens, heads=HEADS, dim=dim, bias=bias, seed=seed)
+    activation = "softmax" if op == "jfa" else op
+    kw = dict(dtype=dtype, causal=causal, normalize=normalize, **masks)
+    got = run(case, activation, backend="triton", options=options, **kw)
+    want = run(case, activation, backend="reference", **kw)
+    assert got[0].shape == (case.rows, HEADS, dim)
+    for name, g, w in zip(GRADIENTS, got, want):
+        g = torch.zeros_like(w) if g is None else g
         w = torch.zeros_like(g) if w is None else w
         assert g.shape == w.shape, name
-        if g.numel() == 0:
-            continue
-        scale = w.double().abs().max().clamp(min=1.0)
-        err = float((g.double() - w.double()).abs().max() / scale)
-        assert err < tol, f"{name}: max error {err:.2e} (relative to {float(scale):.2e})"
+        if g.numel():
+            err = max_error(g, w)
+            assert err < tol, f"{name}: max error {err:.2e}"
 
 
 EDGE = [5, 0, 17, 1, 33]  # empty, length 1, lengths not multiples of the 16-wide interpreter tiles

@@ -101,6 +101,32 @@ def test_length_groups_match_naive_with_gradients(activation, causal, max_paddin
         torch.testing.assert_close(got, expected)
 
 
+@pytest.mark.parametrize("q_lens,kv_lens", [([6] * 4, [9] * 4), ([5], [8] * 3), ([7] * 3, [4])])
+@pytest.mark.parametrize("causal", [False, True])
+def test_equal_lengths_with_every_bias(q_lens, kv_lens, causal):
+    """Every sequence of the same lengths (a shared side included) is computed on views, without gathers."""
+    q, k, v = _leaves(q_lens, kv_lens, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    rows = q_lens[0] * max(len(q_lens), len(kv_lens))
+    attn_bias = torch.randn(rows, 2, kv_lens[0], generator=gen, dtype=torch.float64, requires_grad=True)
+    rel = RelativeBias(
+        position=torch.randn(2, 6, generator=gen, dtype=torch.float64, requires_grad=True),
+        time=torch.randn(2, 5, generator=gen, dtype=torch.float64, requires_grad=True),
+        q_timestamps=torch.randint(0, 300, (rows,), generator=gen),
+        kv_timestamps=torch.randint(0, 300, (sum(kv_lens),), generator=gen),
+        max_distance=11,
+    )
+    args = (q, k, v, offsets_of(q_lens), offsets_of(kv_lens), q_lens[0], kv_lens[0])
+    for op, activation in ((jagged_attention, "softmax"), (gdpa, "silu")):
+        out = op(*args, causal=causal, attn_bias=attn_bias, rel_bias=rel)
+        want = naive(q, k, v, q_lens, kv_lens, activation=activation, causal=causal, attn_bias=attn_bias, rel=rel)
+        torch.testing.assert_close(out, want)
+        leaves = (q, k, v, attn_bias, rel.position, rel.time)
+        grad = torch.randn_like(out)
+        for got, expected in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+            torch.testing.assert_close(got, expected)
+
+
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_shared_key_sequence_and_sequences_without_keys(activation):
     q, k, v = _leaves([2, 5, 0], [4], seed=3)

@@ -8,15 +8,12 @@ import pytest
 import torch
 from gemrec.kernels import KernelOptions, RelativeBias, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels
+from kernel_harness import offsets_of
 
 pytestmark = pytest.mark.skipif(kernels.INTERPRET, reason="needs triton's compiler, not its interpreter")
 
 SHARED_MEMORY_LIMIT = 232448  # bytes per block on an H100/H200
 DEFAULT = KernelOptions()
-
-
-def offsets_of(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
 
 
 def tensors(rows, heads, dim, dtype, seed=0):

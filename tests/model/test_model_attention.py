@@ -7,12 +7,12 @@ from gemrec.kernels import KernelOptions
 from gemrec.kernels import triton_attention as kernels
 from gemrec.kernels.reference import attention_reference
 from gemrec.model import FeatureSchema, ModelConfig, build_model, loss
-from gemrec.model.layers import PMA, JaggedAttention
+from gemrec.model.layers import PMA, Jagged, JaggedAttention
 from gemrec.model.synthetic import random_input
 
 
 def offsets_of(lengths):
-    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    return torch.tensor(Jagged(lengths).offsets)
 
 
 def projected_reference(layer: JaggedAttention, xq, xkv, q_offsets, kv_offsets, max_q, max_kv):
