@@ -103,7 +103,8 @@ def test_length_groups_match_naive_with_gradients(activation, causal, max_paddin
 
 @pytest.mark.parametrize("q_lens,kv_lens", [([6] * 4, [9] * 4), ([5], [8] * 3), ([7] * 3, [4])])
 @pytest.mark.parametrize("causal", [False, True])
-def test_equal_lengths_with_every_bias(q_lens, kv_lens, causal):
+@pytest.mark.parametrize("mask", [{}, dict(window=3, rope_base=100.0), dict(block=4)], ids=["none", "window", "block"])
+def test_equal_lengths_with_every_bias(q_lens, kv_lens, causal, mask):
     """Every sequence of the same lengths (a shared side included) is computed on views, without gathers."""
     q, k, v = _leaves(q_lens, kv_lens, seed=5)
     gen = torch.Generator().manual_seed(6)
@@ -118,8 +119,10 @@ def test_equal_lengths_with_every_bias(q_lens, kv_lens, causal):
     )
     args = (q, k, v, offsets_of(q_lens), offsets_of(kv_lens), q_lens[0], kv_lens[0])
     for op, activation in ((jagged_attention, "softmax"), (gdpa, "silu")):
-        out = op(*args, causal=causal, attn_bias=attn_bias, rel_bias=rel)
-        want = naive(q, k, v, q_lens, kv_lens, activation=activation, causal=causal, attn_bias=attn_bias, rel=rel)
+        out = op(*args, causal=causal, attn_bias=attn_bias, rel_bias=rel, **mask)
+        want = naive(
+            q, k, v, q_lens, kv_lens, activation=activation, causal=causal, attn_bias=attn_bias, rel=rel, **mask
+        )
         torch.testing.assert_close(out, want)
         leaves = (q, k, v, attn_bias, rel.position, rel.time)
         grad = torch.randn_like(out)
