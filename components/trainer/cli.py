@@ -41,7 +41,19 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
         )
         q.add_argument("--dataset", type=Path, required=True, help="dataset directory")
         _add_common(q, default_recipe="movielens")
-        q.add_argument("--arms", default="gem,dlrm", help="comma-separated model arms (default gem,dlrm)")
+        q.add_argument("--arms", default="gem,dlrm", help="comma-separated model arms (default gem,dlrm; may be empty)")
+        q.add_argument(
+            "--variant",
+            dest="variants",
+            action="append",
+            default=[],
+            metavar="'NAME: SECTION.KEY=VALUE ...'",
+            help="one more arm: the recipe's model with these overrides (repeatable), e.g. "
+            "--variant 'window: model.seq_attention_mask=window model.seq_window=32'",
+        )
+        q.add_argument(
+            "--seeds", help="comma-separated train.seed values; every arm runs with each (default: the recipe's)"
+        )
         q.add_argument("--out", type=Path, help="write all arms' metrics as JSON here")
         q.set_defaults(func=cmd_bench_quality)
 
@@ -137,15 +149,28 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_quality(args: argparse.Namespace) -> int:
-    from gemrec.components.trainer.bench import run_quality_bench
+    from gemrec.components.trainer.bench import Arm, parse_variant, run_quality_bench
     from gemrec.config import ConfigError
 
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    try:
+        arms = [Arm(a.strip(), a.strip()) for a in args.arms.split(",") if a.strip()]
+        arms += [parse_variant(text) for text in args.variants]
+        seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else None
+    except ValueError as err:  # ConfigError included
+        raise CLIError(str(err) if isinstance(err, ConfigError) else f"--seeds {args.seeds!r}: {err}") from err
     if not arms:
-        raise CLIError(f"--arms takes gem and/or dlrm, got {args.arms!r}")
+        raise CLIError(f"--arms takes gem and/or dlrm (or --variant), got {args.arms!r}")
     try:
         table = run_quality_bench(
-            args.dataset, args.recipe, arms, args.overrides, args.tracking_uri, args.experiment, args.device, args.out
+            args.dataset,
+            args.recipe,
+            arms,
+            args.overrides,
+            args.tracking_uri,
+            args.experiment,
+            args.device,
+            args.out,
+            seeds,
         )
     except ConfigError as err:
         raise CLIError(str(err)) from err
