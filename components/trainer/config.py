@@ -175,6 +175,9 @@ class SeqRecConfig(Section):
     max_seq_len: int = 50  # most recent history items the models see
     ranker_negatives: int = 4  # sampled negatives per positive for the pointwise GEM ranker (sampled99)
     ranker_loss: RankerLoss = "bce"  # bce (each candidate alone) | softmax (each positive against its negatives)
+    # The ranker's epochs are 1 + ranker_negatives times longer (every candidate is an example): its own cadence.
+    ranker_eval_every: float = 0.25  # epochs between the ranker's validations
+    ranker_patience: int = 3  # the ranker's validations without a better NDCG@10 before stopping
     gem_loss: RetrievalLoss = "softmax"  # GEM retrieval head (full)
     sasrec_loss: RetrievalLoss = "bce"  # SASRec baseline (its paper: bce, one negative per position)
     sampled_negatives: int = 512  # negatives shared by a batch for the "sampled" loss
@@ -183,7 +186,8 @@ class SeqRecConfig(Section):
     sparse_optimizer: bool = True  # row-wise Adagrad on embedding tables; false: AdamW over every parameter
 
     def check(self) -> None:
-        for key in ("epochs", "patience", "eval_every", "batch_size", "eval_batch_size", "max_seq_len"):
+        keys = ("epochs", "patience", "eval_every", "ranker_eval_every", "ranker_patience", "batch_size")
+        for key in (*keys, "eval_batch_size", "max_seq_len"):
             self.require(getattr(self, key) > 0, key, "must be > 0")
         for key in ("ranker_negatives", "sampled_negatives"):
             self.require(getattr(self, key) > 0, key, "must be > 0")

@@ -13,9 +13,10 @@ Protocols (definitions in `ranking.py`):
   `seqrec.sasrec_loss` (its paper's BCE with one negative per position by default).
 
 Every arm trains with the trainer's optimizers (row-wise Adagrad on embedding tables, AdamW on the rest),
-validates on the `valid` split every `seqrec.eval_every` epochs, stops after `seqrec.patience` validations
-without a better NDCG@10, and is tested on the `test` split with its best validated weights. Everything goes
-to one MLflow run (params, per-validation metrics, test metrics, a PNG of the metrics, the results JSON).
+validates on the `valid` split every `seqrec.eval_every` epochs (the ranker: `ranker_eval_every`), stops after
+`seqrec.patience` (`ranker_patience`) validations without a better NDCG@10, and is tested on the `test` split
+with its best validated weights. Everything goes to one MLflow run (params, per-validation metrics, test
+metrics, a PNG of the metrics, the results JSON).
 """
 
 from __future__ import annotations
@@ -254,7 +255,9 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
     steps_per_epoch = arm.steps_per_epoch
     optimizers = Optimizers(model, config.optim, cfg.epochs * steps_per_epoch)
     _, autocast = autocast_for(config.train.precision, device)
-    eval_interval = max(1, round(cfg.eval_every * steps_per_epoch))
+    ranker = isinstance(arm, RankerArm)
+    eval_every, patience = (cfg.ranker_eval_every, cfg.ranker_patience) if ranker else (cfg.eval_every, cfg.patience)
+    eval_interval = max(1, round(eval_every * steps_per_epoch))
     valid_rows = None
     if cfg.valid_users and cfg.valid_users < len(evaluator.data.splits["valid"]):
         pick = np.random.default_rng(CANDIDATE_SEEDS["valid"])
@@ -318,7 +321,7 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
                 best,
                 best_step / steps_per_epoch,
             )
-            if stale >= cfg.patience:
+            if stale >= patience:
                 done = True
                 break
         if done:
@@ -326,7 +329,7 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
     bar.close()
     train_seconds = time.perf_counter() - started - eval_seconds
     if best_state is None:
-        raise TrainingError(f"{arm.name}: no validation ran (seqrec.eval_every is longer than seqrec.epochs)")
+        raise TrainingError(f"{arm.name}: no validation ran (the validation interval is longer than seqrec.epochs)")
     model.load_state_dict(best_state)
     test_start = time.perf_counter()
     with autocast():
