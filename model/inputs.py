@@ -1,9 +1,9 @@
-"""What the model reads and returns: `ModelInput`, `ModelOutput` and `JaggedFeatures`.
+"""What the model reads and returns: `ModelInput` and `ModelOutput` (and `JaggedFeatures`, from `gemrec.jagged`).
 
 `ModelInput` mirrors the data layer's `Batch` field for field (the trainer adapts one to the other), so
 neither package imports the other. Sparse features are a torchrec `KeyedJaggedTensor` or a
-`JaggedFeatures`, a small class with the same read API that needs no torchrec (the GPU machine lacks it).
-Jagged layout: per key, `lengths` has `stride` entries; `values` holds all keys' values key after key.
+`gemrec.jagged.JaggedFeatures`, a small class with the same read API that needs no torchrec (the GPU machine lacks
+it). Jagged layout: per key, `lengths` has `stride` entries; `values` holds all keys' values key after key.
 """
 
 from __future__ import annotations
@@ -12,88 +12,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
+from gemrec.jagged import JaggedFeatures
 
-
-class JaggedFeatures:
-    """Keyed jagged ids with the read API of torchrec's `KeyedJaggedTensor` (no torchrec needed).
-
-    `values` holds every key's values, key after key; `lengths` has `len(keys) * stride` entries.
-    """
-
-    def __init__(self, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, stride: int | None = None):
-        keys = list(keys)
-        if len(set(keys)) != len(keys):
-            raise ValueError(f"JaggedFeatures: duplicate keys in {keys}")
-        if values.dim() != 1 or lengths.dim() != 1:
-            raise ValueError(
-                f"JaggedFeatures: values and lengths must be 1-D, got {tuple(values.shape)} and {tuple(lengths.shape)}"
-            )
-        if stride is None:
-            if not keys:
-                raise ValueError("JaggedFeatures: stride is required when there are no keys")
-            if lengths.numel() % len(keys):
-                raise ValueError(f"JaggedFeatures: {lengths.numel()} lengths do not split over {len(keys)} keys")
-            stride = lengths.numel() // len(keys)
-        if lengths.numel() != len(keys) * stride:
-            raise ValueError(
-                f"JaggedFeatures: expected {len(keys)} keys x stride {stride} lengths, got {lengths.numel()}"
-            )
-        self._keys = keys
-        self._values = values
-        self._lengths = lengths
-        self._stride = int(stride)
-
-    @classmethod
-    def from_dict(cls, features: dict[str, tuple[torch.Tensor, torch.Tensor]], stride: int | None = None):
-        """Build from `{key: (values, lengths)}`; every key must have the same number of rows."""
-        keys = list(features)
-        if not keys:
-            if stride is None:
-                raise ValueError("JaggedFeatures.from_dict: stride is required when there are no keys")
-            return cls([], torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), stride)
-        values = torch.cat([torch.as_tensor(features[k][0]).reshape(-1).long() for k in keys])
-        lengths = torch.cat([torch.as_tensor(features[k][1]).reshape(-1).long() for k in keys])
-        return cls(keys, values, lengths, stride)
-
-    @classmethod
-    def from_kjt(cls, kjt: Any) -> JaggedFeatures:
-        return cls(list(kjt.keys()), kjt.values(), kjt.lengths(), kjt.stride())
-
-    def keys(self) -> list[str]:
-        return self._keys
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        return self._lengths
-
-    def offsets(self) -> torch.Tensor:
-        return torch.nn.functional.pad(torch.cumsum(self._lengths, 0), (1, 0))
-
-    def stride(self) -> int:
-        return self._stride
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedFeatures:
-        return JaggedFeatures(
-            self._keys,
-            self._values.to(device, non_blocking=non_blocking),
-            self._lengths.to(device, non_blocking=non_blocking),
-            self._stride,
-        )
-
-    def __getitem__(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """`(values, lengths)` of one key (a host sync: for inspection and tests, not the forward)."""
-        if key not in self._keys:
-            raise KeyError(f"JaggedFeatures has no key {key!r} (keys: {self._keys})")
-        i = self._keys.index(key)
-        per_key = self._lengths.view(len(self._keys), self._stride).sum(1).tolist()
-        start = sum(per_key[:i])
-        lengths = self._lengths[i * self._stride : (i + 1) * self._stride]
-        return self._values[start : start + per_key[i]], lengths
-
-    def __repr__(self) -> str:
-        return f"JaggedFeatures(keys={self._keys}, stride={self._stride}, num_values={self._values.numel()})"
+__all__ = ["JaggedFeatures", "ModelInput", "ModelOutput"]
 
 
 @dataclass

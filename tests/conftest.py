@@ -1,5 +1,8 @@
 import os
 import socket
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -100,3 +103,40 @@ def tls_files(tmp_path_factory):
         key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     return str(cert_path), str(key_path)
+
+
+# Prepended to scripts run by `run_without_torchrec`: `import torchrec` (and fbgemm_gpu) fail, as on the GPU machine.
+_BLOCK_TORCHREC = """
+import importlib.abc
+import sys
+
+class BlockTorchrec(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torchrec" or name.startswith("torchrec.") or name.startswith("fbgemm_gpu"):
+            raise ModuleNotFoundError(f"No module named {name!r} (blocked)", name=name)
+        return None
+
+sys.meta_path.insert(0, BlockTorchrec())
+"""
+_TORCHREC_IMPORTED = """
+assert not any(m == "torchrec" or m.startswith("torchrec.") for m in sys.modules), "torchrec was imported"
+print("OK")
+"""
+
+
+@pytest.fixture
+def run_without_torchrec():
+    """`run(script, *args, timeout=...)`: run a Python script in a subprocess where torchrec cannot be imported; it
+    passes when it exits 0 having never imported torchrec (returns the CompletedProcess)."""
+
+    def run(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        code = _BLOCK_TORCHREC + textwrap.dedent(script) + _TORCHREC_IMPORTED
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        result = subprocess.run(
+            [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout, env=env
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.strip().endswith("OK")
+        return result
+
+    return run

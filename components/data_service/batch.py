@@ -4,9 +4,9 @@ Shared contract between the dataset layer, the data service (which ships it over
 (which adapts it to the model's input). Jagged sequences follow the project convention: `values` of
 shape (total_tokens, ...) plus `offsets` of shape (B+1,), int64, and a host-side `max_seq_len`.
 
-Keyed jagged features are torchrec `KeyedJaggedTensor`s where torchrec is installed, and `KeyedJagged`
-(the in-memory form of `gemrec.v1.KeyedJagged`, with the part of the KeyedJaggedTensor API the data
-layer, the codec and the model use) where it is not: the GPU machine has no torchrec.
+Keyed jagged features are torchrec `KeyedJaggedTensor`s where torchrec is installed, and
+`gemrec.jagged.JaggedFeatures` (the same read API, also what the model takes) where it is not: the GPU machine
+has no torchrec.
 """
 
 from __future__ import annotations
@@ -14,79 +14,22 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 
 import torch
+from gemrec.jagged import JaggedFeatures
 
 try:
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
-except ImportError:  # the GPU machine: batches carry KeyedJagged
+except ImportError:  # the GPU machine: batches carry JaggedFeatures
     KeyedJaggedTensor = None
 
 
-class KeyedJagged:
-    """Named jagged ids without torchrec: key k owns `lengths[k * stride:(k + 1) * stride]`; `values`
-    holds every key's values, key after key."""
-
-    def __init__(
-        self,
-        keys: list[str],
-        values: torch.Tensor,
-        lengths: torch.Tensor,
-        stride: int | None = None,
-        weights: torch.Tensor | None = None,
-    ):
-        if stride is None:
-            stride = lengths.numel() // len(keys) if keys else 0
-        if lengths.numel() != len(keys) * stride:
-            raise ValueError(f"KeyedJagged: {lengths.numel()} lengths for {len(keys)} keys x stride {stride}")
-        self._keys, self._values, self._lengths, self._stride, self._weights = (
-            list(keys),
-            values,
-            lengths,
-            int(stride),
-            weights,
-        )
-
-    def keys(self) -> list[str]:
-        return self._keys
-
-    def values(self) -> torch.Tensor:
-        return self._values
-
-    def lengths(self) -> torch.Tensor:
-        return self._lengths
-
-    def stride(self) -> int:
-        return self._stride
-
-    def weights_or_none(self) -> torch.Tensor | None:
-        return self._weights
-
-    def _map(self, fn) -> KeyedJagged:
-        weights = None if self._weights is None else fn(self._weights)
-        return KeyedJagged(self._keys, fn(self._values), fn(self._lengths), self._stride, weights)
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJagged:
-        return self._map(lambda t: t.to(device, non_blocking=non_blocking))
-
-    def pin_memory(self) -> KeyedJagged:
-        return self._map(torch.Tensor.pin_memory)
-
-    def record_stream(self, stream) -> None:
-        for t in (self._values, self._lengths, self._weights):
-            if t is not None:
-                t.record_stream(stream)
-
-    def __repr__(self) -> str:
-        return f"KeyedJagged(keys={self._keys}, stride={self._stride}, num_values={self._values.numel()})"
-
-
 def keyed_jagged(keys, values, lengths, stride=None, weights=None):
-    """A torchrec KeyedJaggedTensor where torchrec is installed, else a KeyedJagged."""
+    """A torchrec KeyedJaggedTensor where torchrec is installed, else a JaggedFeatures."""
     if KeyedJaggedTensor is None:
-        return KeyedJagged(keys, values, lengths, stride, weights)
+        return JaggedFeatures(keys, values, lengths, stride, weights)
     return KeyedJaggedTensor(keys=keys, values=values, lengths=lengths, stride=stride, weights=weights)
 
 
-_MOVABLE = (torch.Tensor, KeyedJagged) + (() if KeyedJaggedTensor is None else (KeyedJaggedTensor,))
+_MOVABLE = (torch.Tensor, JaggedFeatures) + (() if KeyedJaggedTensor is None else (KeyedJaggedTensor,))
 
 
 @dataclass
@@ -97,13 +40,13 @@ class Batch:
     timestamps: torch.Tensor  # (B,) int64 unix seconds of the target event
     labels: torch.Tensor  # (B, num_labels) float32 in {0, 1}
     dense_features: torch.Tensor  # (B, num_dense) float32, may have 0 columns
-    sparse_features: KeyedJaggedTensor | KeyedJagged  # stride B: non-sequence features (user, target item, context)
+    sparse_features: KeyedJaggedTensor | JaggedFeatures  # stride B: non-sequence features (user, target item, context)
     # Jagged history: the user's events strictly before `timestamps`, oldest first, most recent max_seq_len.
     seq_offsets: torch.Tensor  # (B+1,) int64
     seq_item_ids: torch.Tensor  # (T,) int64
     seq_timestamps: torch.Tensor  # (T,) int64
     seq_actions: torch.Tensor  # (T, num_actions) float32: labels/event columns of past events
-    seq_item_features: KeyedJaggedTensor | KeyedJagged | None  # stride T: item side features of history tokens
+    seq_item_features: KeyedJaggedTensor | JaggedFeatures | None  # stride T: item side features of history tokens
     max_seq_len: int  # host-side max of the lengths in this batch
     label_names: tuple[str, ...] = ()
     cursor: bytes = b""  # resume position of the stream that produced this batch (data service)

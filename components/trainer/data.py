@@ -21,31 +21,35 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gemrec.components.data_service.batch import Batch, KeyedJagged
-from gemrec.model import JaggedFeatures, ModelInput
+from gemrec.components.data_service.batch import Batch
+from gemrec.model import ModelInput
 
 TRAIN_SPLIT = "train"
 EVAL_SPLIT = "eval"
 
 
-def _model_features(features):
-    """torchrec KeyedJaggedTensors pass as they are; the data layer's KeyedJagged (no torchrec) becomes the
-    model's JaggedFeatures, sharing its tensors."""
-    return JaggedFeatures.from_kjt(features) if isinstance(features, KeyedJagged) else features
-
-
 def to_model_input(batch: Batch) -> ModelInput:
     return ModelInput(
-        sparse_features=_model_features(batch.sparse_features),
+        sparse_features=batch.sparse_features,
         dense_features=batch.dense_features,
         seq_offsets=batch.seq_offsets,
         seq_item_ids=batch.seq_item_ids,
         seq_timestamps=batch.seq_timestamps,
         seq_actions=batch.seq_actions,
-        seq_item_features=_model_features(batch.seq_item_features),
+        seq_item_features=batch.seq_item_features,
         max_seq_len=batch.max_seq_len,
         timestamps=batch.timestamps,
     )
+
+
+def _put(q: queue.Queue, item, stop: threading.Event) -> None:
+    """Put `item` into the bounded queue `q`, waiting for room until `stop` is set."""
+    while not stop.is_set():
+        try:
+            q.put(item, timeout=0.1)
+            return
+        except queue.Full:
+            continue
 
 
 class Prefetcher:
@@ -67,12 +71,7 @@ class Prefetcher:
                 item = (index, self.produce(index), None)
             except Exception as err:  # noqa: BLE001 - handed to the consumer, re-raised there
                 item = (index, None, err)
-            while not self.stop.is_set():
-                try:
-                    self.queue.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            _put(self.queue, item, self.stop)
             if item[2] is not None:
                 return
             index += 1
@@ -323,12 +322,7 @@ class DeviceFeed:
                 item = None
             except Exception as err:  # noqa: BLE001 - handed to the consumer, re-raised there
                 item = err
-            while not self._stop.is_set():
-                try:
-                    self._pinned.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
+            _put(self._pinned, item, self._stop)
             if not isinstance(item, tuple):
                 return
 

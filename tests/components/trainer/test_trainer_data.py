@@ -8,8 +8,9 @@ import time
 
 import pytest
 import torch
-from gemrec.components.data_service.batch import Batch, KeyedJagged
+from gemrec.components.data_service.batch import Batch
 from gemrec.components.trainer.data import DeviceFeed
+from gemrec.jagged import JaggedFeatures
 
 
 def make_batch(i: int) -> Batch:
@@ -20,7 +21,7 @@ def make_batch(i: int) -> Batch:
         timestamps=ids,
         labels=torch.zeros(2, 1),
         dense_features=torch.zeros(2, 0),
-        sparse_features=KeyedJagged(["user_id"], ids, torch.ones(2, dtype=torch.long)),
+        sparse_features=JaggedFeatures(["user_id"], ids, torch.ones(2, dtype=torch.long)),
         seq_offsets=torch.tensor([0, 1, 2]),
         seq_item_ids=ids,
         seq_timestamps=ids,
