@@ -87,6 +87,7 @@ if want services; then
   healthy() { python3 -c "import sys; from gemrec.components.common.grpc_channel import open_channel, wait_healthy
 for port in sys.argv[1:]:
     with open_channel(f'127.0.0.1:{port}') as channel: wait_healthy(channel, timeout_s=120)" "$@"; }
+  run services_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/components/trainer/test_trainer_data.py
   run services_synth python3 -m gemrec.cli data synth --profile h200-bench --out "$data" --overwrite
   serve features features --dataset "$data" --port 50061
   features_pid=$!
