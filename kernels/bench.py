@@ -5,7 +5,8 @@ a document mask over the packed tokens, padded SDPA with a key-padding mask, nes
 and, for GDPA, `torch.compile` of a padded pointwise attention. Variants with a window or block mask are timed
 against FlexAttention with the same mask (document, causal, window or block); variants with fused RoPE also against
 our same kernel after a separate rotary (the model's rotate-half on q and k, in bf16). TFLOP/s always count the real
-(unpadded, unmasked) query-key pairs: 4*pairs*H*D forward, 10*pairs*H*D backward; the block variants also report
+(unpadded, unmasked) query-key pairs as model FLOPs (`attention_flops`): 4*pairs*H*D forward, 8*pairs*H*D
+backward (FlashAttention's benchmarks also count the recomputed scores, 10*pairs*H*D); the block variants also report
 the bytes they must move and the TB/s that makes. Each is timed eagerly (launched from Python, host costs included)
 and, after every eager timing, replayed from a CUDA graph (device time only).
 """

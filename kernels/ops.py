@@ -547,15 +547,14 @@ def attention_flops(
     *,
     window: int | None = None,
     block: int | None = None,
-    recompute: bool = True,
 ) -> tuple[int, int]:
-    """(forward, backward) FLOPs over the real query-key pairs only (those the mask lets through), 2 per
-    multiply-add. Forward: the 2 matmuls (scores, weighted sum of values). Backward: the 4 gradient matmuls, plus
-    with `recompute` the scores that the kernels recompute (5 in all, as FlashAttention's benchmarks count kernel
-    FLOPs); `recompute=False` is the model-FLOPs convention of MFU (backward = 2x forward). RoPE's elementwise work
-    is not counted."""
+    """(forward, backward) model FLOPs over the real query-key pairs only (those the mask lets through), 2 per
+    multiply-add: forward the 2 matmuls (scores, weighted sum of values), backward the 4 gradient matmuls
+    (backward = 2x forward). The scores the kernels recompute in the backward are not model FLOPs and are not
+    counted (FlashAttention's benchmarks count them: their fwd+bwd TFLOP/s read 14/12 of ours for the same time).
+    RoPE's elementwise work is not counted."""
     pairs = attention_pairs(q_offsets, kv_offsets, causal, window=window, block=block)
-    return 4 * pairs * heads * head_dim, (10 if recompute else 8) * pairs * heads * head_dim
+    return 4 * pairs * heads * head_dim, 8 * pairs * heads * head_dim
 
 
 def _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, window, block) -> tuple[int, int]:
@@ -566,7 +565,7 @@ def _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, wi
         num_seqs = max(q_offsets.shape[0], kv_offsets.shape[0]) - 1
         keys = min(max_kv_len, window * (1 if causal else 2) if window else max_kv_len, block or max_kv_len)
         pairs = num_seqs * max_q_len * keys
-        return 4 * pairs * q.shape[1] * q.shape[2], 10 * pairs * q.shape[1] * q.shape[2]
+        return 4 * pairs * q.shape[1] * q.shape[2], 8 * pairs * q.shape[1] * q.shape[2]
 
 
 @register_flop_formula(torch.ops.gemrec.attention_fwd, get_raw=True)

@@ -164,9 +164,7 @@ class JaggedAttention(nn.Module):
         """The attention matmuls themselves over the pairs the mask lets through, model FLOPs (no recomputation in
         the backward)."""
         hd = self.dim // self.heads
-        return attention_flops(
-            q_offsets, kv_offsets, self.heads, hd, self.causal, window=self.window, block=self.block, recompute=False
-        )
+        return attention_flops(q_offsets, kv_offsets, self.heads, hd, self.causal, window=self.window, block=self.block)
 
 
 class SeqLayer(nn.Module):

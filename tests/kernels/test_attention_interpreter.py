@@ -220,7 +220,7 @@ def test_custom_op_compiles_fullgraph_and_counts_flops():
         jagged_attention(q, k, v, off, off, 20, 20, causal=True, backend="triton").sum().backward()
     fwd, bwd = attention_flops(off, off, HEADS, 32, causal=True)
     pairs = sum(n * (n + 1) // 2 for n in lens)
-    assert (fwd, bwd) == (4 * pairs * HEADS * 32, 10 * pairs * HEADS * 32)
+    assert (fwd, bwd) == (4 * pairs * HEADS * 32, 8 * pairs * HEADS * 32)
     assert counter.get_total_flops() == fwd + bwd
 
 
