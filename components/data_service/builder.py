@@ -25,12 +25,12 @@ import pyarrow.parquet as pq
 from gemrec.components.common import jagged
 from tqdm import tqdm
 
+from .aggregates import aggregate_feature_sources, aggregate_spec
 from .errors import DataError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: point-in-time aggregate features of earlier events (aggregates.py)
 # Dense features computed from the target event itself (request-time context), in this order.
 TIME_FEATURES = ["hour_of_day_sin", "hour_of_day_cos", "day_of_week_sin", "day_of_week_cos"]
-HISTORY_FEATURES = ["history_length_log"]
 REQUIRED_FILES = [
     "manifest.json",
     "events.parquet",
@@ -96,11 +96,15 @@ class SplitConfig:
     `by="last_event"`: each user's last event is the only example of that user (its history is all the
     user's earlier events); the latest `eval_fraction` of these examples (or those at or after `cutoff`)
     are `eval`, the rest `train`. The other events are history only.
+
+    Time and event splits also carve `valid` out of the train period: its last `valid_fraction` (of the time
+    range or of the events, as `by`) is held out for early stopping (never any of the eval period).
     """
 
     eval_fraction: float = 0.1
     by: str = "time"  # "time": the last fraction of the time range; "events": the last fraction of events
     cutoff: int | None = None  # explicit cutoff timestamp (overrides the fraction)
+    valid_fraction: float = 0.1  # 0 = no valid split
 
     def masks(self, user: np.ndarray, timestamps: np.ndarray, timeline_ends: np.ndarray) -> dict[str, np.ndarray]:
         """Split name -> mask over the events (sorted by user, then time); `timeline_ends[u]` is one past
@@ -117,34 +121,54 @@ class SplitConfig:
             last[timeline_ends[timeline_ends > 0] - 1] = True
             is_eval = last & (timestamps >= self.cutoff_for(timestamps[last]))
             return {"train": last & ~is_eval, "eval": is_eval}
-        is_eval = timestamps >= self.cutoff_for(timestamps)
-        return {"train": ~is_eval, "eval": is_eval}
+        eval_cutoff = self.cutoff_for(timestamps)
+        is_eval = timestamps >= eval_cutoff
+        if self.valid_fraction == 0.0:
+            return {"train": ~is_eval, "eval": is_eval}
+        train = timestamps < self.valid_cutoff_for(timestamps, eval_cutoff)
+        return {"train": train, "valid": ~train & ~is_eval, "eval": is_eval}
 
     def describe(self, timestamps: np.ndarray) -> dict:
         if self.by == "leave_one_out":
             return {"by": "leave_one_out"}
         if self.by == "last_event":  # the cutoff is over the users' last events (the splits' time ranges show it)
             return {"by": "last_event", "eval_fraction": self.eval_fraction, "cutoff": self.cutoff}
+        cutoff = self.cutoff_for(timestamps)
         return {
             "by": self.by if self.cutoff is None else "cutoff",
             "eval_fraction": self.eval_fraction,
-            "cutoff": self.cutoff_for(timestamps),
+            "cutoff": cutoff,
+            "valid_fraction": self.valid_fraction,
+            "valid_cutoff": self.valid_cutoff_for(timestamps, cutoff),
         }
 
     def cutoff_for(self, timestamps: np.ndarray) -> int:
         if self.cutoff is not None:
             return int(self.cutoff)
-        if not 0.0 <= self.eval_fraction < 1.0:
-            raise DataError(f"eval fraction must be in [0, 1), got {self.eval_fraction}")
-        if self.eval_fraction == 0.0:
-            return int(timestamps.max()) + 1
-        if self.by == "time":
-            first, last = int(timestamps.min()), int(timestamps.max())
-            return first + int(np.ceil((last - first) * (1.0 - self.eval_fraction)))
-        if self.by in ("events", "last_event"):
-            ordered = np.sort(timestamps)
-            return int(ordered[min(len(ordered) - 1, int(len(ordered) * (1.0 - self.eval_fraction)))])
-        raise DataError(f"unknown split mode {self.by!r}; use 'time', 'events', 'leave_one_out' or 'last_event'")
+        return _fraction_cutoff(timestamps, self.eval_fraction, self.by, "eval")
+
+    def valid_cutoff_for(self, timestamps: np.ndarray, eval_cutoff: int) -> int:
+        """Examples in [valid cutoff, eval cutoff) are `valid`; none where carving them would leave no train example."""
+        train = timestamps[timestamps < eval_cutoff]
+        if len(train) == 0:
+            return eval_cutoff
+        cutoff = _fraction_cutoff(train, self.valid_fraction, self.by, "valid")
+        return cutoff if int(train.min()) < cutoff < eval_cutoff else eval_cutoff
+
+
+def _fraction_cutoff(timestamps: np.ndarray, fraction: float, by: str, what: str) -> int:
+    """The timestamp from which the last `fraction` of the time range (or of the events) starts."""
+    if not 0.0 <= fraction < 1.0:
+        raise DataError(f"{what} fraction must be in [0, 1), got {fraction}")
+    if fraction == 0.0:
+        return int(timestamps.max()) + 1
+    if by == "time":
+        first, last = int(timestamps.min()), int(timestamps.max())
+        return first + int(np.ceil((last - first) * (1.0 - fraction)))
+    if by in ("events", "last_event"):
+        ordered = np.sort(timestamps)
+        return int(ordered[min(len(ordered) - 1, int(len(ordered) * (1.0 - fraction)))])
+    raise DataError(f"unknown split mode {by!r}; use 'time', 'events', 'leave_one_out' or 'last_event'")
 
 
 def stable_hash(raw_ids: np.ndarray) -> np.ndarray:
@@ -509,7 +533,7 @@ def _build(
     names = [f["name"] for f in sparse]
     dense_sources = {
         **{n: "time" for n in TIME_FEATURES},
-        **{n: "history" for n in HISTORY_FEATURES},
+        **aggregate_feature_sources(list(actions)),
         **{n: "user" for n in user_dense},
         **{n: "item" for n in item_dense},
     }
@@ -540,6 +564,7 @@ def _build(
         "split": split_info,
         "max_history": max_history,
         "label_rates": label_rates,
+        "aggregates": aggregate_spec(actions, split_masks["train"]),
         "max_seq_len": _length_stats(all_lengths),
         "timeline_length": _length_stats(timeline_lengths),
         "time_range": [int(timestamps.min()), int(timestamps.max())],
@@ -565,5 +590,8 @@ def read_manifest(path: str | Path) -> dict:
         raise DataError(f"{path / 'manifest.json'}: invalid JSON ({err})") from err
     version = manifest.get("schema_version") if isinstance(manifest, dict) else None
     if version != SCHEMA_VERSION:
-        raise DataError(f"{path / 'manifest.json'}: schema_version {version!r}, this code reads {SCHEMA_VERSION}")
+        raise DataError(
+            f"{path / 'manifest.json'}: schema_version {version!r}, this code reads {SCHEMA_VERSION} "
+            "(prepare the dataset again with this version of gemrec)"
+        )
     return manifest

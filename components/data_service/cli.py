@@ -26,13 +26,22 @@ def _split_args(parser: argparse.ArgumentParser, split_by: str = "time") -> None
         metavar="UNIX_S",
         help="explicit cutoff: examples at or after it are eval",
     )
+    parser.add_argument(
+        "--valid-fraction",
+        type=float,
+        default=0.1,
+        help="the last fraction of the train period (by --split-by) held out as the valid split that training "
+        "stops early on (default 0.1; 0 = none)",
+    )
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output folder")
 
 
 def _split_config(args):
     from .builder import SplitConfig
 
-    return SplitConfig(eval_fraction=args.eval_fraction, by=args.split_by, cutoff=args.split_cutoff)
+    return SplitConfig(
+        eval_fraction=args.eval_fraction, by=args.split_by, cutoff=args.split_cutoff, valid_fraction=args.valid_fraction
+    )
 
 
 def _run(fn):

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import torch
 from gemrec.components.common import jagged
 
+from .aggregates import ITEM_SOURCE, USER_SOURCE, HistoryAggregates
 from .batch import Batch, keyed_jagged
 from .builder import read_manifest
 from .errors import DataError
@@ -123,9 +124,19 @@ class Dataset:
         self._timeline_length = _column(timelines, "length", np.int64)
         self._side = {entity: self._load_side(entity) for entity in ENTITIES}
         self._splits: dict[str, Examples] = {}
-        self._history_norm = float(np.log1p(max(1, int(self._timeline_length.max(initial=0)))))
         self._per_event: dict[str, _Jagged] = {}
         self._token_bytes: np.ndarray | None = None
+        self._aggregate_names = [n for n in self.dense_features if self.dense_sources[n] in (USER_SOURCE, ITEM_SOURCE)]
+        self._aggregates = None
+        if self._aggregate_names:
+            self._aggregates = HistoryAggregates(
+                _column(events, "user", np.int64),
+                self._event_item,
+                self._event_ts,
+                self._event_actions,
+                list(self.action_names),
+                manifest["aggregates"],
+            )
 
     def _seq_feature(self, name: str, seq_items: np.ndarray, begin: np.ndarray, end: np.ndarray):
         """(values, lengths) of an item feature for the history tokens, events [begin, end) per example.
@@ -228,8 +239,7 @@ class Dataset:
         event = data.event[rows]
         timestamps = data.timestamp[rows]
         hist_end = data.hist_end[rows]
-        full_lengths = hist_end - data.hist_start[rows]
-        lengths = np.minimum(full_lengths, max_seq_len)
+        lengths = np.minimum(hist_end - data.hist_start[rows], max_seq_len)
         offsets = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         tokens = jagged.ranges(hist_end - lengths, lengths)
@@ -258,13 +268,18 @@ class Dataset:
                 [self._seq_feature(n, seq_items, hist_end - lengths, hist_end) for n in self.seq_item_features],
             )
 
+        aggregates = {}
+        if self._aggregates is not None:
+            aggregates = self._aggregates.compute(
+                self._aggregate_names, target_items, timestamps, data.hist_start[rows], hist_end
+            )
         dense = np.zeros((len(rows), len(self.dense_features)), dtype=np.float32)
         for col, name in enumerate(self.dense_features):
             kind = self.dense_sources[name]
             if kind == "time":
                 dense[:, col] = _time_feature(name, timestamps)
-            elif kind == "history":
-                dense[:, col] = np.log1p(full_lengths) / self._history_norm
+            elif name in aggregates:
+                dense[:, col] = aggregates[name]
             else:
                 dense[:, col] = looked_up[kind][name][0]
 

@@ -28,7 +28,9 @@ def summary_lines(path: Path) -> list[str]:
         f"  events {m['num_events']:,}  users {m['num_users']:,}  items {m['num_items']:,}  "
         f"(input {counts['input_events']:,}, duplicates dropped {counts['duplicates_dropped']:,}, "
         f"unsorted input rows {counts['unsorted_input_rows']:,})",
-        f"  split by {m['split']['by']}" + (f" at cutoff {m['split']['cutoff']}" if "cutoff" in m["split"] else ""),
+        f"  split by {m['split']['by']}"
+        + (f" at cutoff {m['split']['cutoff']}" if "cutoff" in m["split"] else "")
+        + (f" (valid from {m['split']['valid_cutoff']})" if "valid_cutoff" in m["split"] else ""),
     ]
     for split, info in m["splits"].items():
         rates = ", ".join(f"{n} {r:.4f}" for n, r in (m["label_rates"][split] or {}).items() if r is not None)

@@ -52,7 +52,7 @@ def build(tmp_path, events_name="events.csv", **kwargs):
         items=tmp_path / "items.csv",
         users=tmp_path / "users.csv",
         context=["device"],
-        split=SplitConfig(cutoff=int(pd.Timestamp("2024-01-04", tz="UTC").timestamp())),
+        split=SplitConfig(cutoff=int(pd.Timestamp("2024-01-04", tz="UTC").timestamp()), valid_fraction=0.0),
         progress=False,
         **kwargs,
     )

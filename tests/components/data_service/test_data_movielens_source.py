@@ -43,6 +43,6 @@ def test_stats_prints_counts_and_writes_plot(movielens_dataset, tmp_path, capsys
     plot = tmp_path / "stats.png"
     assert main(["data", "stats", str(movielens_dataset), "--plot", str(plot)]) == 0
     out = capsys.readouterr().out
-    assert "events 100,836  users 610  items 9,742" in out and "like 0.4915" in out
+    assert "events 100,836  users 610  items 9,742" in out and "like 0.4885" in out and "valid" in out
     assert "history length histogram" in out and "1024-2047" in out
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -167,5 +167,5 @@ def test_open_rejects_bad_directories(tmp_path, movielens_dataset):
     (broken / "manifest.json").write_text(json.dumps({**manifest, "schema_version": 99}))
     with pytest.raises(DataError, match="schema_version 99"):
         Dataset.open(broken)
-    with pytest.raises(DataError, match="no split 'valid'"):
-        Dataset.open(movielens_dataset).num_examples("valid")
+    with pytest.raises(DataError, match="no split 'test'"):
+        Dataset.open(movielens_dataset).num_examples("test")

@@ -1,0 +1,151 @@
+"""Point-in-time aggregates of earlier events: the long-term dense features a capped history window cannot see.
+
+For an example (user u, target item i, time t) whose history is the rows [hist_start, hist_end) of
+events.parquet (u's events strictly before t):
+
+    history_length_log           log1p(number of u's earlier events) / log1p(longest timeline)
+    user_seconds_since_last_log  log1p(t - u's latest earlier event) / log1p(time span of the log); 1 without one
+    user_past_mean_<a>           mean of action a over all of u's earlier events
+    user_recent_mean_<a>         the same over the last `recent_events` of them
+    item_past_count_log          log1p(events of item i strictly before t, by any user) / log1p(most events of an item)
+    item_past_mean_<a>           mean of action a over those events
+
+Means are shrunk towards the action's train-period mean (the manifest's `aggregates.priors`) with
+`smoothing` pseudo-events, so few events give a value near the prior and no events give the prior. Only
+events strictly before t enter: never the target event, its label, or anything later.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .errors import DataError
+
+RECENT_EVENTS = 10
+SMOOTHING = 5.0
+USER_FEATURES = ["history_length_log", "user_seconds_since_last_log"]
+ITEM_FEATURES = ["item_past_count_log"]
+USER_SOURCE = "history"  # dense feature sources in the manifest
+ITEM_SOURCE = "item_history"
+
+
+def aggregate_feature_sources(actions: list[str]) -> dict[str, str]:
+    """Dense feature name -> source, for a dataset whose history tokens carry `actions`."""
+    user = USER_FEATURES + [f"user_{kind}_mean_{a}" for kind in ("past", "recent") for a in actions]
+    item = ITEM_FEATURES + [f"item_past_mean_{a}" for a in actions]
+    return {**{n: USER_SOURCE for n in user}, **{n: ITEM_SOURCE for n in item}}
+
+
+def aggregate_spec(actions: dict[str, np.ndarray], train: np.ndarray) -> dict:
+    """The manifest's `aggregates` block: window, smoothing and the train-period mean of each action."""
+    priors = {a: float(np.mean(v[train])) if np.any(train) else 0.0 for a, v in actions.items()}
+    return {"recent_events": RECENT_EVENTS, "smoothing": SMOOTHING, "priors": priors}
+
+
+def _segment_cumsum(values: np.ndarray, segment_start: np.ndarray) -> np.ndarray:
+    """Inclusive running sums of `values` (n, k) that restart where each row's segment starts (row index)."""
+    out = np.empty(values.shape, dtype=np.float32)
+    for j in range(values.shape[1]):
+        total = np.cumsum(values[:, j], dtype=np.float64)
+        before = np.concatenate([[0.0], total])[segment_start]
+        out[:, j] = total - before
+    return out
+
+
+class HistoryAggregates:
+    """Computes the aggregate features of any examples from the event table, vectorized over a batch."""
+
+    def __init__(
+        self,
+        event_user: np.ndarray,
+        event_item: np.ndarray,
+        event_ts: np.ndarray,
+        actions: np.ndarray,
+        action_names: list[str],
+        spec: dict,
+    ):
+        """Events sorted by (user, timestamp), as in events.parquet; `actions` (n, len(action_names))."""
+        self.action_names = list(action_names)
+        self.recent = int(spec["recent_events"])
+        self.smoothing = float(spec["smoothing"])
+        missing = sorted(set(self.action_names) - set(spec["priors"]))
+        if missing:
+            raise DataError(f"manifest aggregates.priors lacks action(s) {missing}")
+        self.priors = np.array([spec["priors"][a] for a in self.action_names], dtype=np.float32)
+        n = len(event_ts)
+        self._actions = actions
+        self._ts = event_ts
+        rows = np.arange(n, dtype=np.int64)
+        new_user = np.ones(n, dtype=bool)
+        new_user[1:] = event_user[1:] != event_user[:-1]
+        self._user_cum = _segment_cumsum(actions, np.maximum.accumulate(np.where(new_user, rows, 0)))
+        lengths = np.bincount(event_user) if n else np.zeros(0, dtype=np.int64)
+        self._user_count_norm = float(np.log1p(max(1, int(lengths.max(initial=0)))))
+        first, last = (int(event_ts.min()), int(event_ts.max())) if n else (0, 0)
+        self._time_norm = float(np.log1p(max(1, last - first)))
+
+        # Item timelines keyed by (item, rank of the timestamp among the distinct event times): one searchsorted
+        # finds how many of an item's events are strictly earlier than any time.
+        self._times = np.unique(event_ts)
+        self._key_stride = len(self._times) + 1
+        if (int(event_item.max(initial=0)) + 1) * self._key_stride >= 1 << 63:
+            raise DataError("too many items x distinct timestamps for the item aggregates' int64 keys")
+        order = np.lexsort((event_ts, event_item))
+        sorted_item = event_item[order]
+        new_item = np.ones(n, dtype=bool)
+        new_item[1:] = sorted_item[1:] != sorted_item[:-1]
+        self._item_key = sorted_item * self._key_stride + np.searchsorted(self._times, event_ts[order])
+        self._item_start = np.searchsorted(sorted_item, np.arange(int(event_item.max(initial=-1)) + 1))
+        self._item_cum = _segment_cumsum(actions[order], np.maximum.accumulate(np.where(new_item, rows, 0)))
+        self._item_count_norm = float(np.log1p(max(1, int(np.bincount(event_item).max(initial=0)) if n else 1)))
+
+    def _shrunk(self, sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        return (sums + self.smoothing * self.priors) / (counts[:, None] + self.smoothing)
+
+    def _window_sums(self, begin: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """Action sums over user rows [begin, end) of one user's timeline each (end > begin where it matters)."""
+        last = np.maximum(end - 1, 0)
+        first = np.minimum(begin, last)
+        sums = self._user_cum[last] - self._user_cum[first] + self._actions[first]
+        return np.where((end > begin)[:, None], sums, 0.0)
+
+    def compute(
+        self,
+        names: list[str],
+        items: np.ndarray,
+        timestamps: np.ndarray,
+        hist_start: np.ndarray,
+        hist_end: np.ndarray,
+    ) -> dict[str, np.ndarray]:
+        """float32 values of the named features for examples of the given target items and times."""
+        out: dict[str, np.ndarray] = {}
+        count = hist_end - hist_start
+        if any(n.startswith("user_") or n == "history_length_log" for n in names):
+            out["history_length_log"] = np.log1p(count) / self._user_count_norm
+            since = timestamps - self._ts[np.maximum(hist_end - 1, 0)]
+            out["user_seconds_since_last_log"] = np.where(
+                count > 0, np.log1p(np.maximum(since, 0)) / self._time_norm, 1.0
+            )
+            past = self._shrunk(self._window_sums(hist_start, hist_end), count)
+            begin = np.maximum(hist_start, hist_end - self.recent)
+            recent = self._shrunk(self._window_sums(begin, hist_end), hist_end - begin)
+            for j, a in enumerate(self.action_names):
+                out[f"user_past_mean_{a}"] = past[:, j]
+                out[f"user_recent_mean_{a}"] = recent[:, j]
+        if any(n.startswith("item_") for n in names):
+            if len(items) and (items.min() < 0 or items.max() >= len(self._item_start)):
+                raw = items[(items < 0) | (items >= len(self._item_start))][0]
+                raise DataError(f"item index {raw} has no events")
+            lo = self._item_start[items]
+            earlier_times = np.searchsorted(self._times, timestamps, side="left")
+            hi = np.searchsorted(self._item_key, items * self._key_stride + earlier_times, side="left")
+            item_count = hi - lo
+            sums = np.where((item_count > 0)[:, None], self._item_cum[np.maximum(hi - 1, 0)], 0.0)
+            out["item_past_count_log"] = np.log1p(item_count) / self._item_count_norm
+            past = self._shrunk(sums, item_count)
+            for j, a in enumerate(self.action_names):
+                out[f"item_past_mean_{a}"] = past[:, j]
+        unknown = sorted(set(names) - set(out))
+        if unknown:
+            raise DataError(f"unknown aggregate feature(s) {unknown}")
+        return {n: out[n].astype(np.float32) for n in names}

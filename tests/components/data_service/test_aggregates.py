@@ -1,0 +1,139 @@
+"""Aggregate features of earlier events: hand-computed values on a made-up log, and no leakage of the target's
+label or of later events; the valid split's boundaries."""
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from gemrec.components.data_service.aggregates import HistoryAggregates, aggregate_feature_sources
+from gemrec.components.data_service.builder import EventLog, SplitConfig, build_dataset
+from gemrec.components.data_service.dataset import Dataset
+
+# (user, item, timestamp, like); A's y and B's x share second 20.
+LOG = [
+    ("A", "x", 10, 1),
+    ("A", "y", 20, 0),
+    ("B", "x", 20, 0),
+    ("A", "x", 30, 1),
+    ("B", "y", 30, 1),
+    ("B", "x", 40, 1),
+]
+
+
+def build(tmp_path, log=LOG, name="agg", **split):
+    users, items, ts, like = (np.array(c) for c in zip(*log))
+    events = EventLog(
+        users=users,
+        items=items,
+        timestamps=ts.astype(np.int64),
+        labels={"like": like.astype(np.int8)},
+        actions={"like": like.astype(np.float32)},
+    )
+    split = SplitConfig(**{"cutoff": 100, "valid_fraction": 0.0, **split})
+    return Dataset.open(build_dataset(tmp_path / name, name=name, events=events, split=split, progress=False))
+
+
+def features(ds: Dataset, split: str = "train") -> dict[tuple[str, int], dict[str, float]]:
+    """Dense features by (user raw id, timestamp) of every example of the split."""
+    n = ds.num_examples(split)
+    batch = ds.collate(split, np.arange(n), max_seq_len=4)
+    raw_users = pq.read_table(ds.path / "vocab" / "users.parquet").column("raw_id").to_pylist()
+    users = pq.read_table(ds.path / "examples" / f"{split}.parquet").column("user").to_numpy()
+    out = {}
+    for row in range(n):
+        out[(raw_users[users[row]], int(batch.timestamps[row]))] = dict(
+            zip(ds.dense_features, batch.dense_features[row].tolist(), strict=True)
+        )
+    return out
+
+
+def test_aggregates_match_hand_computed_values(tmp_path):
+    ds = build(tmp_path)
+    spec = ds.manifest["aggregates"]
+    k, prior = spec["smoothing"], spec["priors"]["like"]
+    assert prior == pytest.approx(4 / 6)  # the train period's like rate
+
+    def shrunk(total, count):
+        return (total + k * prior) / (count + k)
+
+    got = features(ds)
+    # user's earlier events (strictly before t): sum of likes, count; item's earlier events by anyone: sum, count
+    expected = {
+        ("A", 10): ((0, 0), (0, 0)),
+        ("A", 20): ((1, 1), (0, 0)),
+        ("B", 20): ((0, 0), (1, 1)),  # A's x at 10; not A's y at the same second, not B's own target
+        ("A", 30): ((1, 2), (1, 2)),  # item x: A@10 (1), B@20 (0)
+        ("B", 30): ((0, 1), (0, 1)),  # item y: A@20 (0)
+        ("B", 40): ((1, 2), (2, 3)),  # item x: A@10, B@20, A@30
+    }
+    longest_timeline, most_item_events = 3, 4  # item x has 4 events in all
+    for key, ((u_sum, u_count), (i_sum, i_count)) in expected.items():
+        f = got[key]
+        assert f["user_past_mean_like"] == pytest.approx(shrunk(u_sum, u_count), abs=1e-6), key
+        assert f["user_recent_mean_like"] == pytest.approx(shrunk(u_sum, u_count), abs=1e-6), key
+        assert f["item_past_mean_like"] == pytest.approx(shrunk(i_sum, i_count), abs=1e-6), key
+        assert f["history_length_log"] == pytest.approx(np.log1p(u_count) / np.log1p(longest_timeline)), key
+        assert f["item_past_count_log"] == pytest.approx(np.log1p(i_count) / np.log1p(most_item_events)), key
+    span = np.log1p(40 - 10)
+    assert got[("A", 10)]["user_seconds_since_last_log"] == 1.0  # no earlier event
+    assert got[("A", 30)]["user_seconds_since_last_log"] == pytest.approx(np.log1p(10) / span)
+    assert got[("B", 40)]["user_seconds_since_last_log"] == pytest.approx(np.log1p(10) / span)
+
+
+def test_recent_window_covers_only_the_last_events(tmp_path):
+    # One user, 14 events alternating like 1, 0, ...; the recent mean of the 15th sees events 4..13 only.
+    log = [("A", f"i{t}", t, int(t % 2 == 0)) for t in range(14)] + [("A", "z", 100, 1)]
+    ds = build(tmp_path, log=log, cutoff=1000)
+    spec = ds.manifest["aggregates"]
+    assert spec["recent_events"] == 10
+    k, prior = spec["smoothing"], spec["priors"]["like"]
+    last = features(ds)[("A", 100)]
+    recent_likes = sum(int(t % 2 == 0) for t in range(4, 14))
+    assert last["user_recent_mean_like"] == pytest.approx((recent_likes + k * prior) / (10 + k), abs=1e-6)
+    assert last["user_past_mean_like"] == pytest.approx((7 + k * prior) / (14 + k), abs=1e-6)
+
+
+def test_no_leakage_of_the_target_or_later_events(tmp_path):
+    """Changing the actions of every event at or after an example's time (its own label included) leaves the
+    example's aggregates unchanged."""
+    rng = np.random.default_rng(0)
+    log = [(f"u{rng.integers(4)}", f"i{rng.integers(6)}", int(t) // 2, int(rng.integers(2))) for t in range(80)]
+    ds = build(tmp_path, log=log, cutoff=10_000)
+    events = pq.read_table(ds.path / "events.parquet").to_pandas()
+    examples = pq.read_table(ds.path / "examples" / "train.parquet").to_pandas()
+    spec = {"recent_events": 3, "smoothing": 2.0, "priors": {"like": 0.3}}
+    names = list(aggregate_feature_sources(["like"]))
+
+    def compute(actions):
+        aggregates = HistoryAggregates(
+            events.user.to_numpy(), events.item.to_numpy(), events.timestamp.to_numpy(), actions, ["like"], spec
+        )
+        values = aggregates.compute(
+            names,
+            events.item.to_numpy()[examples.event.to_numpy()],
+            examples.timestamp.to_numpy(),
+            examples.hist_start.to_numpy(),
+            examples.hist_end.to_numpy(),
+        )
+        return np.stack([values[n] for n in names], axis=1)
+
+    like = events.like.to_numpy().astype(np.float32)[:, None]
+    base = compute(like)
+    for pivot in (3, 17, 30):
+        later = events.timestamp.to_numpy() >= pivot
+        flipped = compute(np.where(later[:, None], 1.0 - like, like))
+        upto = examples.timestamp.to_numpy() <= pivot
+        np.testing.assert_allclose(flipped[upto], base[upto], atol=1e-6)
+        assert not np.allclose(flipped[~upto], base[~upto])  # the test can fail: later examples do change
+
+
+def test_valid_split_lies_between_train_and_eval(tmp_path):
+    log = [(f"u{t % 3}", f"i{t % 5}", 100 + 10 * t, t % 2) for t in range(100)]  # times 100 .. 1090
+    ds = build(tmp_path, log=log, cutoff=None, eval_fraction=0.2, valid_fraction=0.25)
+    split = ds.manifest["split"]
+    assert split["cutoff"] == 100 + int(np.ceil(990 * 0.8))  # 892
+    assert split["valid_cutoff"] == 100 + int(np.ceil((890 - 100) * 0.75))  # of the train period's times
+    times = {s: ds.example_timestamps(s) for s in ds.splits}
+    assert ds.splits == ["train", "valid", "eval"]
+    assert times["train"].max() < split["valid_cutoff"] <= times["valid"].min()
+    assert times["valid"].max() < split["cutoff"] <= times["eval"].min()
+    assert sum(len(t) for t in times.values()) == 100
