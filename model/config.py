@@ -120,7 +120,7 @@ class FeatureSchema:
         raise KeyError(f"feature schema has no sparse feature {name!r}")
 
 
-Arch = Literal["gem", "dlrm"]
+Arch = Literal["gem", "dlrm", "gbdt"]  # gbdt: trees on the dense features (components/trainer/gbdt.py)
 SeqMask = Literal["full", "window", "block"]
 Rope = Literal["fused", "separate", "none"]
 
@@ -134,6 +134,11 @@ class ModelConfig(Section):
     arch: Arch = "gem"
     embedding_backend: Literal["torchrec", "torch"] = "torchrec"  # "torch": no torchrec import
     embedding_dim: int = 32  # every table's row size
+    # Probability that training hides an example's user_id / item_id embedding (history tokens' item ids too):
+    # the model learns to predict from features and history when an id is unknown. A table with id dropout
+    # starts at zero, so an id never trained on (a new user or item) reads as a hidden one.
+    user_id_dropout: float = 0.0
+    item_id_dropout: float = 0.0
     d_model: int = 64  # token width inside the towers
     num_heads: int = 4
     mlp_ratio: float = 4.0
@@ -173,6 +178,10 @@ class ModelConfig(Section):
     # DLRM baseline.
     dlrm_bottom_mlp: tuple[int, ...] = (64,)
     dlrm_top_mlp: tuple[int, ...] = (128, 64)
+    # GBDT baseline (scikit-learn HistGradientBoosting), early-stopped on the valid split.
+    gbdt_max_iter: int = 300
+    gbdt_learning_rate: float = 0.1
+    gbdt_max_leaf_nodes: int = 31
     init_std: float = 0.02
 
     def check(self) -> None:
@@ -187,7 +196,11 @@ class ModelConfig(Section):
         )
         for name in positive:
             self.require(getattr(self, name) >= 1, name, "must be >= 1")
-        self.require(0.0 <= self.dropout < 1.0, "dropout", "must be in [0, 1)")
+        for name in ("dropout", "user_id_dropout", "item_id_dropout"):
+            self.require(0.0 <= getattr(self, name) < 1.0, name, "must be in [0, 1)")
+        self.require(self.gbdt_max_iter >= 1, "gbdt_max_iter", "must be >= 1")
+        self.require(self.gbdt_max_leaf_nodes >= 2, "gbdt_max_leaf_nodes", "must be >= 2")
+        self.require(self.gbdt_learning_rate > 0, "gbdt_learning_rate", "must be > 0")
         for name in ("seq_layers", "nonseq_layers", "interaction_layers", "moe_every", "recency_buckets"):
             self.require(getattr(self, name) >= 0, name, "must be >= 0")
         self.require(self.d_model % self.num_heads == 0, "d_model", f"must be divisible by num_heads {self.num_heads}")

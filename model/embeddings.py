@@ -45,6 +45,7 @@ class TorchTables(nn.Module):
         )
         self.num_features, self.dim = len(sizes), dim
         self.sizes = sizes
+        self.names = schema.feature_names
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -53,6 +54,12 @@ class TorchTables(nn.Module):
             for start, size in zip(self.row_starts.tolist(), self.sizes):
                 bound = (1.0 / size) ** 0.5
                 self.weight[start : start + size].uniform_(-bound, bound)
+
+    def table(self, name: str) -> torch.Tensor:
+        """The rows of feature `name` (a view into the fused weight)."""
+        index = self.names.index(name)
+        start = int(self.row_starts[index])
+        return self.weight.data[start : start + self.sizes[index]]
 
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, blocks: list[tuple[torch.Tensor, int]]):
         """One `embedding_bag` over consecutive blocks of bags; block `(features, rows)` holds `rows` bags per table
@@ -102,6 +109,9 @@ class TorchrecTables(nn.Module):
         self.keys = schema.feature_names
         self.num_features, self.dim = len(tables), dim
 
+    def table(self, name: str) -> torch.Tensor:
+        return self.ebc.embedding_bags[f"t_{name}"].weight.data
+
     def forward(self, values: torch.Tensor, lengths: torch.Tensor, rows: int) -> torch.Tensor:
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -127,8 +137,32 @@ class SparseEmbeddings(nn.Module):
         self.register_buffer("all_columns", torch.arange(len(self.features)), persistent=False)
         tables = TorchrecTables if config.embedding_backend == "torchrec" else TorchTables
         self.tables = tables(schema, config.embedding_dim)
+        dropout = {"user_id": config.user_id_dropout, "item_id": config.item_id_dropout}
+        self.register_buffer(
+            "id_dropout", torch.tensor([dropout.get(name, 0.0) for name in self.features]), persistent=False
+        )
+        self.token_id_dropout = config.item_id_dropout
+        with torch.no_grad():
+            for name, p in dropout.items():
+                if p > 0:
+                    self.tables.table(name).zero_()
+
+    def _hide_ids(self, example_emb: torch.Tensor, token_emb: torch.Tensor | None):
+        """Training only: each example's id embeddings (and each token's item id) dropped to zero at random."""
+        if not self.training or not bool(self.id_dropout.any()):
+            return example_emb, token_emb
+        keep = torch.rand(example_emb.shape[:2], device=example_emb.device) >= self.id_dropout
+        example_emb = example_emb * keep.unsqueeze(-1).to(example_emb.dtype)
+        if token_emb is not None and self.token_id_dropout > 0:
+            keep = torch.ones(token_emb.shape[:2], device=token_emb.device, dtype=token_emb.dtype)
+            keep[:, 0] = (torch.rand(token_emb.shape[0], device=token_emb.device) >= self.token_id_dropout).to(keep)
+            token_emb = token_emb * keep.unsqueeze(-1)
+        return example_emb, token_emb
 
     def forward(self, sparse_features, seq_item_ids=None, seq_item_features=None, batch_size: int | None = None):
+        return self._hide_ids(*self._lookup(sparse_features, seq_item_ids, seq_item_features, batch_size))
+
+    def _lookup(self, sparse_features, seq_item_ids, seq_item_features, batch_size: int | None):
         batch = sparse_features.stride() if batch_size is None else batch_size
         _check_keys(sparse_features, self.features, "sparse_features")
         if isinstance(self.tables, TorchTables):

@@ -429,6 +429,8 @@ def build_model(config: ModelConfig, schema: FeatureSchema, kernel_options: Kern
         return GEMModel(config, schema, kernel_options)
     if config.arch == "dlrm":
         return DLRMModel(config, schema)
+    if config.arch == "gbdt":
+        raise ValueError("the gbdt arm is no torch model: `gemrec train --model gbdt` fits trees on the dense features")
     assert_never(config.arch)  # ModelConfig refuses any other arch; the type checker proves every one is built
 
 

@@ -1,6 +1,6 @@
 """`gemrec bench quality`: every model arm trained and evaluated on the same data in one invocation.
 
-Arms: the models asked for (gem, dlrm), named variants of the recipe (`--variant "NAME: section.key=value ..."`, e.g.
+Arms: the models asked for (gem, dlrm, gbdt), named variants of the recipe (`--variant "NAME: section.key=value ..."`, e.g.
 the sequence tower with a window mask), each for every seed asked for, plus two constant predictors: the training base
 rate and the eval base rate (NE exactly 1.0 by definition of NE here). Prints a markdown table for
 docs/benchmarks.md; with more than one arm, each arm's NE relative to the first arm's of the same seed.

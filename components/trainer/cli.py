@@ -41,7 +41,9 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
         )
         q.add_argument("--dataset", type=Path, required=True, help="dataset directory")
         _add_common(q, default_recipe="movielens")
-        q.add_argument("--arms", default="gem,dlrm", help="comma-separated model arms (default gem,dlrm; may be empty)")
+        q.add_argument(
+            "--arms", default="gem,dlrm,gbdt", help="comma-separated model arms (default gem,dlrm,gbdt; may be empty)"
+        )
         q.add_argument(
             "--variant",
             dest="variants",

@@ -118,6 +118,17 @@ def run_training(
         raise CLIError(f"--dataset {dataset}: no such directory")
     if tracking and importlib.util.find_spec("mlflow") is None:
         raise CLIError("mlflow is not installed: install it, or train without MLflow (--no-tracking)")
+    if config.model.arch == "gbdt":
+        from gemrec.components.trainer.gbdt import run_gbdt
+
+        if dataset is None:
+            raise CLIError("--model gbdt reads a dataset directory (--dataset), not the data service")
+        try:
+            return run_gbdt(
+                config, Path(dataset), resolve_tracking_uri(tracking_uri), experiment, metrics_out, tracking
+            )
+        except (DataError, ValueError) as err:
+            raise CLIError(f"{dataset}: {err}") from err
     if device == "cuda":
         import torch
 

@@ -215,3 +215,42 @@ def test_attention_backend_reaches_every_attention_layer():
     assert backends == {"reference"}
     with pytest.raises(ValueError, match="model.attention_backend = .flash.: must be one of .auto., .reference."):
         build(attention_backend="flash")
+
+
+@pytest.mark.parametrize("backend", ["torchrec", "torch"])
+def test_id_dropout_hides_ids_in_training_only(backend):
+    model = build(embedding_backend=backend, user_id_dropout=0.5, item_id_dropout=0.3)
+    tables = model.embeddings.tables
+    assert tables.table("user_id").abs().sum() == 0 and tables.table("item_id").abs().sum() == 0  # start at zero
+    assert tables.table("item_genres").abs().sum() > 0
+    with torch.no_grad():
+        tables.table("user_id").normal_()
+        tables.table("item_id").normal_()
+    inp = random_input(SCHEMA, 400, 1200, seed=3)
+    columns = model.embeddings.features
+    model.eval()
+    example_emb, token_emb = model.embeddings(inp.sparse_features, inp.seq_item_ids, inp.seq_item_features)
+    ids = [columns.index("user_id"), columns.index("item_id")]
+    assert (example_emb[:, ids].abs().sum(-1) > 0).all() and (token_emb[:, 0].abs().sum(-1) > 0).all()  # eval
+    model.train()
+    hidden_example, hidden_token = model.embeddings(inp.sparse_features, inp.seq_item_ids, inp.seq_item_features)
+    zero = hidden_example.abs().sum(-1) == 0
+    assert abs(zero[:, columns.index("user_id")].float().mean() - 0.5) < 0.1
+    assert abs(zero[:, columns.index("item_id")].float().mean() - 0.3) < 0.1
+    genres = example_emb[:, columns.index("item_genres")].abs().sum(-1) > 0  # rows with genres are never hidden
+    assert not zero[genres, columns.index("item_genres")].any()
+    kept = ~zero[:, columns.index("user_id")]
+    assert torch.equal(hidden_example[kept, columns.index("user_id")], example_emb[kept, columns.index("user_id")])
+    token_zero = hidden_token.abs().sum(-1) == 0
+    assert abs(token_zero[:, 0].float().mean() - 0.3) < 0.1
+    assert torch.equal(hidden_token[:, 1], token_emb[:, 1])
+
+
+def test_no_id_dropout_leaves_training_unchanged():
+    model = build(seed=4)
+    inp = random_input(SCHEMA, 8, 20, seed=5)
+    model.train()
+    first = model.embeddings(inp.sparse_features, inp.seq_item_ids, inp.seq_item_features)
+    model.eval()
+    second = model.embeddings(inp.sparse_features, inp.seq_item_ids, inp.seq_item_features)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
