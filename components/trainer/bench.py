@@ -1,8 +1,8 @@
 """`gemrec bench quality`: every model arm trained and evaluated on the same data in one invocation.
 
-Arms: the models asked for (gem, dlrm, gbdt), named variants of the recipe (`--variant "NAME: section.key=value ..."`, e.g.
-the sequence tower with a window mask), each for every seed asked for, plus two constant predictors: the training base
-rate and the eval base rate (NE exactly 1.0 by definition of NE here). Prints a markdown table for
+Arms: the models asked for (gem, dlrm, gbdt), named variants of the recipe (`--variant "NAME: section.key=value
+..."`, e.g. the sequence tower with a window mask), each for every seed asked for, plus two constant predictors: the
+training base rate and the eval base rate (NE exactly 1.0 by definition of NE here). Prints a markdown table for
 docs/benchmarks.md; with more than one arm, each arm's NE relative to the first arm's of the same seed.
 """
 
@@ -138,7 +138,7 @@ def run_quality_bench(
         "| base rate (eval) | " + " | ".join("1.0000" for _ in tasks) + f"{skip} | {blank} | {blank} | - | - |"
     )
     table = "\n".join(lines)
-    log_comparison(results, arms, tasks, table, recipe, tracking_uri, experiment)
+    log_comparison(results, list(results), tasks, table, recipe, tracking_uri, experiment)
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"arms": results, "table": table}, indent=2, default=str))
