@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gemrec.components.common import jagged
 from gemrec.components.trainer.config import TrainConfig
 from gemrec.components.trainer.ranking import KS, SAMPLED_NEGATIVES, ranking_metrics, sample_unseen, target_ranks
 from gemrec.components.trainer.seqrec_data import Jagged, SeqRecData, Targets
@@ -97,26 +98,33 @@ class RetrievalArm:
             users = order[start : start + self.config.batch_size]
             lengths = np.minimum(sequences.lengths[users], self.config.max_seq_len + 1)
             ends = sequences.offsets[users + 1]
-            inputs = Jagged.from_lengths(sequences.values[_ranges(ends - lengths, lengths - 1)], lengths - 1)
-            targets = sequences.values[_ranges(ends - lengths + 1, lengths - 1)]
+            inputs = Jagged.from_lengths(sequences.values[jagged.ranges(ends - lengths, lengths - 1)], lengths - 1)
+            targets = sequences.values[jagged.ranges(ends - lengths + 1, lengths - 1)]
             yield self.data.model_input(inputs), targets, np.repeat(users, lengths - 1)
 
-    def loss(self, batch, rng: np.random.Generator) -> torch.Tensor:
+    def step_args(self, batch, rng: np.random.Generator):
+        """(input, labels, objective) of `train_step`: the next-item loss of every history token."""
         from gemrec.model.retrieval import bce_loss, sampled_softmax_loss, softmax_loss
 
         inp, targets, users = batch
-        hidden = self.model.sequence_vectors(inp.to(self.device)).float()
-        items = self.model.item_vectors(*self.catalog).float()
         targets_t = torch.from_numpy(targets).to(self.device)
-        if self.loss_kind == "softmax":
-            return softmax_loss(hidden, items, targets_t)
         if self.loss_kind == "sampled":
             negatives = torch.from_numpy(rng.integers(self.data.num_items, size=self.config.sampled_negatives))
-            negatives = negatives.to(self.device)
-            hits = negatives[None, :] == targets_t[:, None]
-            return sampled_softmax_loss(hidden, items[targets_t], items[negatives], hits)
-        negatives = torch.from_numpy(self.data.train_negatives(users, 1, rng)[:, 0]).to(self.device)
-        return bce_loss(hidden, items[targets_t], items[negatives])
+        elif self.loss_kind == "bce":
+            negatives = torch.from_numpy(self.data.train_negatives(users, 1, rng)[:, 0])
+        negatives = negatives.to(self.device) if self.loss_kind != "softmax" else None
+
+        def objective(model, inp) -> torch.Tensor:
+            hidden = model.sequence_vectors(inp).float()
+            items = model.item_vectors(*self.catalog).float()
+            if self.loss_kind == "softmax":
+                return softmax_loss(hidden, items, targets_t)
+            if self.loss_kind == "sampled":
+                hits = negatives[None, :] == targets_t[:, None]
+                return sampled_softmax_loss(hidden, items[targets_t], items[negatives], hits)
+            return bce_loss(hidden, items[targets_t], items[negatives])
+
+        return inp.to(self.device), None, objective
 
     @torch.no_grad()
     def scores(self, targets: Targets, candidates: np.ndarray | None) -> torch.Tensor:
@@ -162,16 +170,21 @@ class RankerArm:
             labels[:, 0] = 1.0
             yield self._input(positives, candidates), torch.from_numpy(labels.reshape(-1, 1))
 
-    def loss(self, batch, rng: np.random.Generator) -> torch.Tensor:
-        from gemrec.model import loss
-
+    def step_args(self, batch, rng: np.random.Generator):
+        """(input, labels, objective) of `train_step`: the model's own multi-task BCE, or (ranker_loss softmax)
+        each positive (column 0 of its group) against its own negatives, on the same pointwise scores."""
         inp, labels = batch
-        out = self.model(inp.to(self.device))
         if self.config.ranker_loss == "bce":
-            return loss(out, labels.to(self.device))
-        # softmax: each positive (column 0) against its own negatives, on the same pointwise scores.
-        groups = out.logits[:, 0].float().view(-1, self.config.ranker_negatives + 1)
-        return F.cross_entropy(groups, torch.zeros(len(groups), dtype=torch.long, device=groups.device)) + out.aux_loss
+            return inp.to(self.device), labels.to(self.device), None
+        group = self.config.ranker_negatives + 1
+
+        def objective(model, inp) -> torch.Tensor:
+            out = model(inp)
+            groups = out.logits[:, 0].float().view(-1, group)
+            first = torch.zeros(len(groups), dtype=torch.long, device=groups.device)
+            return F.cross_entropy(groups, first) + out.aux_loss
+
+        return inp.to(self.device), None, objective
 
     @torch.no_grad()
     def scores(self, targets: Targets, candidates: np.ndarray | None) -> torch.Tensor:
@@ -179,12 +192,6 @@ class RankerArm:
             raise ValueError("the pointwise ranker scores sampled candidates; full ranking uses GEM's retrieval head")
         logits = self.model(self._input(targets, candidates).to(self.device)).logits[:, 0]
         return logits.float().view(candidates.shape)
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    from gemrec.components.common import jagged
-
-    return jagged.ranges(starts, lengths)
 
 
 def build_arm(name: str, protocol: str, config: TrainConfig, data: SeqRecData, device: torch.device):
@@ -246,6 +253,7 @@ class Evaluator:
 def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, device: torch.device) -> dict:
     """Train with early stopping on validation NDCG@10, then test the best weights; the arm's results."""
     from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+    from gemrec.model import train_step
 
     cfg = config.seqrec
     set_determinism(config.train.seed, config.train.deterministic)
@@ -281,12 +289,12 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
     done = False
     for _ in range(cfg.epochs):
         for batch in arm.batches(rng):
-            with autocast():
-                loss = arm.loss(batch, rng)
-            loss.backward()
-            optimizers.clip_and_step()
+            inp, labels, objective = arm.step_args(batch, rng)
+            result = train_step(
+                model, inp, labels, autocast=autocast, optimizer_step=optimizers.clip_and_step, objective=objective
+            )
             step += 1
-            losses.append(loss.detach())
+            losses.append(result.loss)
             bar.update(1)
             if step % eval_interval:
                 continue

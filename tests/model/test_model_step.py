@@ -45,3 +45,23 @@ def test_forward_backward_alone_leaves_the_parameters():
     train_step(model, random_input(SCHEMA, 3, 5, seed=2), torch.ones(3, SCHEMA.num_tasks))
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())
+
+
+def test_an_objective_replaces_the_multi_task_loss():
+    model = small_model()
+    inp = random_input(SCHEMA, 3, 5, seed=3)
+    opened, calls = [], []
+
+    @contextlib.contextmanager
+    def autocast():
+        opened.append(True)
+        yield
+
+    def objective(m, i):
+        calls.append(torch.is_autocast_enabled() or bool(opened))
+        return m.sequence_vectors(i).square().mean()
+
+    result = train_step(model, inp, None, autocast=autocast, objective=objective)
+    assert calls == [True] and result.output is None
+    assert torch.allclose(result.loss, model.sequence_vectors(inp).square().mean().detach())
+    assert model.seq_input.token_proj.weight.grad is not None and model.heads.trunk.weight.grad is None
