@@ -9,6 +9,8 @@ from gemrec.components.data_service.s3rec import prepare_s3rec
 TINY = [
     "seqrec.epochs=6",
     "seqrec.patience=6",
+    "seqrec.ranker_eval_every=1.0",
+    "seqrec.ranker_patience=6",
     "seqrec.batch_size=32",
     "seqrec.eval_batch_size=64",
     "seqrec.ranker_negatives=3",
