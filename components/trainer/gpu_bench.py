@@ -8,6 +8,11 @@ rotated, so the numbers are the model + optimizer alone. Reports QPS, tokens/s, 
 against `FlopCounterMode` on one batch, and a profiler table of where the step time goes.
 
     python -m gemrec.components.trainer.gpu_bench --recipe h200-bench --out DIR [--dataset DIR] [--set sec.key=val]
+
+Also reports the peak memory of the timed steps and the memory plan (`parallel.activation_checkpoint`) and attention
+(mask, rotary) it ran with; `train.local_mfu=false` and `bench.profile_steps=0` skip the per-layer pass and the
+profiler. `--compare RUN.json ...` puts runs of one command side by side against the first (e.g. full, window and
+block attention): step time, tokens/s, MFU, peak memory, and the tokens/s gain beside the FLOP ratio.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from gemrec.components.trainer.mfu import (
     measure_matmul_ceiling,
     total_flops,
 )
-from gemrec.components.trainer.training import set_determinism, setup_training, timed_steps
+from gemrec.components.trainer.training import peak_memory_gib, set_determinism, setup_training, timed_steps
 from gemrec.model import FeatureSchema, ModelInput, model_flops, train_step
 from gemrec.model.bench import count_host_syncs
 from gemrec.model.synthetic import bench_schema, lognormal_lengths, random_input, random_labels
@@ -101,6 +106,60 @@ def profile_steps(step, steps: int, device: torch.device, trace: Path | None = N
     return prof.key_averages().table(sort_by=sort, row_limit=60, max_name_column_width=60), graphs
 
 
+def attention_label(run: dict) -> str:
+    """How a run's sequence tower attended, e.g. "window 1024, rope fused"."""
+    a = run["attention"]
+    size = {"window": f" {a['window']}", "block": f" {a['block']}"}.get(a["mask"], "")
+    return f"{a['mask']}{size}, rope {a['rope']}"
+
+
+def compare(paths: list[Path], out: Path) -> dict:
+    """Runs of one command side by side against the first: a gain in tokens/s from fewer FLOPs (a window or block
+    mask) is worth its FLOP ratio when `gain_over_flop_ratio` reaches 1 (the issue's target: 0.9)."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    base = runs[0]
+    rows = [
+        {
+            "run": str(path),
+            "attention": attention_label(r),
+            "activation_checkpointed": r.get("activation_checkpointed", []),
+            "step_ms": r["step_ms"],
+            "tokens_per_s": r["tokens_per_s"],
+            "mfu_e2e": r["mfu_e2e"],
+            "peak_memory_gib": r.get("peak_memory_gib"),
+            "model_tflop_per_step": r["model_tflop_per_step"],
+            "flop_ratio": base["model_tflop_per_step"] / r["model_tflop_per_step"],
+            "tokens_per_s_gain": r["tokens_per_s"] / base["tokens_per_s"],
+        }
+        for path, r in zip(paths, runs)
+    ]
+    for row in rows:
+        row["gain_over_flop_ratio"] = row["tokens_per_s_gain"] / row["flop_ratio"]
+
+    def memory(gib: float | None) -> str:
+        return "-" if gib is None else f"{gib:.1f}"
+
+    lines = [
+        f"{base['recipe']}: batch {base['batch_size']}, max {base['max_seq_len']}, "
+        f"{base['mean_tokens_per_batch']:.0f} tokens per batch, compile {base['compile']}, {base['device']}",
+        "",
+        "| attention | step ms | tokens/s | E2E MFU | peak GiB | TFLOP/step | FLOP ratio | tok/s gain | gain / ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {row['attention']} | {row['step_ms']:.1f} | {row['tokens_per_s']:,.0f} | {100 * row['mfu_e2e']:.1f}% | "
+        f"{memory(row['peak_memory_gib'])} | {row['model_tflop_per_step']:.2f} | {row['flop_ratio']:.2f}x | "
+        f"{row['tokens_per_s_gain']:.2f}x | {row['gain_over_flop_ratio']:.2f} |"
+        for row in rows
+    ]
+    summary = {"rows": rows, "table": "\n".join(lines)}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compare.json").write_text(json.dumps(summary, indent=2))
+    (out / "compare.md").write_text(summary["table"] + "\n")
+    print(summary["table"])
+    return summary
+
+
 def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="h200-bench")
@@ -109,7 +168,10 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--trace", action="store_true", help="also write the profiled steps' Chrome trace")
     parser.add_argument("--dataset", type=Path, help="stage batches of this dataset's train split (its schema)")
+    parser.add_argument("--compare", nargs="+", type=Path, metavar="RUN_JSON", help="gpu_bench.json files to compare")
     args = parser.parse_args(argv)
+    if args.compare:
+        return compare(args.compare, args.out)
     args.out.mkdir(parents=True, exist_ok=True)
 
     config = load_recipe(args.recipe, args.overrides)
@@ -139,9 +201,12 @@ def run(argv: list[str] | None = None) -> dict:
         state["losses"].append(training.step(inp, labels).loss)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    peak_memory_gib(device)  # count from here: the model, optimizer state and batches are in
     warmup_s = timed_steps(step, bench.warmup_steps, sync)
+    warmup_memory = peak_memory_gib(device)  # compilation and autotuning included
     start_index = state["i"]
     seconds = timed_steps(step, bench.steps, sync)
+    step_memory = peak_memory_gib(device)
     losses = torch.stack(state["losses"]).float().cpu()
     if not bool(torch.isfinite(losses).all()):
         raise RuntimeError(f"non-finite loss in the benchmark: {losses.tolist()}")
@@ -158,21 +223,27 @@ def run(argv: list[str] | None = None) -> dict:
 
     inp0, labels0 = batches[0]
     flop_check = flop_count_check(model, inp0, labels0, autocast)
-    local, layers = measure_local_mfu(
-        model,
-        model_flops(model, host[0][0]),
-        lambda: model(inp0),
-        peak.flops,
-        device,
-        autocast,
-        repeats=max(3, config.train.local_mfu_repeats),
-        compile=config.train.compile,
-    )
+    local, layers = None, []
+    if config.train.local_mfu:
+        local, layers = measure_local_mfu(
+            model,
+            model_flops(model, host[0][0]),
+            lambda: model(inp0),
+            peak.flops,
+            device,
+            autocast,
+            repeats=max(3, config.train.local_mfu_repeats),
+            compile=config.train.compile,
+        )
     step_ms = 1000 * seconds / bench.steps
     host_syncs, sync_sites = count_host_syncs(step) if device.type == "cuda" else (0, [])
-    table, graphs_per_step = profile_steps(
-        step, bench.profile_steps, device, args.out / "trace.json.gz" if args.trace else None
-    )
+    table, graphs_per_step = "", None
+    if bench.profile_steps:
+        table, graphs_per_step = profile_steps(
+            step, bench.profile_steps, device, args.out / "trace.json.gz" if args.trace else None
+        )
+    m = config.model
+    window, block = m.seq_mask
     result = {
         "recipe": config.recipe,
         "batches": f"dataset {args.dataset}" if args.dataset is not None else "synthetic",
@@ -185,6 +256,10 @@ def run(argv: list[str] | None = None) -> dict:
         "batch_size": config.data.batch_size,
         "max_seq_len": config.data.max_seq_len,
         "mean_tokens_per_batch": float(np.mean(tokens)),
+        "attention": {"mask": m.seq_attention_mask, "window": window, "block": block, "rope": m.rope},
+        "activation_checkpointed": training.checkpointed,
+        "peak_memory_gib": step_memory,  # the timed steps' (None off CUDA)
+        "peak_memory_gib_warmup": warmup_memory,
         "params": sum(p.numel() for p in model.parameters()),
         "steps": bench.steps,
         "warmup_seconds": warmup_s,
@@ -200,7 +275,7 @@ def run(argv: list[str] | None = None) -> dict:
         "mfu_e2e_vs_fp8_peak": step_flops / seconds / H200_FP8_DENSE_PEAK_FLOPS if "H200" in peak.device else None,
         "mfu_local": local,
         "local_mfu_compiled": config.train.compile,
-        "scaling_ratio": e2e / local if local else float("nan"),
+        "scaling_ratio": e2e / local if local else None,
         "flop_count": flop_check,
         "layers": [
             {

@@ -188,6 +188,7 @@ class Tracker:
                 **{f"final/data_{k}": v for k, v in summary["data"].items() if k != "source"},
                 **{f"final/ne_{n}": v for n, v in summary["ne"].items()},
                 **{f"final/auc_{n}": v for n, v in summary["auc"].items()},
+                **({"final/peak_memory_gib": summary["peak_memory_gib"]} if summary.get("peak_memory_gib") else {}),
             },
             step=summary["steps"],
         )
@@ -339,6 +340,8 @@ def run_summary(
             "service_cpu_ms_per_batch": 1000 * totals["build_cpu_s"] / timed_steps if timed_steps else float("nan"),
         },
         "train_loss": train_loss,
+        # the most memory any rank's CUDA allocator held during training (None off CUDA)
+        "peak_memory_gib": totals.get("peak_memory_gib") or None,
         "train_seconds": seconds,
         "timed_steps": int(timed_steps),
         "checkpoint": checkpoint,

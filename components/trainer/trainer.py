@@ -27,7 +27,7 @@ from gemrec.components.trainer.mfu import device_peak, measure_local_mfu, total_
 from gemrec.components.trainer.parallel.balance import RankBalance
 from gemrec.components.trainer.parallel.pipeline import training_inputs
 from gemrec.components.trainer.tracking import Tracker, git_commit, run_summary, write_summary
-from gemrec.components.trainer.training import set_determinism, setup_training
+from gemrec.components.trainer.training import peak_memory_gib, set_determinism, setup_training
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -348,6 +348,7 @@ class Trainer:
                 "total_steps": self.total_steps,
                 "sparse_optimizer": self.training.sparse_optimizer,
                 "fp8_modules": len(self.training.fp8_modules),
+                "activation_checkpointed": ",".join(self.training.checkpointed) or "none",
             },
             {
                 "git_commit": git_commit(),
@@ -381,7 +382,7 @@ class Trainer:
         )
         window = Window()
         totals = {"examples": 0.0, "tokens": 0.0, "flops": 0.0, "seconds": 0.0, "data_wait_s": 0.0}
-        totals.update({"steps": 0.0, "in_flight": 0.0, "build_cpu_s": 0.0})
+        totals.update({"steps": 0.0, "in_flight": 0.0, "build_cpu_s": 0.0, "peak_memory_gib": 0.0})
         self.data_waits: list[float] = []  # every timed step's wait for data (this rank)
         bar = tqdm(
             total=self.total_steps,
@@ -463,6 +464,10 @@ class Trainer:
         steps = len(window.data_waits)
         waited = ctx.all_reduce_max(sum(window.data_waits))  # the slowest-fed rank holds the others at the step
         build_cpu_s = ctx.all_reduce_sum(window.build_cpu_s) / ctx.world_size
+        peak_memory = peak_memory_gib(self.device)  # of this window's steps (CUDA only)
+        if peak_memory is not None:
+            peak_memory = ctx.all_reduce_max(peak_memory)  # the fullest rank's
+            totals["peak_memory_gib"] = max(totals["peak_memory_gib"], peak_memory)
         if self.step > self.config.train.untimed_steps:
             for key, value in (("examples", examples), ("tokens", tokens), ("flops", flops), ("seconds", seconds)):
                 totals[key] += value
@@ -487,6 +492,8 @@ class Trainer:
             "batches_in_flight": window.in_flight / steps,
             "data_service_cpu_ms": 1000 * build_cpu_s / steps,
         }
+        if peak_memory is not None:
+            record["peak_memory_gib"] = peak_memory
         preds = qm.sigmoid(logits)
         for j, name in enumerate(self.task_names):
             record[f"ne_{name}"] = qm.normalized_entropy(labels[:, j], preds[:, j])

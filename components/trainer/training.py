@@ -19,7 +19,7 @@ import torch
 from gemrec.components.trainer import precision
 from gemrec.components.trainer.config import LoopConfig, TrainConfig
 from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
-from gemrec.components.trainer.parallel import ParallelDims, Parallelized, parallelize
+from gemrec.components.trainer.parallel import ParallelDims, Parallelized, apply_activation_checkpointing, parallelize
 from gemrec.config import ConfigError
 from gemrec.model import FeatureSchema, ModelInput, StepResult, build_model, train_step
 from torch import nn
@@ -62,6 +62,16 @@ def timed_steps(step: Callable[[], object], count: int, wait: Callable[[], objec
     return time.perf_counter() - start
 
 
+def peak_memory_gib(device: torch.device) -> float | None:
+    """The most memory the device's allocator held since the last call (or the start), in GiB, and a new count
+    from here; None off CUDA (no allocator statistics). Host-side counters: no device sync."""
+    if device.type != "cuda":
+        return None
+    peak = torch.cuda.max_memory_allocated(device) / 2**30
+    torch.cuda.reset_peak_memory_stats(device)
+    return peak
+
+
 @dataclass
 class Training:
     model: nn.Module  # the vanilla model (FLOP counts, evaluation, export); parallelized in place when distributed
@@ -73,6 +83,7 @@ class Training:
     autocast: Callable[[], AbstractContextManager[object]]
     task_weights: list[float]
     fp8_modules: list[str]  # what train.precision = "fp8" converted (empty otherwise)
+    checkpointed: list[str]  # the blocks whose activations are recomputed in backward (parallel.activation_checkpoint)
 
     def step(self, inp: ModelInput, labels: torch.Tensor) -> StepResult:
         """One training step on a batch on the device: forward, loss, backward, clip and optimizer step."""
@@ -106,7 +117,8 @@ def setup_training(
     world_size: int | None = None,
 ) -> Training:
     """Build the model from `config.model` on `device` (parameters from torch's RNG: seed first), attach the sparse
-    optimizer, parallelize it with `config.parallel` over `world_size` ranks when given (a process group must be up),
+    optimizer, parallelize it with `config.parallel` over `world_size` ranks when given (a process group must be up;
+    on one process only its memory plan, `parallel.activation_checkpoint`),
     compile it when `train.compile`, and create the dense optimizer for `total_steps` steps."""
     weights = task_weights_for(config.train, schema.labels)
     model = build_model(config.model, schema, config.kernels).to(device)
@@ -116,7 +128,9 @@ def setup_training(
     parallel, train_model = None, model
     if world_size is not None:
         parallel = parallelize(model, ParallelDims.from_config(config.parallel, world_size), config.parallel, device)
-        train_model = parallel.model
+        train_model, checkpointed = parallel.model, parallel.report.activation_checkpointed
+    else:  # one process: of parallelize's steps only the memory plan applies
+        checkpointed = apply_activation_checkpointing(model, config.parallel)
     if config.train.compile:
         train_model = torch.compile(train_model)
     bf16, autocast = autocast_for(config.train.precision, device)
@@ -133,4 +147,5 @@ def setup_training(
         autocast=autocast,
         task_weights=weights,
         fp8_modules=fp8_modules,
+        checkpointed=checkpointed,
     )

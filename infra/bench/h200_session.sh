@@ -13,12 +13,18 @@
 #            services_report.json: E2E MFU through the services vs staged, the wait for data (share, p50/p99),
 #            batches read ahead, data-service CPU per batch, local MFU (compiled layers), the FLOP-count check.
 #            One nvidia-h200 call: `bash infra/bench/h200_session.sh OUT 420 services` (about 8 minutes)
+#   long     recipe h200-long on GPU 0 (one GPU is enough): full attention at the issue's baseline shape (batch 64,
+#            lognormal mean 2,048, max 16,384, compiled), then the window (1,024) and block (64) variants on the same
+#            batch, each its own process within STEP_LIMIT_SECONDS, then their comparison (OUT/long/compare.md:
+#            step ms, tokens/s, MFU, peak memory, tokens/s gain beside the FLOP ratio)
 # On a 1-GPU host (nvidia-h200) the kernels part runs its steps one after another on that GPU instead.
 # Each step has its own time limit, so a slow step cannot eat the others. All parts take about 10 minutes plus
 # compile time: within one device call's 10-minute limit, run `tests,kernels,trainer` and `scaling` as two calls.
 # Results land in OUT (JSON, logs, traces) and OUT/all.tgz.
 #
-#   bash infra/bench/h200_session.sh OUT [STEP_LIMIT_SECONDS] [PARTS]     (PARTS default: tests,kernels,trainer,scaling)
+#   bash infra/bench/h200_session.sh OUT [STEP_LIMIT_SECONDS] [PARTS [GPU_BENCH_ARGS...]]
+# PARTS default: tests,kernels,trainer,scaling (long and services only when named); GPU_BENCH_ARGS go to part long's
+# gpu_bench runs after their own.
 # The repo root must be importable as `gemrec` (the device image has no install): this script links it.
 # Name the copy's folder so it cannot be imported as another module: a copy in `.../tree` was found as the
 # dm-tree package, which dynamo skips, so torch.compile refused every function in the copy's tests.
@@ -26,12 +32,15 @@ set -u
 out=${1:?usage: h200_session.sh OUT [STEP_LIMIT_SECONDS] [PARTS]}
 limit=${2:-300}
 parts=",${3:-tests,kernels,trainer,scaling},"
+shift $(( $# < 3 ? $# : 3 ))
+long_extra=("$@")  # part long: more gpu_bench arguments, after the part's own (its CPU test shrinks the model)
 root=$(cd "$(dirname "$0")/../.." && pwd)
 # a `git archive` snapshot has no history: its commit comes from COMMIT (`git rev-parse --short HEAD > COMMIT`)
 if [[ -f $root/COMMIT ]]; then export GEMREC_COMMIT=$(cat "$root/COMMIT") GEMREC_GIT_COMMIT=$(cat "$root/COMMIT"); fi
-mkdir -p "$out" /tmp/gemrec-path
-ln -sfn "$root" /tmp/gemrec-path/gemrec
-export PYTHONPATH=/tmp/gemrec-path PYTHONUNBUFFERED=1
+mkdir -p "$out" && out=$(cd "$out" && pwd)  # the steps run from the repo root
+path_dir=$(mktemp -d /tmp/gemrec-path.XXXXXX)  # this run's own: runs beside it link their own trees
+ln -sfn "$root" "$path_dir/gemrec"
+export PYTHONPATH=$path_dir PYTHONUNBUFFERED=1
 # Wheels carried in .whl (the image lacks grpcio-health-checking, grpcio-reflection and this protobuf) go first.
 if compgen -G "$root/.whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gemrec-site \
@@ -47,7 +56,7 @@ want() { [[ $parts == *",$1,"* ]]; }
 
 if want tests; then
   run gpu_tests python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/kernels/test_attention_gpu.py \
-    tests/model/test_model_attention.py
+    tests/model/test_model_attention.py tests/model/test_model_masks.py tests/components/trainer/test_memory_plan.py
 fi
 if want kernels; then
   kernel_extras() {
@@ -69,6 +78,17 @@ if want trainer; then
   run trainer_eager python3 -m $T.gpu_bench --out "$out/trainer_eager"
   run trainer_reference python3 -m $T.gpu_bench --out "$out/trainer_reference" --set model.attention_backend=reference
   if want kernels && (( gpus >= 2 )); then kernel_extras; fi
+  unset CUDA_VISIBLE_DEVICES
+fi
+if want long; then
+  export CUDA_VISIBLE_DEVICES=0
+  long_runs=()
+  for mask in full window block; do
+    run long_$mask python3 -m $T.gpu_bench --recipe h200-long --out "$out/long_$mask" --set model.seq_attention_mask=$mask \
+      --set data.batch_size=64 --set bench.mean_seq_len=2048 --set train.local_mfu=false ${long_extra[@]+"${long_extra[@]}"}
+    if [[ -f $out/long_$mask/gpu_bench.json ]]; then long_runs+=("$out/long_$mask/gpu_bench.json"); fi
+  done
+  if (( ${#long_runs[@]} )); then python3 -m $T.gpu_bench --compare "${long_runs[@]}" --out "$out/long"; fi
   unset CUDA_VISIBLE_DEVICES
 fi
 wait

@@ -2,7 +2,12 @@
 model parallelism (1D or 2D) for the embedding tables. See docs/parallelism.md."""
 
 from gemrec.components.trainer.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims
-from gemrec.components.trainer.parallel.parallelize import Parallelized, ParallelizeReport, parallelize
+from gemrec.components.trainer.parallel.parallelize import (
+    Parallelized,
+    ParallelizeReport,
+    apply_activation_checkpointing,
+    parallelize,
+)
 
 __all__ = [
     "ParallelConfig",
@@ -10,5 +15,6 @@ __all__ = [
     "ParallelDims",
     "Parallelized",
     "ParallelizeReport",
+    "apply_activation_checkpointing",
     "parallelize",
 ]

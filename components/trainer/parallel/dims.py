@@ -36,7 +36,12 @@ class ParallelConfig(Section):
     dp_shard: int = -1
     ep: int = 1
     sparse_shard: int = -1  # ranks in one embedding sharding group
-    activation_checkpoint: Literal["none", "full"] = "none"  # per FSDP block
+    # Memory plan: blocks (the elements of the model's ModuleLists: seq_tower.0, interaction.1, ...) whose forward is
+    # recomputed in backward instead of keeping its activations. none; full: every block; selective: the blocks named
+    # by activation_checkpoint_blocks (globs; empty = all), every activation_checkpoint_every-th of them.
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    activation_checkpoint_blocks: tuple[str, ...] = ()
+    activation_checkpoint_every: int = 1
     compile: bool = False  # torch.compile each block
     reshard_after_forward: bool = True  # FSDP2: free gathered params after forward (ZeRO-3) or keep (ZeRO-2)
     param_dtype: DType | None = None  # FSDP2 mixed precision; unset ("" in TOML) keeps fp32
@@ -47,6 +52,14 @@ class ParallelConfig(Section):
 
     def check(self) -> None:
         self.require(self.dmp_sync_interval >= 1, "dmp_sync_interval", "must be >= 1")
+        self.require(self.activation_checkpoint_every >= 1, "activation_checkpoint_every", "must be >= 1")
+        selective = self.activation_checkpoint == "selective"
+        for key, default in (("activation_checkpoint_blocks", ()), ("activation_checkpoint_every", 1)):
+            self.require(
+                selective or getattr(self, key) == default,
+                key,
+                f"chooses blocks for activation_checkpoint = 'selective', not {self.activation_checkpoint!r}",
+            )
 
 
 @dataclass

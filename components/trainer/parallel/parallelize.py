@@ -6,7 +6,8 @@ in order:
 1. sparse   torchrec sharding of the embedding tables (planner-chosen table/row/column-wise), in place over all
             ranks, or TorchRec 2D sparse parallelism (`DMPCollection`) when `sparse_shard < world size`
 2. EP       MoE experts split over the `ep` mesh dimension, tokens moved with all-to-all
-3. AC       activation checkpointing per block (composable `checkpoint`, parameter names unchanged)
+3. AC       activation checkpointing of the blocks the memory plan names (`apply_activation_checkpointing`, also
+            run on a single process by `setup_training`; parameter names unchanged)
 4. compile  `torch.compile` per block, and per module of the root outside the block lists
 5. FSDP2    `fully_shard` per block on the (dp_replicate, dp_shard) mesh (HSDP when dp_replicate > 1), expert
             weights on (dp_replicate, dp_shard_mod_ep), the root last with the sharded tables left out;
@@ -17,14 +18,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 
 import torch
 import torch.distributed as dist
 from gemrec.components.trainer.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims
 from gemrec.components.trainer.parallel.expert_parallel import apply_expert_parallel, find_moe_layers
 from torch import nn
-from torch.distributed._composable import checkpoint
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,7 @@ class ParallelizeReport:
     fsdp_blocks: list[str] = field(default_factory=list)
     expert_parallel: list[str] = field(default_factory=list)
     compiled_root_modules: list[str] = field(default_factory=list)
+    activation_checkpointed: list[str] = field(default_factory=list)
     sparse_2d: bool = False
 
     def as_params(self) -> dict[str, str]:
@@ -46,6 +49,7 @@ class ParallelizeReport:
             "parallel.fsdp_blocks": str(len(self.fsdp_blocks)),
             "parallel.expert_parallel_layers": str(len(self.expert_parallel)),
             "parallel.sparse_2d": str(self.sparse_2d),
+            "parallel.activation_checkpointed": ",".join(self.activation_checkpointed) or "none",
         }
         params.update({f"parallel.table.{k}": v for k, v in self.embedding_plan.items()})
         return params
@@ -90,6 +94,50 @@ def fsdp_blocks(model: nn.Module, skip: set[int] = frozenset()) -> list[tuple[st
 
     visit("", model)
     return blocks
+
+
+def activation_checkpoint_plan(blocks: list[tuple[str, nn.Module]], config: ParallelConfig) -> list[str]:
+    """The names of the blocks whose forward is recomputed in backward (`ParallelConfig.activation_checkpoint`):
+    none, every block, or (selective) the blocks matching `activation_checkpoint_blocks` (globs over the block names;
+    empty: all), every `activation_checkpoint_every`-th of them in model order starting with the first."""
+    names = [name for name, _ in blocks]
+    if config.activation_checkpoint == "none":
+        return []
+    if config.activation_checkpoint == "full":
+        return names
+    patterns = config.activation_checkpoint_blocks or ("*",)
+    unmatched = [p for p in patterns if not any(fnmatchcase(name, p) for name in names)]
+    if unmatched:
+        raise ParallelConfigError(
+            f"parallel.activation_checkpoint_blocks {unmatched} match no block; the model's blocks are {names}"
+        )
+    chosen = [name for name in names if any(fnmatchcase(name, p) for p in patterns)]
+    return chosen[:: config.activation_checkpoint_every]
+
+
+def checkpoint_block(block: nn.Module) -> None:
+    """Recompute `block`'s forward in its backward instead of keeping its activations: the forward runs inside
+    `torch.utils.checkpoint.checkpoint` (non-reentrant), which torch.compile traces into the step's one graph and
+    which leaves the module, its parameters and their names as they were."""
+    forward = block.forward
+
+    def recomputed_forward(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    block.forward = recomputed_forward  # type: ignore[method-assign]
+
+
+def apply_activation_checkpointing(model: nn.Module, config: ParallelConfig, skip: set[int] = frozenset()) -> list[str]:
+    """The memory plan: checkpoint the blocks `activation_checkpoint_plan` picks among `fsdp_blocks(model, skip)`;
+    their names. Applied to the vanilla model, before compile and FSDP (by `parallelize`, or by `setup_training`
+    on a single process): the layers themselves know nothing of it."""
+    blocks = dict(fsdp_blocks(model, skip))
+    names = activation_checkpoint_plan(list(blocks.items()), config)
+    for name in names:
+        checkpoint_block(blocks[name])
+    if names:
+        log.info("activation checkpointing (%s): %s", config.activation_checkpoint, ", ".join(names))
+    return names
 
 
 def _module_lists(blocks: list[tuple[str, nn.Module]]) -> list[list[nn.Module]]:
@@ -150,11 +198,10 @@ def parallelize(
             report.expert_parallel.append(name)
 
     # 3-4. Activation checkpointing and compile, per block.
+    report.activation_checkpointed = apply_activation_checkpointing(root, config, skip)
     blocks = fsdp_blocks(root, skip)
     report.fsdp_blocks = [name for name, _ in blocks]
     for _, block in blocks:
-        if config.activation_checkpoint == "full":
-            checkpoint(block)
         if config.compile:
             block.compile()
     if config.compile:

@@ -180,3 +180,29 @@ def test_gpu_bench_fp8_on_cpu_and_the_bf16_vs_fp8_overlay(tmp_path):
         + ["--out", str(tmp_path / "cmp")]
     )
     assert summary["qps_ratio"] > 0 and (tmp_path / "cmp" / "loss_bf16_vs_fp8.png").stat().st_size > 1000
+
+
+def test_h200_long_is_the_h200_bench_model_on_long_histories():
+    from gemrec.components.trainer.config import load_recipe
+    from gemrec.components.trainer.gpu_bench import synthetic_lengths
+
+    long, bench = load_recipe("h200-long"), load_recipe("h200-bench")
+    masks = {"seq_attention_mask": "full", "seq_window": None, "seq_block": None, "rope": "separate"}
+    assert dataclasses.replace(long.model, **masks) == bench.model  # only the mask and the rotary differ
+    assert long.model.seq_mask == (1024, None) and long.model.fused_rope_base == 10000.0
+    assert dataclasses.replace(long.model, seq_attention_mask="block").seq_mask == (None, 64)
+    lengths = synthetic_lengths(long.bench, 100_000, long.data.max_seq_len, torch.Generator().manual_seed(0))
+    assert lengths.max() == long.data.max_seq_len == 16384 and lengths.float().mean() >= 4096
+
+
+def test_gpu_bench_reports_the_memory_plan_and_attention_of_h200_long(tmp_path):
+    narrow = ["model.d_model=64", "model.num_heads=2", "model.moe_hidden=64", "model.head_hidden=32"]
+    narrow += ["model.embedding_dim=16", "data.max_seq_len=64", "bench.mean_seq_len=40", "model.seq_block=16"]
+    narrow += ["train.compile=false", "model.seq_attention_mask=block", "parallel.activation_checkpoint=selective"]
+    narrow += ['parallel.activation_checkpoint_blocks=["seq_tower.*"]', "parallel.activation_checkpoint_every=2"]
+    argv = ["--recipe", "h200-long", "--device", "cpu", "--out", str(tmp_path), *SMALL]
+    result = run(argv + [arg for item in narrow for arg in ("--set", item)])
+    assert result["activation_checkpointed"] == ["seq_tower.0", "seq_tower.2"]
+    assert result["attention"] == {"mask": "block", "window": None, "block": 16, "rope": "fused"}
+    assert result["mfu_local"] is not None and result["peak_memory_gib"] is None  # CPU: no allocator statistics
+    assert len(result["losses"]) == 3 and all(np.isfinite(result["losses"]))

@@ -112,6 +112,7 @@ def test_loss_trajectory_matches_single_process(runs, run):
         bad = {n: e for n, e in result["grad_err"].items() if e > GRAD_TOL}
         assert not bad, f"{run}: first-step dense gradients off (relative error) {bad}"
         assert result["blocks"] == ["blocks.0", "blocks.1", "blocks.2"]
+        assert result["checkpointed"] == (result["blocks"] if run.endswith("+ac") else [])
         ep = run.split("+")[0].endswith("x2")
         assert result["ep_layers"] == (["blocks.1.moe"] if ep else [])
         assert set(result["plan"]) == {"t_user", "t_item", "t_genre"}

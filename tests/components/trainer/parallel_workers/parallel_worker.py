@@ -194,6 +194,7 @@ def check_train(mesh: str, rank: int, world: int) -> dict:
         "blocks": report.fsdp_blocks,
         "ep_layers": report.expert_parallel,
         "compiled_root": report.compiled_root_modules,
+        "checkpointed": report.activation_checkpointed,
     }
 
 
