@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import platform
+import re
 import shlex
 import tempfile
 import time
@@ -166,8 +167,12 @@ def log_comparison(results: dict, arms: list[str], tasks: list[str], table: str,
     fig.tight_layout()
     tracker = Tracker(True, resolve_tracking_uri(tracking_uri), experiment, run_name=f"quality-{recipe}")
     tracker.set_tags({"dataset": first["dataset"]["name"], "recipe": recipe, "arms": ",".join(arms)})
+
+    def key(arm: str) -> str:  # MLflow metric names allow letters, digits, _ - . space : /
+        return re.sub(r"[^\w\-. :/]", "", arm)
+
     tracker.log_metrics(
-        {f"ne_{t}/{arm}": v for arm in arms for t in tasks if (v := results[arm]["ne"][t]) is not None}, step=0
+        {f"ne_{t}/{key(arm)}": v for arm in arms for t in tasks if (v := results[arm]["ne"][t]) is not None}, step=0
     )
     tracker.log_figure(fig, "plots/quality_comparison.png")
     tracker.log_text(table, "quality_table.md")

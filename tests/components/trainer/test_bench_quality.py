@@ -46,6 +46,14 @@ def test_variants_and_seeds_train_in_one_run(synth_dataset, tmp_path):
         assert rows[f"gem (seed {seed})"][1 + len(tasks)] == "+0.00%"
     assert arms["gem (seed 0)"]["ne"] != arms["gem (seed 1)"]["ne"]  # the seed reached the run
     assert "variants window: model.seq_attention_mask=window model.seq_window=2" in table
+    import mlflow
+
+    mlflow.set_tracking_uri(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    (comparison,) = mlflow.search_runs(
+        experiment_names=["quality-test"], filter_string="tags.mlflow.runName = 'quality-tiny'"
+    ).run_id
+    logged = mlflow.get_run(comparison).data.metrics
+    assert logged[f"ne_{tasks[0]}/window seed 1"] == arms["window (seed 1)"]["ne"][tasks[0]]
 
 
 def test_cli_refuses_bad_arms_and_seeds(capsys, tmp_path):
