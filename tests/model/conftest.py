@@ -1,5 +1,12 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+
+# The kernel tests' harness (`kernel_harness.sees`: the API's one statement of which keys a query sees) for the
+# model's mask tests.
+sys.path.insert(0, str(Path(__file__).parent.parent / "kernels"))
 
 
 @pytest.fixture(autouse=True)

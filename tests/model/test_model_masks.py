@@ -10,23 +10,13 @@ import torch
 from gemrec.config import ConfigError
 from gemrec.kernels import jagged_attention, triton_attention
 from gemrec.kernels.reference import rotate_half
-from gemrec.model import FeatureSchema, ModelConfig, build_model, loss, model_flops
+from gemrec.model import ModelConfig, build_model, loss, model_flops
 from gemrec.model.layers import Rotary
-from gemrec.model.synthetic import random_input
+from gemrec.model.synthetic import bench_schema, random_input
+from kernel_harness import sees
 from torch.utils.flop_counter import FlopCounterMode
 
-MANIFEST = {
-    "labels": ["like", "love"],
-    "actions": ["rating", "like"],
-    "sparse_features": [
-        {"name": "user_id", "source": "user", "num_embeddings": 40},
-        {"name": "item_id", "source": "item", "num_embeddings": 80},
-        {"name": "item_genres", "source": "item", "num_embeddings": 11, "multi_valued": True},
-    ],
-    "seq_item_features": ["item_genres"],
-    "dense_features": ["hour_sin"],
-}
-SCHEMA = FeatureSchema.from_manifest(MANIFEST)
+SCHEMA = bench_schema(40, 80, 2)
 SMALL = dict(embedding_backend="torch", embedding_dim=8, d_model=16, num_heads=2, moe_hidden=16, head_hidden=16)
 MASKS = {"full": {}, "window": {"seq_window": 3}, "block": {"seq_block": 4}}
 LENGTHS = [11, 0, 1, 7, 16, 4]
@@ -39,15 +29,6 @@ def config(mask="full", rope="separate", **overrides) -> ModelConfig:
 def build(cfg: ModelConfig, seed: int = 0):
     torch.manual_seed(seed)
     return build_model(cfg, SCHEMA)
-
-
-def sees(p: int, j: int, causal: bool, window: int | None, block: int | None) -> bool:
-    """Whether a history token at position p sees token j, in the words of the kernels' API."""
-    if causal and j > p:
-        return False
-    if window and not (p - window < j if causal else abs(p - j) < window):
-        return False
-    return not block or p // block == j // block
 
 
 # -- config -----------------------------------------------------------------------------------------------------
