@@ -17,6 +17,7 @@ in order:
 from __future__ import annotations
 
 import logging
+import types
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
@@ -115,16 +116,16 @@ def activation_checkpoint_plan(blocks: list[tuple[str, nn.Module]], config: Para
     return chosen[:: config.activation_checkpoint_every]
 
 
+def _recomputed_forward(block: nn.Module, *args, **kwargs):
+    return checkpoint(type(block).forward, block, *args, use_reentrant=False, **kwargs)
+
+
 def checkpoint_block(block: nn.Module) -> None:
-    """Recompute `block`'s forward in its backward instead of keeping its activations: the forward runs inside
+    """Recompute `block`'s forward in its backward instead of keeping its activations: its class's forward runs inside
     `torch.utils.checkpoint.checkpoint` (non-reentrant), which torch.compile traces into the step's one graph and
-    which leaves the module, its parameters and their names as they were."""
-    forward = block.forward
-
-    def recomputed_forward(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    block.forward = recomputed_forward  # type: ignore[method-assign]
+    which leaves the module, its parameters and their names as they were. A bound method: a deep copy of the block
+    recomputes itself, not the original."""
+    block.forward = types.MethodType(_recomputed_forward, block)  # type: ignore[method-assign]
 
 
 def apply_activation_checkpointing(model: nn.Module, config: ParallelConfig, skip: set[int] = frozenset()) -> list[str]:

@@ -120,13 +120,19 @@ def test_checkpointed_blocks_recompute_and_give_the_same_gradients(config):
     assert saved < plain_saved  # fewer elements kept for backward
 
 
-def test_a_checkpointed_block_compiles_into_one_graph():
+def test_a_checkpointed_block_compiles_into_one_graph_and_copies_with_its_module():
     """torch.utils.checkpoint is traced by dynamo (the composable `checkpoint` broke the graph at every block)."""
+    import copy
+
     block = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
-    model = torch.nn.ModuleList([block])
-    checkpoint_block(model[0])
-    explained = torch._dynamo.explain(lambda x: model[0](x).sum())(torch.randn(4, 8, requires_grad=True))
+    checkpoint_block(block)
+    x = torch.randn(4, 8, requires_grad=True)
+    explained = torch._dynamo.explain(lambda x: block(x).sum())(x)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    twin = copy.deepcopy(block)
+    with torch.no_grad():
+        twin[0].weight.mul_(2.0)
+    assert not torch.allclose(twin(x), block(x))  # the copy runs its own weights
 
 
 def test_one_process_training_applies_the_plan():
