@@ -234,6 +234,14 @@ def test_sequence_tower_on_the_triton_kernels_matches_the_reference():
             torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-5)
             for name, grad in want[1].items():
                 torch.testing.assert_close(got[1][name], grad, rtol=1e-3, atol=1e-5, msg=f"{mask} {rope} {name}")
+        # Compiled in one graph: the custom ops' fake impls take the masks and the rotary base.
+        attn = build(config(mask, "fused", seq_block=8, d_model=32)).seq_tower[0].attn
+        attn.backend = "triton"
+        offsets, x = inp.seq_offsets, torch.randn(inp.num_tokens, 32, requires_grad=True)
+        eager = attn(x, x, offsets, offsets, 20, 20)
+        compiled = torch.compile(attn, backend="aot_eager", fullgraph=True)(x, x, offsets, offsets, 20, 20)
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(*(torch.autograd.grad(y.square().sum(), x)[0] for y in (compiled, eager)))
 
 
 @pytest.mark.skipif(triton_attention.INTERPRET, reason="the interpreter is active here: the test above ran")
