@@ -40,6 +40,10 @@ test: setup system-deps lint
 lint: setup
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/ruff check .
+	@# mypy imports the checkout as `gemrec` through a link (the repository root is the package).
+	@mkdir -p $(VENV)/typecheck && ln -sfn $(CURDIR) $(VENV)/typecheck/gemrec
+	cd $(VENV)/typecheck && MYPYPATH=. $(abspath $(VENV))/bin/mypy --config-file $(CURDIR)/pyproject.toml \
+	  -p gemrec.kernels -p gemrec.model -p gemrec.components.trainer -m gemrec.config
 
 clean:
 	rm -rf $(VENV) runs mlruns.db mlartifacts proto/gemrec/v1/*_pb2*.py*

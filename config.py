@@ -16,7 +16,6 @@ This module imports nothing from gemrec, so every layer (kernels, model, compone
 from __future__ import annotations
 
 import dataclasses
-import functools
 import tomllib
 import types
 import typing
@@ -122,11 +121,15 @@ def _item(value: Any, tp: Any, container: Any) -> Any:
         raise _Mismatch(describe(container)) from None
 
 
-@functools.cache
+_FIELD_TYPES: dict[type, dict[str, Any]] = {}
+
+
 def field_types(cls: type) -> dict[str, Any]:
-    """The resolved annotation of every dataclass field of `cls`."""
-    hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    """The resolved annotation of every dataclass field of `cls` (resolved once per class)."""
+    if cls not in _FIELD_TYPES:
+        hints = typing.get_type_hints(cls)
+        _FIELD_TYPES[cls] = {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+    return _FIELD_TYPES[cls]
 
 
 def choices(cls: type, key: str) -> tuple[Any, ...]:

@@ -60,11 +60,12 @@ def _captured(recorded: list[Launch]):
     def record(self, grid, args, consts, bucket, options, reset=(), tma=False):
         recorded.append(Launch(self, args, dict(consts), tma, options))
 
-    kernels._Kernel.__call__, ops._kernels = record, (lambda device: kernels)
+    # Recording replaces the launcher for the duration (and restores it): a deliberate monkeypatch.
+    kernels._Kernel.__call__, ops._kernels = record, (lambda device: kernels)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        kernels._Kernel.__call__, ops._kernels = launch, pick
+        kernels._Kernel.__call__, ops._kernels = launch, pick  # type: ignore[method-assign]
 
 
 def record_launches(call) -> list[Launch]:

@@ -19,6 +19,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -214,7 +215,7 @@ def check_correctness(cfg: Config, variant: Variant, device, seed: int, options:
     """bf16 kernel vs fp32 reference on a few sequences of the config: output and all input grads."""
     case = make_case(cfg, seed, device, num_seqs=4)
     leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-    out = run_ours(variant, case, "triton", *leaves, options=options)
+    out = run_ours(variant, case, "triton", leaves[0], leaves[1], leaves[2], options=options)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, leaves, grad)
     ref_leaves = [t.detach().float().requires_grad_() for t in (case.q, case.k, case.v)]
@@ -420,11 +421,11 @@ def profile_ours(config_names: list[str], options: KernelOptions, seed: int = 0,
         for variant in cfg.variants:
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
             for _ in range(3):  # autotune and warm up outside the profile
-                out = run_ours(variant, case, "auto", *leaves, options=options)
+                out = run_ours(variant, case, "auto", leaves[0], leaves[1], leaves[2], options=options)
                 torch.autograd.grad(out, leaves, torch.ones_like(out))
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                out = run_ours(variant, case, "auto", *leaves, options=options)
+                out = run_ours(variant, case, "auto", leaves[0], leaves[1], leaves[2], options=options)
                 torch.autograd.grad(out, leaves, torch.ones_like(out))
                 torch.cuda.synchronize()
             progress(f"profile {name}/{variant.name}")
@@ -580,7 +581,7 @@ def run_benchmark(
         _record(row, label, flops, fn, impl_leaves, backward, graph=True)
         if label == "graph fwd+bwd":
             progress(format_row(row))
-    meta = {
+    meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": _git_commit(),
         "device": torch.cuda.get_device_name(),

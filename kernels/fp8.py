@@ -460,7 +460,7 @@ def quantize(
         out["colsum"] = sums
     collect = stats is not None and stats.collect
     amax = stats.amax[role : role + 1] if stats is not None and stats.delayed else dummy
-    counts = stats.counts[role] if collect else dummy
+    counts = stats.counts[role] if stats is not None and stats.collect else dummy
     g = gb if gb is not None else xb
     _quantize_kernel[(nrb, ncb, nb)](
         xb,
@@ -507,6 +507,8 @@ def _activate(x: torch.Tensor, act: str, gate: torch.Tensor | None) -> torch.Ten
     x = x.float()
     if act == "gelu":
         return F.gelu(x)
+    if gate is None:
+        raise ValueError(f"activation {act!r} needs its gate tensor")
     if act == "swiglu":
         return F.silu(x) * gate.float()
     if act == "gelu_bwd":

@@ -245,7 +245,8 @@ def attention_bwd(
         KernelOptions.from_flags(options),
     )
     grads = module.backward(problem, grad_out, out, lse)
-    return tuple(g if g is not None else q.new_empty(0) for g in grads)
+    dq, dk, dv, d_bias, d_pos, d_time = (g if g is not None else q.new_empty(0) for g in grads)
+    return dq, dk, dv, d_bias, d_pos, d_time
 
 
 @attention_bwd.register_fake

@@ -4029,7 +4029,7 @@ def backward(p: Problem, grad_out, out, lse):
         def grid_kv(meta):
             return (_cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
 
-        args = (
+        args: tuple = (
             q,
             k,
             v,

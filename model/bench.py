@@ -18,7 +18,7 @@ import statistics
 import time
 import typing
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -83,7 +83,10 @@ def check_attention(device: torch.device, seed: int = 0) -> dict[str, float]:
     lengths = torch.cat([torch.tensor([0, 1, 2]), torch.randint(1, 700, (13,), generator=gen)])
     offsets = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(device)
     total, max_len, heads, dim = int(lengths.sum()), int(lengths.max()), 4, 64
-    ops = {"softmax": jagged_attention, "silu": functools.partial(gdpa, activation="silu", normalize="kv_len")}
+    ops: dict[str, Callable[..., torch.Tensor]] = {
+        "softmax": jagged_attention,
+        "silu": functools.partial(gdpa, activation="silu", normalize="kv_len"),
+    }
     results = {}
     for kind, op in ops.items():
         for causal in (False, True):

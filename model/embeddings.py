@@ -34,6 +34,10 @@ def _check_keys(features, expected: list[str], what: str) -> None:
 class TorchTables(nn.Module):
     """All tables as one `(sum of rows, dim)` weight; one fused `embedding_bag` per forward, no host sync."""
 
+    # buffers (registered in __init__)
+    row_starts: torch.Tensor
+    mean_pooled: torch.Tensor
+
     def __init__(self, schema: FeatureSchema, dim: int):
         super().__init__()
         sizes = [f.num_embeddings for f in schema.sparse_features]
@@ -126,6 +130,10 @@ class SparseEmbeddings(nn.Module):
     example_emb: (B, num_features, dim) in schema order. token_emb: (T, 1 + num_seq_features, dim), the
     item_id embedding first, or None when no history is given (the dlrm arch).
     """
+
+    # buffers (registered in __init__)
+    token_columns: torch.Tensor
+    all_columns: torch.Tensor
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig):
         super().__init__()

@@ -18,7 +18,7 @@ dlrm: embeddings + bottom MLP for dense features, pairwise dot interaction, top 
 from __future__ import annotations
 
 import math
-from typing import assert_never
+from typing import assert_never, cast
 
 import torch
 import torch.nn.functional as F
@@ -86,12 +86,16 @@ class TaskHeads(nn.Module):
     def flops(self, batch: int) -> tuple[int, int]:
         parts = [linear_flops(batch, self.trunk.in_features, self.trunk.out_features)]
         for tower in self.towers:
-            parts += [linear_flops(batch, m.in_features, m.out_features) for m in tower if isinstance(m, nn.Linear)]
+            linears = [m for m in cast(nn.Sequential, tower) if isinstance(m, nn.Linear)]
+            parts += [linear_flops(batch, m.in_features, m.out_features) for m in linears]
         return add(*parts)
 
 
 class TimeEncoding(nn.Module):
     """Encodes seconds between a history event and the target event (log buckets or continuous)."""
+
+    # buffers (registered in __init__)
+    freqs: torch.Tensor
 
     def __init__(self, kind: str, dim: int, buckets: int):
         super().__init__()
@@ -338,14 +342,15 @@ class GEMModel(nn.Module):
         lengths = inp.seq_lengths() if inp.history_index is None else inp.seq_lengths()[inp.history_index]
         example_seq = Jagged(lengths.tolist())  # per example
         counts = {"seq_input": self.seq_input.flops(seq.tokens)}
-        for i, layer in enumerate(self.seq_tower):
+        # (a ModuleList types its items as Module: cast to the layers it was built with)
+        for i, layer in enumerate(cast(list[SeqLayer], self.seq_tower)):
             counts[f"seq_tower.{i}"] = layer.flops(seq)
         counts["pma"] = self.pma.flops(seq)
         counts["feature_input"] = self.feature_input.flops(batch)
-        for i, layer in enumerate(self.nonseq_tower):
-            counts[f"nonseq_tower.{i}"] = layer.flops(batch, self.feature_input.num_tokens, example_seq)
-        for i, layer in enumerate(self.interaction):
-            counts[f"interaction.{i}"] = layer.flops(batch, self.num_tokens, None)
+        for i, token_layer in enumerate(cast(list[TokenLayer], self.nonseq_tower)):
+            counts[f"nonseq_tower.{i}"] = token_layer.flops(batch, self.feature_input.num_tokens, example_seq)
+        for i, token_layer in enumerate(cast(list[TokenLayer], self.interaction)):
+            counts[f"interaction.{i}"] = token_layer.flops(batch, self.num_tokens, None)
         counts["heads"] = self.heads.flops(batch)
         return counts
 
@@ -364,6 +369,10 @@ def _mlp_flops(mlp: nn.Sequential, rows: int, input_grad: bool) -> tuple[int, in
 
 class DotInteraction(nn.Module):
     """Pairwise dot products of the feature vectors (upper triangle), concatenated with the vectors."""
+
+    # buffers (registered in __init__)
+    pair_rows: torch.Tensor
+    pair_cols: torch.Tensor
 
     def __init__(self, num_vectors: int):
         super().__init__()
@@ -436,7 +445,7 @@ def build_model(config: ModelConfig, schema: FeatureSchema, kernel_options: Kern
 
 def model_flops(model: nn.Module, inp: ModelInput) -> dict[str, tuple[int, int]]:
     """Matmul FLOPs per layer `{module name: (forward, backward)}` for this input's real jagged lengths."""
-    if not hasattr(model, "flops"):
+    if not isinstance(model, (GEMModel, DLRMModel)):
         raise TypeError(f"model_flops needs a gemrec model (GEMModel or DLRMModel), got {type(model).__name__}")
     return model.flops(inp)
 

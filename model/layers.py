@@ -55,6 +55,10 @@ class Rotary(nn.Module):
     the kernels. Tables keep trigonometry out of the step (compiled, the angles were recomputed inside every
     rotation kernel); the fused rotary (`rope = "fused"`) rotates inside the kernels instead."""
 
+    # buffers (registered in __init__)
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+
     def __init__(self, head_dim: int, base: float, max_positions: int):
         super().__init__()
         cos, sin = rope_cos_sin(torch.arange(max_positions), head_dim, base)
@@ -202,6 +206,9 @@ class SeqLayer(nn.Module):
 class PMA(nn.Module):
     """Pooling by multihead attention: K learned seeds (shared by all sequences) -> K tokens per sequence."""
 
+    # buffers (registered in __init__)
+    seed_offsets: torch.Tensor
+
     def __init__(self, dim: int, heads: int, hidden: int, seeds: int, kind: str, init_std: float):
         super().__init__()
         self.num_seeds = seeds
@@ -271,5 +278,7 @@ class TokenLayer(nn.Module):
         tokens = Jagged.uniform(batch, n)
         parts = [self.self_attn.flops(tokens, tokens), self.ffn.flops(batch * n)]
         if self.cross:
+            if seq is None:
+                raise ValueError("a cross-attention layer's FLOPs need the sequence it attends to")
             parts.append(self.cross_attn.flops(tokens, seq))
         return add(*parts)

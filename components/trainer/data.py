@@ -18,6 +18,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,6 +68,7 @@ class Prefetcher:
 
     def _run(self, index: int) -> None:
         while not self.stop.is_set():
+            item: tuple[int, object, Exception | None]
             try:
                 item = (index, self.produce(index), None)
             except Exception as err:  # noqa: BLE001 - handed to the consumer, re-raised there
@@ -132,7 +134,7 @@ class DatasetStream:
 
     def rows(self, global_batch: int) -> np.ndarray:
         epoch, index = divmod(global_batch, self.batches_per_epoch)
-        if epoch != self._perm_epoch:
+        if self._perm is None or epoch != self._perm_epoch:
             self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.num_examples)
             self._perm_epoch = epoch
         start = index * self.global_batch + self.rank * self.batch_size
@@ -315,6 +317,7 @@ class DeviceFeed:
     def _read(self, source: Iterator) -> None:
         """Background: read and pin; the end of `source` is None, its error the exception itself."""
         while not self._stop.is_set():
+            item: tuple[Any, Any] | Exception | None
             try:
                 batch, state = next(source)
                 item = (batch.pin_memory() if self.cuda else batch, state)

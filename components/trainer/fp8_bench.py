@@ -18,6 +18,7 @@ import copy
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -73,7 +74,8 @@ def check_mlp(grad: str, gemm: str, device, gen) -> dict:
     results = {}
     for backend in ("triton", "reference"):
         stats = fp8.Fp8Stats(fp8.MLP_ROLES, 0, device, collect=True)
-        y = fp8.fp8_mlp(x, *params, fp8.Fp8Recipe(fp8.fp8_format(grad), backend, gemm), stats)
+        w1, b1, w2, b2 = params
+        y = fp8.fp8_mlp(x, w1, b1, w2, b2, fp8.Fp8Recipe(fp8.fp8_format(grad), backend, gemm), stats)
         results[backend] = (y, torch.autograd.grad(y, [x, *params], dy))
     (yt, gt), (yr, gr) = results["triton"], results["reference"]
     return {
@@ -87,10 +89,11 @@ def check_mlp(grad: str, gemm: str, device, gen) -> dict:
 def checks(device, log, full: bool) -> dict:
     """FP8 ops on real float8 against the emulation (same quantization, fp32 matmuls) and against fp32."""
     gen = torch.Generator(device=device).manual_seed(0)
-    out = {}
+    out: dict[str, Any] = {}
     x = torch.randn(4096, 1024, device=device, generator=gen) * torch.logspace(-2, 2, 1024, device=device)
+    modes: tuple[dict[str, Any], ...] = ({"rows": True, "cols": True}, {"tile": True, "cols": True})
     for fmt in (fp8.E4M3, fp8.E5M2) if full else ():
-        for mode in ({"rows": True, "cols": True}, {"tile": True, "cols": True}):
+        for mode in modes:
             t = fp8.quantize(x, fmt, **mode)
             r = fp8.quantize(x, fmt, **mode, backend="reference")
             name = f"quantize_{fmt.name}_{'tile' if 'tile' in mode else 'rows_cols'}"
@@ -156,7 +159,7 @@ def gemm_variants(a: torch.Tensor, w: torch.Tensor, ao_kernels, log) -> tuple[di
 
 
 def gemm_bench(device, tokens, log) -> list[dict]:
-    rows = []
+    rows: list[dict] = []
     gen = torch.Generator(device=device).manual_seed(1)
     try:
         from torchao.prototype.blockwise_fp8_training import kernels as ao_kernels
@@ -170,15 +173,15 @@ def gemm_bench(device, tokens, log) -> list[dict]:
         variants, ref = gemm_variants(a, w, ao_kernels, log)
         for name, fn in variants.items():
             try:
-                err = rel(fn(), ref) if name.startswith("fp8 1x128") else None
+                error = rel(fn(), ref) if name.startswith("fp8 1x128") else None
                 ms = timed(fn)
             except Exception as exc:  # noqa: BLE001
                 log(f"{name} {tokens}x{k}->{n}: failed {exc!r}")
                 continue
             rows.append(
-                {"gemm": f"{tokens}x{k}->{n}", "variant": name, "ms": ms, "tflops": flops / ms / 1e9, "err": err}
+                {"gemm": f"{tokens}x{k}->{n}", "variant": name, "ms": ms, "tflops": flops / ms / 1e9, "err": error}
             )
-            log(f"gemm {tokens}x{k}->{n} {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err={err}")
+            log(f"gemm {tokens}x{k}->{n} {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err={error}")
         del variants, ref
     x = torch.randn(tokens, 4096, device=device, generator=gen, dtype=torch.bfloat16)
     for name, kw in (("rows+cols", {"rows": True, "cols": True}), ("gelu rows+cols", {"act": "gelu", "cols": True})):
@@ -191,7 +194,7 @@ def gemm_bench(device, tokens, log) -> list[dict]:
 
 def torchao_blocks(dim, hidden, device, log) -> dict[str, nn.Module]:
     """The MLP block converted by torchao's float8 training (where torchao imports)."""
-    out = {}
+    out: dict[str, nn.Module] = {}
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except Exception as err:  # noqa: BLE001
@@ -216,7 +219,7 @@ def torchao_blocks(dim, hidden, device, log) -> dict[str, nn.Module]:
         for use_triton in (False, True):
             mlp = Mlp(dim, hidden)
             mlp.__class__ = AoBlockwiseMlp
-            mlp.use_triton = use_triton
+            setattr(mlp, "use_triton", use_triton)  # noqa: B010 (the swapped-in class's flag)
             block = Block(dim, mlp).to(device)
             block.ffn.fc1.to(torch.bfloat16)
             block.ffn.fc2.to(torch.bfloat16)
@@ -263,11 +266,11 @@ def converted(block: nn.Module, device, **options) -> nn.Module:
 def block_bench(device, tokens, moe_tokens, log, full: bool, out: Path) -> list[dict]:
     dim, hidden = 1024, 4096
     gen = torch.Generator(device=device).manual_seed(2)
-    rows = []
+    rows: list[dict] = []
     x = torch.randn(tokens, dim, device=device, generator=gen, requires_grad=True)
     dy = torch.randn(tokens, dim, device=device, generator=gen, dtype=torch.bfloat16)
     bf16 = Block(dim, Mlp(dim, hidden)).to(device)
-    variants = {"bf16 (autocast, fp32 masters)": bf16}
+    variants: dict[str, nn.Module] = {"bf16 (autocast, fp32 masters)": bf16}
     for gemm in fp8.GEMMS:
         variants[f"fp8 ours, {gemm} GEMMs, grad e4m3 dynamic"] = converted(bf16, device, gemm=gemm)
     if full:
@@ -354,7 +357,7 @@ def run(argv: list[str] | None = None) -> dict:
             f.write(text + "\n")
 
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    result = {"checks": checks(device, log, full=not args.quick)}
+    result: dict[str, Any] = {"checks": checks(device, log, full=not args.quick)}
     result["blocks"] = block_bench(device, args.tokens, args.moe_tokens, log, not args.quick, args.out)
     result["gemms"] = None if args.quick else gemm_bench(device, args.tokens, log)
     (args.out / "fp8_bench.json").write_text(json.dumps(result, indent=2))

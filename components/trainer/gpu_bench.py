@@ -22,6 +22,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -193,21 +194,20 @@ def run(argv: list[str] | None = None) -> dict:
     flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
     batches = [(inp.to(device), labels.to(device)) for inp, labels in host]
     tokens = [inp.num_tokens for inp, _ in host]
-    state = {"i": 0, "losses": []}
+    step_losses: list[torch.Tensor] = []
 
     def step():
-        inp, labels = batches[state["i"] % len(batches)]
-        state["i"] += 1
-        state["losses"].append(training.step(inp, labels).loss)
+        inp, labels = batches[len(step_losses) % len(batches)]
+        step_losses.append(training.step(inp, labels).loss)
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     peak_memory_gib(device)  # count from here: the model, optimizer state and batches are in
     warmup_s = timed_steps(step, bench.warmup_steps, sync)
     warmup_memory = peak_memory_gib(device)  # compilation and autotuning included
-    start_index = state["i"]
+    start_index = len(step_losses)
     seconds = timed_steps(step, bench.steps, sync)
     step_memory = peak_memory_gib(device)
-    losses = torch.stack(state["losses"]).float().cpu()
+    losses = torch.stack(step_losses).float().cpu()
     if not bool(torch.isfinite(losses).all()):
         raise RuntimeError(f"non-finite loss in the benchmark: {losses.tolist()}")
     idx = [(start_index + k) % len(batches) for k in range(bench.steps)]
@@ -244,7 +244,17 @@ def run(argv: list[str] | None = None) -> dict:
         )
     m = config.model
     window, block = m.seq_mask
-    result = {
+    layer_rows: list[dict[str, Any]] = [
+        {
+            "name": r.name,
+            "tflop": r.flops / 1e12,
+            "ms": 1000 * r.seconds,
+            "mfu": r.mfu,
+            "share_of_step": 1000 * r.seconds / step_ms,
+        }
+        for r in layers
+    ]
+    result: dict[str, Any] = {
         "recipe": config.recipe,
         "batches": f"dataset {args.dataset}" if args.dataset is not None else "synthetic",
         "device": peak.device,
@@ -277,16 +287,7 @@ def run(argv: list[str] | None = None) -> dict:
         "local_mfu_compiled": config.train.compile,
         "scaling_ratio": e2e / local if local else None,
         "flop_count": flop_check,
-        "layers": [
-            {
-                "name": r.name,
-                "tflop": r.flops / 1e12,
-                "ms": 1000 * r.seconds,
-                "mfu": r.mfu,
-                "share_of_step": 1000 * r.seconds / step_ms,
-            }
-            for r in layers
-        ],
+        "layers": layer_rows,
         "final_loss": float(losses[-1]),
         "losses": losses.tolist(),  # every step, warm-up included (bf16 vs fp8 overlay: fp8_bench --compare)
         "host_syncs_per_step": host_syncs,
@@ -300,7 +301,7 @@ def run(argv: list[str] | None = None) -> dict:
     lines.append("layer | TFLOP | ms (fwd+bwd alone) | MFU | share of step")
     lines += [
         f"{r['name']} | {r['tflop']:.3f} | {r['ms']:.2f} | {100 * r['mfu']:.1f}% | {100 * r['share_of_step']:.1f}%"
-        for r in result["layers"]
+        for r in layer_rows
     ]
     report = "\n".join(lines)
     (args.out / "report.txt").write_text(report + "\n\n" + table)

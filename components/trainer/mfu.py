@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from gemrec.model.capture import capture_layer_inputs
@@ -83,7 +84,7 @@ def device_peak(device: torch.device, bf16: bool) -> Peak:
     return Peak(f"cpu ({torch.get_num_threads()} threads)", ceiling, "measured matmul ceiling", ceiling)
 
 
-def total_flops(layer_flops: dict[str, tuple[float, float]]) -> float:
+def total_flops(layer_flops: Mapping[str, tuple[float, float]]) -> float:
     return float(sum(f + b for f, b in layer_flops.values()))
 
 
@@ -111,7 +112,7 @@ class LayerMFU:
 
 def measure_local_mfu(
     model: nn.Module,
-    layer_flops: dict[str, tuple[float, float]],
+    layer_flops: Mapping[str, tuple[float, float]],
     run_forward: Callable[[], object],
     peak: float,
     device: torch.device,
@@ -141,7 +142,7 @@ def measure_local_mfu(
                 continue
             module = model.get_submodule(name)
             if compile:
-                module = torch.compile(module)
+                module = cast(nn.Module, torch.compile(module))  # an OptimizedModule, typed as a callable
             args, kwargs = captured[name]
             leaves = [t for t in _tensors((args, kwargs)) if t.requires_grad]
 

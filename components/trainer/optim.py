@@ -99,7 +99,7 @@ class Optimizers:
         self.dense = torch.optim.AdamW(
             [{"params": decay, "weight_decay": config.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=config.dense_lr,
-            betas=tuple(config.betas),
+            betas=config.betas,
             eps=config.eps,
             fused=True if on_cuda else None,
         )
@@ -133,8 +133,8 @@ class Optimizers:
             if getattr(opt, "_emb_module", None) is not None:
                 opt.step()  # a torchrec fused (sharded) table optimizer takes a new lr only in step()
 
-    def clip_and_step(self) -> float:
-        """Clip dense grads, step AdamW and the schedule; returns the pre-clip dense grad norm."""
+    def clip_and_step(self) -> torch.Tensor:
+        """Clip dense grads, step AdamW and the schedule; returns the pre-clip dense grad norm (on the device)."""
         grads = [p for _, p in self.dense_named if p.grad is not None]
         # Mesh-aware: under expert parallelism the gradients are DTensors on different meshes.
         if self.config.grad_clip > 0 and grads:

@@ -141,8 +141,10 @@ def run_training(
         try:
             if dataset is not None:
                 stream, eval_batches, manifest, info = dataset_source(config, Path(dataset), ctx.rank, ctx.world_size)
-            else:
+            elif data_addr is not None:
                 stream, eval_batches, manifest, info = remote_source(config, data_addr, ctx.rank, ctx.world_size)
+            else:
+                raise CLIError("train from a dataset directory or a data service address: give one")
             schema = FeatureSchema.from_manifest(manifest)
         except (DataError, ValueError, ConnectionError) as err:
             raise CLIError(f"{dataset or data_addr}: {err}") from err

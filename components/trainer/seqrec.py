@@ -199,8 +199,8 @@ def build_arm(name: str, protocol: str, config: TrainConfig, data: SeqRecData, d
     from gemrec.model.sasrec import SASRec
 
     if name == "sasrec":
-        model = SASRec(config.sasrec, data.schema).to(device)
-        return RetrievalArm(name, model, data, config.seqrec.sasrec_loss, config, device)
+        sasrec = SASRec(config.sasrec, data.schema).to(device)
+        return RetrievalArm(name, sasrec, data, config.seqrec.sasrec_loss, config, device)
     model = build_model(config.model, data.schema, config.kernels).to(device)
     if protocol == "full":
         return RetrievalArm(name, model, data, config.seqrec.gem_loss, config, device)
@@ -429,7 +429,7 @@ def run_seqrec_bench(
     if dev.type == "cpu":
         torch.set_num_threads(config.train.threads or os.cpu_count() or 1)
     data = SeqRecData(Dataset.open(dataset), config.seqrec.max_seq_len)
-    published = PUBLISHED.get((data.name, protocol), {})
+    published = PUBLISHED.get((str(data.name), protocol), {})
     uri = resolve_tracking_uri(tracking_uri)
     tracker = Tracker(tracking, uri, experiment, run_name=f"seqrec-{protocol}-{data.name}-{config.recipe}")
     try:

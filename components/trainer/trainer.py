@@ -23,7 +23,7 @@ from gemrec.components.trainer.checkpoint import CheckpointError, CheckpointMana
 from gemrec.components.trainer.config import TrainConfig
 from gemrec.components.trainer.distributed import DistContext
 from gemrec.components.trainer.evaluate import Evaluator
-from gemrec.components.trainer.mfu import device_peak, measure_local_mfu, total_flops
+from gemrec.components.trainer.mfu import LayerMFU, device_peak, measure_local_mfu, total_flops
 from gemrec.components.trainer.parallel.balance import RankBalance
 from gemrec.components.trainer.parallel.pipeline import training_inputs
 from gemrec.components.trainer.tracking import Tracker, git_commit, run_summary, write_summary
@@ -507,7 +507,7 @@ class Trainer:
         from gemrec.model import build_model, model_flops
 
         cfg, ctx, peak = self.config, self.ctx, self.peak
-        local, layers = float("nan"), []
+        local, layers = float("nan"), list[LayerMFU]()
         if cfg.train.local_mfu and last_input is not None:
             model = self.training.model
             if self.training.parallel is not None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -132,7 +133,7 @@ def setup_training(
     else:  # one process: of parallelize's steps only the memory plan applies
         checkpointed = apply_activation_checkpointing(model, config.parallel)
     if config.train.compile:
-        train_model = torch.compile(train_model)
+        train_model = cast(nn.Module, torch.compile(train_model))  # an OptimizedModule, typed as a callable
     bf16, autocast = autocast_for(config.train.precision, device)
     if bf16 and device.type == "cuda":  # mixed precision: the fp32 matmuls outside autocast on tensor cores too
         torch.backends.cuda.matmul.allow_tf32 = True

@@ -97,7 +97,8 @@ def split_profile(events) -> tuple[list, list]:
 def communication_breakdown(events, top: int = 12) -> dict[str, list[dict]]:
     """Which collectives cost what: per kernel name (count, total and exposed ms), and the `top` most exposed
     single collectives with their start (ms from the first kernel of the profile)."""
-    comm, compute = [], []
+    comm: list = []
+    compute: list = []
     gpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     for e in gpu:
         (comm if is_communication(e.name) else compute).append((_span(e), e.name))

@@ -22,6 +22,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from gemrec.model.moe import GroupedExperts, MoEFeedForward
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
@@ -36,16 +37,16 @@ def is_grouped_experts(module: nn.Module) -> bool:
     )
 
 
-def find_moe_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every module whose `experts` child holds stacked expert weights."""
+def find_moe_layers(model: nn.Module) -> list[tuple[str, MoEFeedForward]]:
+    """(name, module) of every MoE layer (its `experts` hold the stacked expert weights)."""
     return [
         (name, module)
         for name, module in model.named_modules()
-        if isinstance(getattr(module, "experts", None), nn.Module) and is_grouped_experts(module.experts)
+        if isinstance(module, MoEFeedForward) and is_grouped_experts(module.experts)
     ]
 
 
-def apply_expert_parallel(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
+def apply_expert_parallel(experts: GroupedExperts, ep_mesh: DeviceMesh) -> None:
     """Shard `experts` over `ep_mesh` in place (weights -> DTensor Shard(0), forward -> all-to-all wrapped)."""
     ep = ep_mesh.size()
     if experts.num_experts % ep:
@@ -58,13 +59,14 @@ def apply_expert_parallel(experts: nn.Module, ep_mesh: DeviceMesh) -> None:
         # distribute_tensor slices the (identical on every rank) full weight without communication.
         sharded = distribute_tensor(weight.data, ep_mesh, [Shard(0)], src_data_rank=None)
         experts.register_parameter(name, nn.Parameter(sharded, requires_grad=weight.requires_grad))
-    experts.ep_group = ep_mesh.get_group()
-    experts.num_local_experts = experts.num_experts // ep
-    experts.forward = types.MethodType(_expert_parallel_forward(type(experts).forward), experts)
+    # The wrapped forward's state, attached by this transform (the model's class does not know about EP).
+    setattr(experts, "ep_group", ep_mesh.get_group())  # noqa: B010
+    setattr(experts, "num_local_experts", experts.num_experts // ep)  # noqa: B010
+    setattr(experts, "forward", types.MethodType(_expert_parallel_forward(type(experts).forward), experts))  # noqa: B010
 
 
 @contextmanager
-def _local_weights(experts: nn.Module):
+def _local_weights(experts: GroupedExperts):
     """Run the unmodified expert forward on this rank's slice: weights as local tensors (still differentiable
     back to the DTensor parameters) and `num_experts` as the local count."""
     saved = {name: experts._parameters[name] for name in EXPERT_WEIGHTS}
@@ -72,7 +74,7 @@ def _local_weights(experts: nn.Module):
     try:
         for name, weight in saved.items():
             experts._parameters[name] = weight.to_local() if isinstance(weight, DTensor) else weight
-        experts.num_experts = experts.num_local_experts
+        experts.num_experts = getattr(experts, "num_local_experts")  # noqa: B009 (set by apply_expert_parallel)
         yield
     finally:
         experts._parameters.update(saved)

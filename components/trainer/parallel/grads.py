@@ -25,7 +25,9 @@ def _by_mesh(parameters: Iterable[torch.Tensor]) -> dict[object, list[torch.Tens
 def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
     norms = []
     for params in _by_mesh(parameters).values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=norm_type, foreach=True)
+        norm = torch.nn.utils.get_total_norm(
+            [p.grad for p in params if p.grad is not None], norm_type=norm_type, foreach=True
+        )
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.zeros(())

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import logging
 import types
+from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 
@@ -60,23 +62,20 @@ class ParallelizeReport:
 class Parallelized:
     """What `parallelize` made: the module to train, the layout it follows and what was applied."""
 
-    model: nn.Module  # the model itself, or with 2D sparse parallelism the `DMPCollection` around it
+    model: nn.Module  # what to train: the model itself, or with 2D sparse parallelism the `DMPCollection` around it
+    module: nn.Module  # the (sharded, FSDP-wrapped) gemrec model inside `model`
     dims: ParallelDims
     config: ParallelConfig
     report: ParallelizeReport
-
-    @property
-    def module(self) -> nn.Module:
-        """The (sharded, FSDP-wrapped) gemrec model inside `model`."""
-        return self.model.module if self.report.sparse_2d else self.model
+    sync_replicas: Callable[[], object] | None = None  # 2D sparse: all-reduce the embedding-table replicas
 
     def after_step(self, step: int) -> None:
         """2D sparse parallelism: all-reduce the embedding replicas every `dmp_sync_interval` steps."""
-        if self.report.sparse_2d and step % self.config.dmp_sync_interval == 0:
-            self.model.sync()
+        if self.sync_replicas is not None and step % self.config.dmp_sync_interval == 0:
+            self.sync_replicas()
 
 
-def fsdp_blocks(model: nn.Module, skip: set[int] = frozenset()) -> list[tuple[str, nn.Module]]:
+def fsdp_blocks(model: nn.Module, skip: AbstractSet[int] = frozenset()) -> list[tuple[str, nn.Module]]:
     """The FSDP units: every element (with parameters) of the outermost `nn.ModuleList`s, in order, outside
     the modules in `skip` (the sharded embedding tables)."""
     blocks: list[tuple[str, nn.Module]] = []
@@ -155,7 +154,7 @@ def parallelize(
     """Parallelize `model` in place; the result's `model` is what to train: `model` itself except with 2D sparse
     parallelism, where it is the `DMPCollection` around it (`Parallelized.after_step` syncs its replicas)."""
     report = ParallelizeReport(layout=parallel_dims.describe())
-    train_model, root = model, model
+    train_model, root, sync_replicas = model, model, None
 
     # 1. Sparse.
     from gemrec.components.trainer.parallel import sharding
@@ -169,10 +168,8 @@ def parallelize(
                     f"{parallel_dims.world_size}) uses TorchRec's DMPCollection, which needs CUDA; "
                     f"on {device.type} set sparse_shard = -1 (shard over all {parallel_dims.world_size} ranks)"
                 )
-            train_model, report.embedding_plan = sharding.shard_embedding_tables_2d(
-                model, parallel_dims, config, device
-            )
-            root = train_model.module
+            dmp, report.embedding_plan = sharding.shard_embedding_tables_2d(model, parallel_dims, config, device)
+            train_model, root, sync_replicas = dmp, dmp.module, dmp.sync
             report.sparse_2d = True
         else:
             report.embedding_plan = sharding.shard_embedding_tables(model, parallel_dims, config, device)
@@ -227,7 +224,7 @@ def parallelize(
     dense_mesh = parallel_dims.dense_mesh
     for _, moe in moe_layers:
         if parallel_dims.ep_enabled:
-            fully_shard(
+            experts = fully_shard(
                 moe.experts,
                 mesh=parallel_dims.expert_mesh,
                 mp_policy=mp,
@@ -235,21 +232,24 @@ def parallelize(
             )
             # Each expert's gradient already sums the tokens of all `ep` ranks (all-to-all backward): dividing
             # by every data-parallel rank, not only the expert mesh's, gives the global-batch mean.
-            moe.experts.set_gradient_divide_factor(float(parallel_dims.world_size))
+            experts.set_gradient_divide_factor(float(parallel_dims.world_size))
             if device.type != "cuda" and parallel_dims.dp_shard_mod_ep > 1:
                 # A custom divide factor makes FSDP2 reduce-scatter with ReduceOp.PREMUL_SUM, which only NCCL
                 # has ("Cannot use ReduceOp.PREMUL_SUM with Gloo"): on gloo, plain SUM and a division after.
                 # Not with a shard group of 1: FSDP2 (torch 2.11-2.13) then skips the reduce-scatter, divides
                 # while copying and divides again after a forced sum, halving the gradients (the loss test of
                 # mesh 2x2 ep 2 caught it).
-                moe.experts.set_force_sum_reduction_for_comms(True)
-    for _, block in blocks:
-        fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward)
+                experts.set_force_sum_reduction_for_comms(True)
+    sharded_blocks = {
+        id(block): fully_shard(block, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=config.reshard_after_forward)
+        for _, block in blocks
+    }
     # The root keeps its parameters after forward: backward needs them at once, and FSDP2 can only re-gather
     # them through hooks on the forward's output tensors, which a dataclass output (ModelOutput) hides.
     fully_shard(root, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False, ignored_params=table_params or None)
     for group in _module_lists(blocks):
-        for current, nxt in zip(group, group[1:]):
+        units = [sharded_blocks[id(block)] for block in group]
+        for current, nxt in zip(units, units[1:]):
             current.set_modules_to_forward_prefetch([nxt])
             nxt.set_modules_to_backward_prefetch([current])
     log.info(
@@ -259,7 +259,7 @@ def parallelize(
         len(report.expert_parallel),
         report.embedding_plan or "unsharded",
     )
-    return Parallelized(train_model, parallel_dims, config, report)
+    return Parallelized(train_model, root, parallel_dims, config, report, sync_replicas)
 
 
 def _average_grad_before_optimizer(param: nn.Parameter) -> None:

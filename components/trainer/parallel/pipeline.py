@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 from gemrec.components.trainer.data import DeviceFeed, TrainingInput, to_model_input
 from gemrec.components.trainer.parallel import sharding
+from gemrec.model import DLRMModel, GEMModel
 from torch import nn
 
 if TYPE_CHECKING:
@@ -43,12 +44,12 @@ class _Captured(Exception):
         self.features = features
 
 
-def gem_lookup_call(model: nn.Module) -> Callable:
+def gem_lookup_call(model: GEMModel | DLRMModel) -> Callable:
     """How the gemrec models call their `embeddings` module for one `ModelInput` (gem: with the history)."""
     embeddings = model.embeddings
 
     def call(inp) -> None:
-        if type(model).__name__ == "DLRMModel":
+        if isinstance(model, DLRMModel):
             embeddings(inp.sparse_features, batch_size=inp.batch_size)
         else:
             embeddings(inp.sparse_features, inp.seq_item_ids, inp.seq_item_features, batch_size=inp.batch_size)
@@ -175,7 +176,7 @@ def training_inputs(
     model = parallel.module if parallel is not None else None
     tables = sharding.sharded_embedding_modules(model) if model is not None and sharding.has_torchrec() else []
     try:
-        if not tables or not hasattr(model, "embeddings"):
+        if not tables or not isinstance(model, (GEMModel, DLRMModel)):
             yield from inputs()
         else:  # the feed has copied: the pipeline starts each batch's input all-to-all one step ahead
             pipeline = SparseDistPipeline(model, gem_lookup_call(model), device)

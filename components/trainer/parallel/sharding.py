@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from gemrec.components.trainer.parallel.dims import ParallelConfig, ParallelDims
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+
+if TYPE_CHECKING:
+    from torchrec.distributed.model_parallel import DMPCollection
+    from torchrec.distributed.types import ShardedModule
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +43,18 @@ def has_torchrec() -> bool:
     except ImportError:
         return False
     return True
+
+
+def world_group() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    if group is None:
+        raise RuntimeError("sharding the embedding tables needs an initialized process group")
+    return group
+
+
+def embedding_names(model: nn.Module, name: str) -> list[str]:
+    """The feature names of the EmbeddingBagCollection `name` of `model`, in order."""
+    return list(getattr(model.get_submodule(name), "_embedding_names"))  # noqa: B009 (torchrec keeps it private)
 
 
 def find_embedding_bag_collections(model: nn.Module) -> list[str]:
@@ -177,8 +194,8 @@ def shard_embedding_tables(
     names = find_embedding_bag_collections(model)
     if not names:
         return {}
-    group = dist.group.WORLD
-    keys = {name: list(model.get_submodule(name)._embedding_names) for name in names}
+    group = world_group()
+    keys = {name: embedding_names(model, name) for name in names}
     weights = {name: model.get_submodule(name).state_dict() for name in names}
     plan = plan_embedding_sharding(model, group, device, config.sharding_types)
     shard_modules(
@@ -194,19 +211,19 @@ def shard_embedding_tables(
 
 def shard_embedding_tables_2d(
     model: nn.Module, parallel_dims: ParallelDims, config: ParallelConfig, device: torch.device
-) -> tuple[nn.Module, dict[str, str]]:
+) -> tuple[DMPCollection, dict[str, str]]:
     """TorchRec 2D sparse parallelism: DMPCollection shards the tables inside each group of `sparse_shard`
     consecutive ranks and replicates them across the `sparse_replicate` groups. Dense parameters are left to
     FSDP2 (no DDP wrapper). Returns (the DMPCollection wrapping `model`, the plan of one sharding group)."""
     from torchrec.distributed.model_parallel import DMPCollection
 
     names = find_embedding_bag_collections(model)
-    keys = {name: list(model.get_submodule(name)._embedding_names) for name in names}
+    keys = {name: embedding_names(model, name) for name in names}
     weights = {name: model.get_submodule(name).state_dict() for name in names}
     sparse_mesh: DeviceMesh = parallel_dims.sparse_mesh
     shard_group = sparse_mesh.get_group("sparse_shard")
     plan = plan_embedding_sharding(
-        model, dist.group.WORLD, device, config.sharding_types, shard_world_size=parallel_dims.sparse_shard
+        model, world_group(), device, config.sharding_types, shard_world_size=parallel_dims.sparse_shard
     )
     dmp = DMPCollection(
         module=model,
@@ -225,7 +242,7 @@ def shard_embedding_tables_2d(
     return dmp, describe_plan(plan)
 
 
-def sharded_embedding_modules(model: nn.Module) -> list[nn.Module]:
+def sharded_embedding_modules(model: nn.Module) -> list[ShardedModule]:
     from torchrec.distributed.types import ShardedModule
 
     return [m for m in model.modules() if isinstance(m, ShardedModule)]
