@@ -507,17 +507,17 @@ def _activate(x: torch.Tensor, act: str, gate: torch.Tensor | None) -> torch.Ten
     x = x.float()
     if act == "gelu":
         return F.gelu(x)
+    if act not in ("swiglu", "gelu_bwd", "swiglu_bwd"):
+        return x
     if gate is None:
         raise ValueError(f"activation {act!r} needs its gate tensor")
     if act == "swiglu":
         return F.silu(x) * gate.float()
     if act == "gelu_bwd":
         return x * _gelu_grad(gate)
-    if act == "swiglu_bwd":
-        h1, h3 = gate.float().chunk(2, dim=-1)
-        sig = torch.sigmoid(h1)
-        return torch.cat([x * h3 * sig * (1 + h1 * (1 - sig)), x * h1 * sig], dim=-1)
-    return x
+    h1, h3 = gate.float().chunk(2, dim=-1)  # swiglu_bwd
+    sig = torch.sigmoid(h1)
+    return torch.cat([x * h3 * sig * (1 + h1 * (1 - sig)), x * h1 * sig], dim=-1)
 
 
 def _quantize_ref(x, fmt, rows, cols, tile, act, gate, colsum, stats, role, fixed):
