@@ -18,8 +18,6 @@ ACTIVATIONS = triton_attention.ACTIVATIONS
 NORMALIZE = triton_attention.NORMALIZE
 MAX_HEAD_DIM = 256
 
-DEFAULT_OPTIONS = KernelOptions()  # built once: a config section checks its fields when constructed
-
 
 @dataclass(frozen=True)
 class RelativeBias:

@@ -344,7 +344,8 @@ def run(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.compare:
-        return compare(*args.compare, args.out, args.tracking_uri)
+        bf16_json, fp8_json = args.compare
+        return compare(bf16_json, fp8_json, args.out, args.tracking_uri)
     if not torch.cuda.is_available():
         parser.error("fp8_bench needs a CUDA GPU (Hopper or newer)")
     device = torch.device("cuda")

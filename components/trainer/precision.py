@@ -15,6 +15,7 @@ so CPU runs and CI exercise the same conversion, scaling and counters.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Mapping
 
 import torch
 from gemrec.components.trainer.config import Fp8Config
@@ -24,7 +25,7 @@ from gemrec.model.moe import GroupedExperts
 from torch import nn
 
 
-def _training_stats(module: nn.Module) -> fp8.Fp8Stats | None:
+def _training_stats(module: Fp8Mlp | Fp8GroupedExperts) -> fp8.Fp8Stats | None:
     """The module's scaling state in training; in evaluation none: dynamic scales, and no amax or counter of an
     eval batch enters the training's histories."""
     return module.fp8_stats if module.training else None
@@ -58,7 +59,7 @@ TOP_LAYERS = ("nonseq_tower.*", "interaction.*")
 _CONVERSIONS = {Mlp: (Fp8Mlp, fp8.MLP_ROLES), GroupedExperts: (Fp8GroupedExperts, fp8.EXPERT_ROLES)}
 
 
-def module_precision(name: str, overrides: dict[str, str]) -> str:
+def module_precision(name: str, overrides: Mapping[str, str]) -> str:
     """ "fp8" unless the last `overrides` glob that matches `name` says otherwise."""
     choice = "fp8"
     for pattern, value in overrides.items():
