@@ -296,6 +296,8 @@ def _separate_rotary(variant: Variant, case: Case, device, options: KernelOption
     """Our same kernel after a separate rotary, as the model's `Rotary` + `rotate` do it: cos/sin gathered from fp32
     tables per call, q and k rotated in their dtype (a rotated copy of each written and, backward, read again)."""
     head_dim = case.q.shape[-1]
+    if variant.rope_base is None:
+        raise ValueError(f"the separate-rotary peer needs a RoPE variant, got {variant.name}")
     cos, sin = (
         t.float()
         for t in rope_cos_sin(torch.arange(max(case.max_q, case.max_kv), device=device), head_dim, variant.rope_base)

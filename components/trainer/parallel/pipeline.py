@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import types
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -146,7 +146,7 @@ class SparseDistPipeline:
 
 def training_inputs(
     parallel: Parallelized | None, stream: Iterable, device: torch.device, depth: int = 2
-) -> Iterator[TrainingInput]:
+) -> Generator[TrainingInput, None, None]:
     """The train loop's batches: read from `stream` (with its state after each) in a background thread, pinned and
     copied to the device `depth` ahead by `DeviceFeed`, so the copies overlap the steps before them.
 
