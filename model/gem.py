@@ -321,7 +321,7 @@ class GEMModel(nn.Module):
             target_emb = example_emb.index_select(1, self.embeddings.token_columns)[token_example]
         seq = self._sequence(inp, token_emb, token_example, target_emb)
         summaries = self.pma(seq, offsets, max_len, inp.num_histories)
-        if shared:  # the towers ran once per history; the candidates' layers read their history's tokens
+        if inp.history_index is not None:  # towers ran once per history: each candidate reads its history's tokens
             summaries = summaries[inp.history_index]
             seq, offsets = self._per_example(seq, offsets, inp.history_index)
         x = self.feature_input(example_emb, inp.dense_features)

@@ -63,7 +63,8 @@ def run_quality_bench(
     names = [arm.name for arm in arms]
     if len(set(names)) != len(names):
         raise ConfigError(f"arm names must differ, got {names}")
-    runs = [(arm, seed) for seed in (seeds or [None]) for arm in arms]
+    each_seed: list[int | None] = list(seeds) if seeds else [None]
+    runs = [(arm, seed) for seed in each_seed for arm in arms]
 
     def label(arm: Arm, seed: int | None) -> str:
         return arm.name if seed is None or len(seeds or []) < 2 else f"{arm.name} (seed {seed})"
