@@ -133,6 +133,7 @@ class SparseEmbeddings(nn.Module):
 
     # buffers (registered in __init__)
     token_columns: torch.Tensor
+    id_dropout: torch.Tensor
     all_columns: torch.Tensor
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig):

@@ -42,6 +42,8 @@ def train_step(
         else:
             output = model(inp)
     if objective is None:
+        if output is None or labels is None:
+            raise ValueError("train_step needs labels (or an objective) for the loss")
         total = loss(output, labels, task_weights)
     total.backward()
     if optimizer_step is not None:

@@ -69,7 +69,7 @@ def fit_predict(dataset, params: GBDTParams, predict_splits: tuple[str, ...] = (
         )
         if len(np.unique(y_train[:, j])) < 2:
             raise ValueError(f"label {label!r} has one class only in the train split: nothing to learn")
-        if has_valid:
+        if x_valid is not None and y_valid is not None:
             model.fit(x_train, y_train[:, j], X_val=x_valid, y_val=y_valid[:, j])
         else:
             model.fit(x_train, y_train[:, j])

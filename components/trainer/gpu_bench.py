@@ -30,6 +30,7 @@ from gemrec.components.trainer.config import BenchConfig, load_recipe
 from gemrec.components.trainer.mfu import (
     H200_BF16_DENSE_PEAK_FLOPS,
     H200_FP8_DENSE_PEAK_FLOPS,
+    LayerMFU,
     device_peak,
     measure_local_mfu,
     measure_matmul_ceiling,
@@ -140,7 +141,7 @@ def compare(paths: list[Path], out: Path) -> dict:
     def memory(gib: float | None) -> str:
         return "-" if gib is None else f"{gib:.1f}"
 
-    lines = [
+    lines: list[str] = [
         f"{base['recipe']}: batch {base['batch_size']}, max {base['max_seq_len']}, "
         f"{base['mean_tokens_per_batch']:.0f} tokens per batch, compile {base['compile']}, {base['device']}",
         "",
@@ -153,11 +154,12 @@ def compare(paths: list[Path], out: Path) -> dict:
         f"{row['tokens_per_s_gain']:.2f}x | {row['gain_over_flop_ratio']:.2f} |"
         for row in rows
     ]
-    summary = {"rows": rows, "table": "\n".join(lines)}
+    table = "\n".join(lines)
+    summary = {"rows": rows, "table": table}
     out.mkdir(parents=True, exist_ok=True)
     (out / "compare.json").write_text(json.dumps(summary, indent=2))
-    (out / "compare.md").write_text(summary["table"] + "\n")
-    print(summary["table"])
+    (out / "compare.md").write_text(table + "\n")
+    print(table)
     return summary
 
 
@@ -223,7 +225,7 @@ def run(argv: list[str] | None = None) -> dict:
 
     inp0, labels0 = batches[0]
     flop_check = flop_count_check(model, inp0, labels0, autocast)
-    local, layers = None, []
+    local, layers = None, list[LayerMFU]()
     if config.train.local_mfu:
         local, layers = measure_local_mfu(
             model,

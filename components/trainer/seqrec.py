@@ -108,16 +108,17 @@ class RetrievalArm:
 
         inp, targets, users = batch
         targets_t = torch.from_numpy(targets).to(self.device)
+        negatives: torch.Tensor | None = None
         if self.loss_kind == "sampled":
             negatives = torch.from_numpy(rng.integers(self.data.num_items, size=self.config.sampled_negatives))
         elif self.loss_kind == "bce":
             negatives = torch.from_numpy(self.data.train_negatives(users, 1, rng)[:, 0])
-        negatives = negatives.to(self.device) if self.loss_kind != "softmax" else None
+        negatives = negatives.to(self.device) if negatives is not None else None
 
         def objective(model, inp) -> torch.Tensor:
             hidden = model.sequence_vectors(inp).float()
             items = model.item_vectors(*self.catalog).float()
-            if self.loss_kind == "softmax":
+            if negatives is None:  # the full softmax needs no negatives
                 return softmax_loss(hidden, items, targets_t)
             if self.loss_kind == "sampled":
                 hits = negatives[None, :] == targets_t[:, None]

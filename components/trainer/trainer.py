@@ -425,7 +425,8 @@ class Trainer:
             if window.first_step is None:
                 window.first_step = self.step
             window.losses.append(result.loss)
-            window.logits.append(result.output.logits.detach().float())
+            if result.output is not None:  # the trainer's steps always run the model's multi-task loss
+                window.logits.append(result.output.logits.detach().float())
             window.labels.append(labels)
             self.seen_label_sums += batch.labels.sum(0).double()
             self.seen_examples += batch.batch_size

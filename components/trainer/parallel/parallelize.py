@@ -127,7 +127,9 @@ def checkpoint_block(block: nn.Module) -> None:
     block.forward = types.MethodType(_recomputed_forward, block)  # type: ignore[method-assign]
 
 
-def apply_activation_checkpointing(model: nn.Module, config: ParallelConfig, skip: set[int] = frozenset()) -> list[str]:
+def apply_activation_checkpointing(
+    model: nn.Module, config: ParallelConfig, skip: AbstractSet[int] = frozenset()
+) -> list[str]:
     """The memory plan: checkpoint the blocks `activation_checkpoint_plan` picks among `fsdp_blocks(model, skip)`;
     their names. Applied to the vanilla model, before compile and FSDP (by `parallelize`, or by `setup_training`
     on a single process): the layers themselves know nothing of it."""
