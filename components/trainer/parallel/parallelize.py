@@ -124,7 +124,7 @@ def checkpoint_block(block: nn.Module) -> None:
     `torch.utils.checkpoint.checkpoint` (non-reentrant), which torch.compile traces into the step's one graph and
     which leaves the module, its parameters and their names as they were. A bound method: a deep copy of the block
     recomputes itself, not the original."""
-    block.forward = types.MethodType(_recomputed_forward, block)  # type: ignore[method-assign]
+    block.forward = types.MethodType(_recomputed_forward, block)
 
 
 def apply_activation_checkpointing(
