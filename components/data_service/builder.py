@@ -316,6 +316,7 @@ def build_dataset(
     seq_item_features: list[str] | None = None,
     hash_buckets: dict[str, int] | None = None,
     max_history: int | None = None,
+    aggregates: bool = True,
     input_checksums: dict[str, str] | None = None,
     extra: dict | None = None,
     overwrite: bool = False,
@@ -323,7 +324,8 @@ def build_dataset(
 ) -> Path:
     """Write the dataset directory `out` and return it. See the module docstring.
 
-    `max_history`: keep only the most recent `max_history` events of every example's history (None: all)."""
+    `max_history`: keep only the most recent `max_history` events of every example's history (None: all).
+    `aggregates`: add the point-in-time aggregate dense features (aggregates.py)."""
     out = Path(out)
     occupied = out.exists() and (not out.is_dir() or any(out.iterdir()))
     if occupied and not overwrite:
@@ -341,7 +343,9 @@ def build_dataset(
     try:
         (tmp / "examples").mkdir(parents=True)
         (tmp / "vocab").mkdir()
-        manifest = _build(tmp, name, events, items, users, split, seq_item_features, hash_buckets, max_history, steps)
+        manifest = _build(
+            tmp, name, events, items, users, split, seq_item_features, hash_buckets, max_history, aggregates, steps
+        )
         manifest["checksums"] = dict(sorted((input_checksums or {}).items()))
         manifest.update(extra or {})
         manifest["prepare_seconds"] = round(time.perf_counter() - started, 3)
@@ -371,6 +375,7 @@ def _build(
     seq_item_features: list[str] | None,
     hash_buckets: dict[str, int],
     max_history: int | None,
+    aggregates: bool,
     steps: tqdm,
 ) -> dict:
     num_input = len(events.timestamps)
@@ -533,7 +538,7 @@ def _build(
     names = [f["name"] for f in sparse]
     dense_sources = {
         **{n: "time" for n in TIME_FEATURES},
-        **aggregate_feature_sources(list(actions)),
+        **(aggregate_feature_sources(list(actions)) if aggregates else {}),
         **{n: "user" for n in user_dense},
         **{n: "item" for n in item_dense},
     }
@@ -564,7 +569,7 @@ def _build(
         "split": split_info,
         "max_history": max_history,
         "label_rates": label_rates,
-        "aggregates": aggregate_spec(actions, split_masks["train"]),
+        **({"aggregates": aggregate_spec(actions, split_masks["train"])} if aggregates else {}),
         "max_seq_len": _length_stats(all_lengths),
         "timeline_length": _length_stats(timeline_lengths),
         "time_range": [int(timestamps.min()), int(timestamps.max())],

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from .builder import Categorical, EventLog, SideTable, SplitConfig, build_dataset
+from .builder import TIME_FEATURES, Categorical, EventLog, SideTable, SplitConfig, build_dataset
 from .errors import DataError
 
 
@@ -105,7 +105,7 @@ PROFILES = {
     ),
 }
 BENCH_SEQ_FEATURES = ["item_category", "item_brand"]
-BENCH_EXTRA_DENSE = 4  # per side, on top of user_tenure, item_quality, item_price and the 5 time/history ones
+BENCH_DENSE = 16  # the benchmark's dense features: the time ones, user_tenure, item_quality, item_price, noise
 
 DEVICES = ["ios", "android", "web", "tv"]
 SURFACES = ["feed", "search", "related", "notification", "profile", "story", "reel", "shop"]
@@ -324,9 +324,11 @@ def generate(
     )
     item_dense = {"item_quality": item_quality.astype(np.float32), "item_price": item_price.astype(np.float32)}
     user_dense = {"user_tenure": user_tenure}
-    if bench:  # noise columns: the benchmark's 16 dense features
-        for i in range(BENCH_EXTRA_DENSE):
+    if bench:  # noise columns up to the benchmark's BENCH_DENSE dense features
+        noise = BENCH_DENSE - len(TIME_FEATURES) - len(item_dense) - len(user_dense)
+        for i in range(noise - noise // 2):
             item_dense[f"item_dense_{i}"] = rng.normal(size=cfg.items).astype(np.float32)
+        for i in range(noise // 2):
             user_dense[f"user_dense_{i}"] = rng.normal(size=num_users).astype(np.float32)
     items = SideTable(
         source="synth items",
@@ -360,7 +362,7 @@ def synthesize(
     out: Path, cfg: SynthConfig, split: SplitConfig | None = None, overwrite: bool = False, progress: bool = True
 ) -> Path:
     """Generate and write the dataset. The h200-bench profile always splits by `last_event` (its `eval_fraction`
-    or `cutoff` still apply)."""
+    or `cutoff` still apply) and has no aggregate features (its dense features are the benchmark's)."""
     bench = cfg.profile == "h200-bench"
     if bench:
         split = replace(split or SplitConfig(), by="last_event")
@@ -374,6 +376,7 @@ def synthesize(
         split=split,
         seq_item_features=BENCH_SEQ_FEATURES if bench else ["item_category", "item_brand", "item_tags"],
         hash_buckets={"item": cfg.item_hash_buckets} if cfg.item_hash_buckets else None,
+        aggregates=not bench,
         extra={"synth": report},
         overwrite=overwrite,
         progress=progress,
