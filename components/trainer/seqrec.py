@@ -257,7 +257,6 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
     from gemrec.model import train_step
 
     cfg = config.seqrec
-    set_determinism(config.train.seed, config.train.deterministic)
     rng = np.random.default_rng(config.train.seed)
     model = arm.model
     sparse_kind = apply_sparse_optimizer(model, config.optim) if cfg.sparse_optimizer else "none (AdamW on all)"
@@ -441,6 +440,7 @@ def run_seqrec_bench(
         evaluator = Evaluator(data, protocol, config.seqrec.eval_batch_size, dev)
         arm_results = {}
         for name in arms:
+            set_determinism(config.train.seed, config.train.deterministic)  # each arm's weights from the seed
             arm = build_arm(name, protocol, config, data, dev)
             arm_results[name] = train_arm(arm, evaluator, config, tracker, dev)
         headline = arm_results[arms[0]]["test"]
