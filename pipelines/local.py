@@ -17,7 +17,7 @@ from pathlib import Path
 
 from . import tracking
 from .pipeline import PIPELINE_NAME, build
-from .services import claim_port
+from .services import claim_ports
 from .steps import FAILURE_FILE
 
 
@@ -85,9 +85,7 @@ def check_inputs(recipe: str, data: str | None, nproc: int, feature_port: int, d
         )
     if nproc < 1:
         raise InputError(f"--nproc must be at least 1 (got {nproc})")
-    for port, what in ((feature_port, "feature service"), (data_port, "data service")):
-        if port:
-            claim_port(port, what)
+    claim_ports([(feature_port, "feature service"), (data_port, "data service")])
     return path
 
 

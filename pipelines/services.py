@@ -10,42 +10,38 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-LOCALHOST = "127.0.0.1"
+from gemrec.components.common.ports import LOCALHOST, free_ports, port_in_use
 
 
 class ServiceError(RuntimeError):
     """A local service could not start or died: the message names it and quotes its log."""
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((LOCALHOST, 0))
-        return sock.getsockname()[1]
-
-
-def port_in_use(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind((LOCALHOST, port))
-        except OSError:
-            return True
-    return False
+def claim_ports(wanted: Sequence[tuple[int, str]]) -> list[int]:
+    """Each (port, what) pair's port, or for 0 a free one; all distinct. ServiceError names a taken or shared port."""
+    given = [port for port, _ in wanted if port]
+    spare = iter(port for port in free_ports(len(wanted) * 2) if port not in given)
+    claimed: dict[int, str] = {}
+    for port, what in wanted:
+        if port == 0:
+            port = next(spare)
+        elif port in claimed:
+            raise ServiceError(f"the {claimed[port]} and the {what} cannot share port {port}")
+        elif port_in_use(port):
+            raise ServiceError(f"port {port} on {LOCALHOST} is already in use (wanted by the {what})")
+        claimed[port] = what
+    return list(claimed)
 
 
 def claim_port(port: int, what: str) -> int:
     """`port`, or a free one when 0; raise ServiceError naming `what` when it is taken."""
-    if port == 0:
-        return free_port()
-    if port_in_use(port):
-        raise ServiceError(f"port {port} on {LOCALHOST} is already in use (wanted by the {what})")
-    return port
+    return claim_ports([(port, what)])[0]
 
 
 def tail(path: Path, lines: int = 15) -> str:

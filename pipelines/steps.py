@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
+from gemrec.components.common.ports import free_port
 from gemrec.config import ConfigError, Section
 
 from . import tracking
@@ -25,8 +26,7 @@ from .services import (
     LOCALHOST,
     ProcessGroup,
     ServiceError,
-    claim_port,
-    free_port,
+    claim_ports,
     gemrec_command,
     gemrec_executable,
 )
@@ -261,10 +261,7 @@ def train_local(spec: TrainSpec, dataset: str, features: dict, metrics_out: str)
     except ValueError as err:  # ConfigError: the recipe or one of its values
         raise StepError(f"recipe {spec.recipe!r}: {err}") from err
     logs = Path(spec.run_dir) / "logs"
-    feature_port = claim_port(spec.feature_port, "feature service")
-    data_port = claim_port(spec.data_port, "data service")
-    if feature_port == data_port:
-        raise StepError(f"the feature and data services cannot share port {feature_port}")
+    feature_port, data_port = claim_ports([(spec.feature_port, "feature service"), (spec.data_port, "data service")])
     feature_addr, data_addr = f"{LOCALHOST}:{feature_port}", f"{LOCALHOST}:{data_port}"
     store = ["--store", "redis", "--redis-url", features["redis_url"]] if features.get("store") == "redis" else []
     started_ms = int(time.time() * 1000)

@@ -1,11 +1,11 @@
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from gemrec.components.common import ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,9 +29,7 @@ def movielens_raw() -> Path:
 
 @pytest.fixture
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return ports.free_port()
 
 
 @pytest.fixture(scope="session")

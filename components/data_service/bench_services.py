@@ -12,7 +12,6 @@ import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,12 +19,7 @@ from pathlib import Path
 
 import numpy as np
 from gemrec.components.common.grpc_channel import open_channel, wait_healthy
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gemrec.components.common.ports import free_port
 
 
 def _serve(args: list[str], port: int) -> subprocess.Popen:
@@ -248,7 +242,7 @@ def _redis(out: Path):
     binary = shutil.which("redis-server")
     if binary is None:
         return None, None
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(out)],
         stdout=subprocess.DEVNULL,
@@ -280,7 +274,7 @@ def run(args) -> int:
             report["materialize"] = materialize(MemoryStore(features_dir), redis_url, progress=False)
             stores.append("redis")
         for store in stores:
-            port = _free_port()
+            port = free_port()
             extra = ["--store", store] + (["--redis-url", redis_url] if store == "redis" else [])
             proc = _serve(["features", "--dataset", str(features_dir), *extra], port)
             address = f"127.0.0.1:{port}"
@@ -306,7 +300,7 @@ def run(args) -> int:
     synth_dir = _synth_dataset(args, out)
     report["data_dataset"] = str(synth_dir)
     report["data_service"] = []
-    port = _free_port()
+    port = free_port()
     proc = _serve(["data", "--dataset", str(synth_dir), "--prefetch", "4"], port)
     try:
         for max_seq_len in (256, 4096):

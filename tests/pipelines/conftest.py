@@ -3,6 +3,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from gemrec.components.common.ports import free_port
 
 
 class RecordingEndpoint:
@@ -65,14 +66,6 @@ def recording_endpoint():
     endpoint.close()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def gemrec_cli() -> str:
     """The environment's `gemrec` console script."""
     import shutil
@@ -109,7 +102,7 @@ def pipeline_run(tmp_path_factory, movielens_raw):
 
     work = tmp_path_factory.mktemp("pipeline")
     store = f"sqlite:///{work}/mlruns.db"
-    ui_port = _free_port()
+    ui_port = free_port()
     started = time.monotonic()
     result = subprocess.run(
         [

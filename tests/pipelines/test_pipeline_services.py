@@ -6,7 +6,8 @@ import sys
 import time
 
 import pytest
-from gemrec.pipelines.services import ProcessGroup, ServiceError, claim_port, wait_serving
+from gemrec.components.common.ports import free_port
+from gemrec.pipelines.services import ProcessGroup, ServiceError, claim_port, claim_ports, wait_serving
 
 SPAWNER = """
 import signal, subprocess, sys, time
@@ -100,6 +101,20 @@ def test_a_port_in_use_is_named():
         ):
             claim_port(port, "data service")
     assert claim_port(0, "data service") > 0
+
+
+def test_services_asking_for_any_port_get_different_ones():
+    for _ in range(200):  # the OS may hand out a just-released port again: each claim must still differ
+        feature, data = claim_ports([(0, "feature service"), (0, "data service")])
+        assert feature != data
+
+
+def test_two_services_asking_for_one_port_are_refused():
+    port = free_port()
+    with pytest.raises(ServiceError, match=f"the feature service and the data service cannot share port {port}"):
+        claim_ports([(port, "feature service"), (port, "data service")])
+    feature, data = claim_ports([(port, "feature service"), (0, "data service")])
+    assert (feature, data != port) == (port, True)
 
 
 def test_progress_bars_become_throttled_lines(tmp_path, capfd):

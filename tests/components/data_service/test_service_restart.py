@@ -3,7 +3,6 @@ epoch is still exactly the split (no example lost, none repeated); SIGSTOP it, a
 then resumes exactly after SIGCONT or fails with a clear timeout. Graceful drains are in test_service_stream."""
 
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -13,16 +12,11 @@ from collections import Counter
 import numpy as np
 import pytest
 from gemrec.components.common.grpc_channel import open_channel, wait_healthy
+from gemrec.components.common.ports import free_port
 from gemrec.components.data_service.client import DataClient, DataServiceTimeout
 from gemrec.components.data_service.dataset import Dataset
 
 SPLIT = "eval"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(dataset, port: int, log) -> subprocess.Popen:
@@ -64,7 +58,7 @@ def split_keys(movielens_dataset):
 
 def test_server_dies_mid_stream_and_client_resumes_exactly(movielens_dataset, split_keys, tmp_path):
     """SIGKILL at batch 5; a new server starts on the same port while the client keeps iterating."""
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115
     procs = [_start(movielens_dataset, port, log)]
     exits = []
@@ -115,7 +109,7 @@ def _client(port: int, **kw) -> DataClient:
 def test_stopped_server_is_waited_for_visibly_and_resumed_exactly(movielens_dataset, split_keys, tmp_path, caplog):
     """SIGSTOP at batch 3 (a wedged server: connections stay open, nothing arrives): the client warns while it
     waits, cancels the stalled stream, keeps reconnecting; after SIGCONT it resumes from its cursor."""
-    port = _free_port()
+    port = free_port()
     with open(tmp_path / "server.log", "w") as log:
         proc = _start(movielens_dataset, port, log)
         client = _client(port, stall_s=1.0, warn_every_s=0.5, wait_timeout_s=60, max_backoff_s=0.5)
@@ -142,7 +136,7 @@ def test_stopped_server_is_waited_for_visibly_and_resumed_exactly(movielens_data
 
 def test_stopped_server_fails_the_client_after_its_timeout(movielens_dataset, tmp_path):
     """A server that never comes back: a clear DataServiceTimeout after wait_timeout_s, not a hang."""
-    port = _free_port()
+    port = free_port()
     with open(tmp_path / "server.log", "w") as log:
         proc = _start(movielens_dataset, port, log)
         client = _client(port, stall_s=0.5, warn_every_s=0.5, wait_timeout_s=3.0, max_backoff_s=0.2)

@@ -1,15 +1,9 @@
 import shutil
-import socket
 import subprocess
 import time
 
 import pytest
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from gemrec.components.common.ports import free_port
 
 
 def start_redis(port: int, workdir) -> subprocess.Popen:
@@ -49,7 +43,7 @@ def redis_starter():
 @pytest.fixture(scope="session")
 def redis_url(tmp_path_factory):
     """A private redis-server on a free 127.0.0.1 port (no persistence), stopped at the end."""
-    port = _free_port()
+    port = free_port()
     proc = start_redis(port, tmp_path_factory.mktemp("redis"))
     try:
         yield f"redis://127.0.0.1:{port}/0"

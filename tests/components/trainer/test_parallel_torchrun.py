@@ -56,12 +56,7 @@ def torchrun(nproc: int, out: Path, checks: list[str], port: int) -> dict[str, l
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import socket
-
-    def port() -> int:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
+    from gemrec.components.common.ports import free_port as port
 
     base = tmp_path_factory.mktemp("parallel")
     four = torchrun(4, base / "four", ["train:2x2x1", "train:2x2x2", "train:1x4x2", "ep", "dcp_save"], port())

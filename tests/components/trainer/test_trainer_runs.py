@@ -5,7 +5,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from gemrec.cli import CLIError
 from gemrec.cli import main as gemrec_main
+from gemrec.components.common.ports import free_port
 from gemrec.components.trainer.checkpoint import CheckpointManager
 from gemrec.components.trainer.config import load_recipe
 from gemrec.components.trainer.run import run_training
@@ -48,12 +48,6 @@ def _train_cmd(dataset: Path, run_dir: Path, metrics: Path, *extra: str) -> list
         f"train.steps={STEPS}",
         *extra,
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -318,7 +312,7 @@ def test_trainer_without_mlflow_fails_clearly_when_the_data_service_stops(moviel
     """`gemrec serve data` as a process, SIGSTOPped once training has checkpointed: the trainer logs its reconnects
     while it waits, then stops with a clear error after data.wait_timeout_s (no silent hang). No MLflow
     (--no-tracking)."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [GEMREC, "serve", "data", "--dataset", str(movielens_dataset), "--port", str(port)],
         stdout=subprocess.DEVNULL,
