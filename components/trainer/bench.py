@@ -150,22 +150,15 @@ def run_quality_bench(
 def log_comparison(results: dict, arms: list[str], tasks: list[str], table: str, recipe: str, tracking_uri, experiment):
     """An MLflow run `quality-<recipe>`: the table and a PNG of every arm's NE per task beside the base rate."""
     import matplotlib.pyplot as plt
-    from gemrec.components.trainer.tracking import Tracker, resolve_tracking_uri
+    from gemrec.components.trainer.tracking import Tracker, plot_ne_comparison, resolve_tracking_uri
 
     first = results[arms[0]]
-    rows = [(arm, [results[arm]["ne"][t] for t in tasks]) for arm in arms]
-    rows.append(("base rate (train)", [first["ne_train_base_rate"][t] for t in tasks]))
-    fig, ax = plt.subplots(figsize=(2.0 + 1.6 * len(tasks) * len(rows) / 3, 3.6))
-    width = 0.8 / len(rows)
-    for i, (name, values) in enumerate(rows):
-        xs = [j + i * width for j in range(len(tasks))]
-        ax.bar(xs, [v if v is not None else float("nan") for v in values], width, label=name)
-    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], [f"NE {t}" for t in tasks])
-    ax.set_ylabel("eval NE (lower is better)")
-    ax.set_title(f"{first['dataset']['name']}, recipe {recipe}")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
+    fig = plot_ne_comparison(
+        {arm: results[arm]["ne"] for arm in arms},
+        first["ne_train_base_rate"],
+        tasks,
+        f"{first['dataset']['name']}, recipe {recipe}",
+    )
     tracker = Tracker(True, resolve_tracking_uri(tracking_uri), experiment, run_name=f"quality-{recipe}")
     tracker.set_tags({"dataset": first["dataset"]["name"], "recipe": recipe, "arms": ",".join(arms)})
 

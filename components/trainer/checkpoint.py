@@ -9,6 +9,9 @@ the previous checkpoint complete and pointed to.
 checkpoint written right after a diverging update holds finite but exploded weights, and only the next
 step shows it. When training stops on a non-finite loss, `DIR/diverged.json` records it and `--resume`
 starts from the healthy checkpoint instead of the newest; pruning never removes the healthy one.
+
+`DIR/best` names the checkpoint with the best validation (early stopping, `evaluate.EarlyStopping`): the weights a
+run ends with and exports, also when `--resume` finishes a run that already ended; pruning never removes it.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ log = logging.getLogger(__name__)
 
 LATEST = "latest"
 HEALTHY = "healthy"
+BEST = "best"
 DIVERGED = "diverged.json"
 
 
@@ -106,6 +110,16 @@ class CheckpointManager:
             _write_atomic(self.dir / HEALTHY, path.name)
             (self.dir / DIVERGED).unlink(missing_ok=True)
 
+    def best(self) -> Path | None:
+        """The checkpoint with the best validation so far, or None."""
+        return self._pointed(BEST)
+
+    def mark_best(self, path: Path) -> None:
+        """`path` validated best: also healthy (its weights gave finite validation losses)."""
+        if self.rank == 0:
+            _write_atomic(self.dir / BEST, path.name)
+        self.mark_healthy(path)
+
     def mark_diverged(self, step: int, why: str) -> None:
         if self.rank == 0 and self.dir.is_dir():
             _write_atomic(self.dir / DIVERGED, json.dumps({"step": step, "why": why}))
@@ -127,6 +141,7 @@ class CheckpointManager:
         return complete[-1] if complete else None
 
     def clear(self) -> None:
+        self.barrier()  # every rank is done with the directory (`check_writable`'s probe) before it goes
         if self.rank == 0 and self.dir.exists():
             shutil.rmtree(self.dir)
         self.barrier()
@@ -160,13 +175,14 @@ class CheckpointManager:
 
     def _prune(self) -> None:
         complete = sorted(p for p in self.dir.glob("step_*") if (p / "meta.json").exists())
-        healthy = self.healthy()
+        pinned = {self.healthy(), self.best()}
         for old in complete[: -self.keep]:
-            if old != healthy:
+            if old not in pinned:
                 shutil.rmtree(old, ignore_errors=True)
 
     def load(self, state: dict, path: Path | None = None) -> dict:
-        """Load in place into `state` (a template with the right keys and shapes); returns meta.json."""
+        """Load in place into `state` (a template with the right keys and shapes: all of the checkpoint's or some,
+        e.g. only "model"); returns meta.json."""
         path = path or self.latest()
         if path is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.dir}")

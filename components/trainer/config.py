@@ -37,6 +37,7 @@ class DataConfig(Section):
     max_seq_len: int = 128  # most recent history tokens kept per example
     eval_batch_size: int = 1024
     eval_max_examples: int = 0  # 0 = the whole eval split
+    valid_max_examples: int = 0  # examples of each validation (a fixed random subset); 0 = the whole valid split
     prefetch: int = 2  # batches collated ahead in a background thread (0 = inline)
     device_prefetch: int = 2  # batches pinned and copied to the device ahead of the step (side CUDA stream)
     stall_s: float = 30.0  # --data-addr: a stream that delivers nothing this long is reopened from its cursor
@@ -45,7 +46,7 @@ class DataConfig(Section):
     def check(self) -> None:
         for key in ("batch_size", "max_seq_len", "eval_batch_size", "device_prefetch", "stall_s", "wait_timeout_s"):
             self.require(getattr(self, key) > 0, key, "must be > 0")
-        for key in ("eval_max_examples", "prefetch"):
+        for key in ("eval_max_examples", "valid_max_examples", "prefetch"):
             self.require(getattr(self, key) >= 0, key, "must be >= 0")
 
 
@@ -70,12 +71,15 @@ class OptimConfig(Section):
         self.require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
 
 
+VALID_METRICS = ("ne", "auc", "log_loss")  # what validation can follow (auc: higher is better)
+
+
 @dataclass(frozen=True)
 class LoopConfig(Section):
     SECTION: ClassVar[str] = "train"
 
-    steps: int = 0  # 0 = derive from epochs
-    epochs: float = 1.0
+    steps: int = 0  # the most steps (early stopping may end sooner); 0 = derive from epochs
+    epochs: float = 1.0  # the most epochs when steps is 0 (early stopping may end sooner)
     seed: int = 0
     deterministic: bool = False  # deterministic algorithms, fixed threads: bit-identical reruns and resumes
     compile: bool = False  # torch.compile the model
@@ -84,7 +88,12 @@ class LoopConfig(Section):
     precision: Literal["auto", "bf16", "fp32", "fp8"] = "auto"
     log_every: int = 20
     untimed_steps: int = 0  # left out of the run's QPS, MFU and data waits (compilation): windows ending by then
-    eval_every: int = 0  # 0 = only at the end
+    # Validation on the dataset's `valid` split (the end of the train period, never the eval period): every
+    # `eval_every` steps and at the last one; the best weights (by `valid_metric`) are kept as a checkpoint and
+    # restored before the final evaluation on `eval`. 0 = no validation: the last weights are evaluated.
+    eval_every: int = 0
+    patience: int = 0  # validations in a row without a better valid_metric before training stops; 0 = never
+    valid_metric: str = ""  # ne | auc | log_loss, optionally _<label> ("ne_like"); "" = NE of the first label
     local_mfu: bool = True  # measure per-layer local MFU (each layer alone) at the end
     local_mfu_repeats: int = 3
     task_weights: dict[str, float] = field(default_factory=dict)  # label -> loss weight (default 1.0)
@@ -96,6 +105,24 @@ class LoopConfig(Section):
             self.require(getattr(self, key) >= 0, key, "must be >= 0")
         for key in ("log_every", "local_mfu_repeats"):
             self.require(getattr(self, key) > 0, key, "must be > 0")
+        self.require(self.patience >= 0, "patience", "must be >= 0 (0 = never stop early)")
+        self.require(self.patience == 0 or self.eval_every > 0, "patience", "needs train.eval_every > 0")
+        self.require(
+            self.valid_metric == "" or split_valid_metric(self.valid_metric)[0] is not None,
+            "valid_metric",
+            f"must be one of {', '.join(VALID_METRICS)}, optionally followed by _<label>",
+        )
+
+
+def split_valid_metric(name: str) -> tuple[str | None, str | None]:
+    """(metric, label) of a `train.valid_metric`: ("ne", None) for "" (None: the first label); (None, None) when
+    it is none of VALID_METRICS."""
+    for kind in VALID_METRICS:
+        if name in ("", kind):
+            return ("ne" if not name else kind), None
+        if name.startswith(f"{kind}_") and len(name) > len(kind) + 1:
+            return kind, name[len(kind) + 1 :]
+    return None, None
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from gemrec.model import ModelInput
 
 TRAIN_SPLIT = "train"
 EVAL_SPLIT = "eval"
+VALID_SPLIT = "valid"  # the end of the train period, for validation and early stopping
 
 
 def to_model_input(batch: Batch) -> ModelInput:
@@ -218,7 +219,7 @@ class RemoteStream:
                 f"split {TRAIN_SPLIT!r} has {sizes[TRAIN_SPLIT]} examples, fewer than one global batch "
                 f"({batch_size} x {world_size} ranks)"
             )
-        self.eval_examples = sizes[EVAL_SPLIT]
+        self.split_sizes = dict(sizes)
         self.epoch = 0
         self.cursor = b""
         self.last_info = None
@@ -253,11 +254,12 @@ class RemoteStream:
             self.epoch += 1
             self.cursor = b""
 
-    def eval_batches(self, batch_size: int, max_examples: int) -> Iterator[Batch]:
-        """This rank's share of the eval split in order (every rank gets the same number of batches)."""
+    def split_batches(self, split: str, batch_size: int, max_examples: int) -> Iterator[Batch]:
+        """This rank's share of `split` (eval, valid) in order (every rank gets the same number of batches); the
+        first `max_examples` of it when > 0."""
         limit = -(-max_examples // self.world_size) if max_examples > 0 else None
         seen = 0
-        for batch in self._client(EVAL_SPLIT, epoch=0, shuffle=False, batch_size=batch_size):
+        for batch in self._client(split, epoch=0, shuffle=False, batch_size=batch_size):
             yield batch
             seen += batch.batch_size
             if limit is not None and seen >= limit:

@@ -43,6 +43,14 @@ class DistContext:
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return float(t.item())
 
+    def broadcast_from_main(self, value: float) -> float:
+        """Rank 0's `value` on every rank (what rank 0 decided, e.g. a validation metric only it computed)."""
+        if not self.distributed:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.comm_device)
+        dist.broadcast(t, src=0)
+        return float(t.item())
+
     def gather_objects(self, obj) -> list | None:
         """Every rank's `obj` on rank 0 (None elsewhere); `[obj]` when alone."""
         if not self.distributed:

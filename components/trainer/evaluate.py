@@ -1,17 +1,22 @@
-"""Evaluation during and after training: NE, AUC and calibration per task on the eval split, over all ranks, timed
-(the train loop leaves eval time out of its throughput)."""
+"""Evaluation of a split (NE, AUC and calibration per task, over all ranks, timed: the train loop leaves it out of
+its throughput), and early stopping on the `valid` split: when to validate, whether a validation improved on the
+best, when to stop (`EarlyStopping`). The best weights themselves are a checkpoint (`CheckpointManager.best`)."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 from gemrec.components.trainer import metrics as qm
+from gemrec.components.trainer.config import LoopConfig, split_valid_metric
 from gemrec.components.trainer.distributed import DistContext
+from gemrec.config import ConfigError
 from torch import nn
 
 
@@ -23,21 +28,17 @@ class Evaluator:
         to_input: Callable[[Any], Any],
         autocast: Callable[[], AbstractContextManager[object]],
         ctx: DistContext,
-        every: int = 0,
+        split: str = "eval",
     ):
-        """`source()` yields this rank's eval `Batch`es (every rank the same number); `to_input(batch)` gives the
-        model input on the device; `every`: steps between evaluations during training (0 = only at the end)."""
+        """`source()` yields this rank's `Batch`es of `split` (every rank the same number); `to_input(batch)` gives
+        the model input on the device."""
         self.source = source
         self.task_names = list(task_names)
         self.to_input = to_input
         self.autocast = autocast
         self.ctx = ctx
-        self.every = every
+        self.split = split
         self.seconds = 0.0  # wall time of the last evaluation
-
-    def due(self, step: int, last: bool) -> bool:
-        """An evaluation during training (the final one is run by the loop after the last step)."""
-        return bool(self.every) and step % self.every == 0 and not last
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, train_rates: Callable[[], dict[str, float]]) -> dict | None:
@@ -76,3 +77,68 @@ class Evaluator:
                 result[name]["ne_train_base_rate_predictor"] = qm.normalized_entropy(y, np.full(len(y), rate))
         self.seconds = time.perf_counter() - start
         return {"tasks": result, "examples": int(len(all_labels))}
+
+
+@dataclass
+class EarlyStopping:
+    """Validation every `every` steps and at the last one; the best value of `metric` and its step; training stops
+    after `patience` validations in a row without a better value (0 = never). Identical on every rank (each counts
+    rank 0's value); its state goes into every checkpoint."""
+
+    metric: str  # "ne_like" (`train.valid_metric`), "ndcg@10", ...
+    higher_is_better: bool
+    every: int  # steps between validations; 0 = no validation
+    patience: int
+    best: float = math.nan
+    best_step: int = 0
+    stale: int = 0
+    validations: int = 0
+
+    @classmethod
+    def for_run(cls, train: LoopConfig, labels: Sequence[str], has_valid: bool) -> EarlyStopping:
+        """From `[train]` (`eval_every`, `patience`, `valid_metric`) for a dataset with `labels`; inactive when the
+        dataset has no valid split. A label the dataset does not have is refused."""
+        kind, label = split_valid_metric(train.valid_metric)
+        label = label or labels[0]
+        if label not in labels:
+            raise ConfigError(
+                f"train.valid_metric = {train.valid_metric!r} names label {label!r}; the dataset's labels are "
+                f"{list(labels)}"
+            )
+        return cls(f"{kind}_{label}", kind == "auc", train.eval_every if has_valid else 0, train.patience)
+
+    @property
+    def active(self) -> bool:
+        return self.every > 0
+
+    @property
+    def stop(self) -> bool:
+        return self.patience > 0 and self.stale >= self.patience
+
+    def due(self, step: int, last: bool) -> bool:
+        return self.active and (step % self.every == 0 or last)
+
+    def value(self, result: dict) -> float:
+        """The followed `<metric>_<label>` of an `Evaluator.evaluate` result (NaN when undefined, e.g. one class)."""
+        kind, label = split_valid_metric(self.metric)
+        value = result["tasks"][label][kind]
+        return math.nan if value is None else float(value)
+
+    def update(self, step: int, value: float) -> bool:
+        """Count a validation at `step`; True when `value` is the best so far (a non-finite value never is)."""
+        self.validations += 1
+        better = math.isfinite(value) and (
+            math.isnan(self.best) or (value > self.best if self.higher_is_better else value < self.best)
+        )
+        if better:
+            self.best, self.best_step, self.stale = value, step, 0
+        else:
+            self.stale += 1
+        return better
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "best_step": self.best_step, "stale": self.stale, "validations": self.validations}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best, self.best_step = float(state["best"]), int(state["best_step"])
+        self.stale, self.validations = int(state["stale"]), int(state["validations"])

@@ -25,9 +25,10 @@ def train_label_rates(dataset_dir: Path, labels: list[str]) -> dict[str, float]:
 
 
 def dataset_source(config: TrainConfig, dataset_dir: Path, rank: int, world_size: int):
-    """(stream, eval batches factory, manifest, info) for an in-process dataset directory."""
+    """(stream, eval batches factory, valid batches factory or None, manifest, info) for an in-process dataset
+    directory."""
     from gemrec.components.data_service.dataset import Dataset
-    from gemrec.components.trainer.data import EVAL_SPLIT, TRAIN_SPLIT, DatasetStream, eval_row_chunks
+    from gemrec.components.trainer.data import EVAL_SPLIT, TRAIN_SPLIT, VALID_SPLIT, DatasetStream, eval_row_chunks
 
     ds = Dataset.open(dataset_dir)
     stream = DatasetStream(
@@ -39,13 +40,17 @@ def dataset_source(config: TrainConfig, dataset_dir: Path, rank: int, world_size
         world_size,
         prefetch=config.data.prefetch,
     )
-    chunks = eval_row_chunks(
-        ds.num_examples(EVAL_SPLIT), config.data.eval_max_examples, config.data.eval_batch_size, rank, world_size
-    )
 
-    def eval_batches():
-        for rows in chunks:
-            yield ds.collate(EVAL_SPLIT, rows, config.data.max_seq_len)
+    def split_batches(split: str, max_examples: int):
+        chunks = eval_row_chunks(ds.num_examples(split), max_examples, config.data.eval_batch_size, rank, world_size)
+
+        def batches():
+            for rows in chunks:
+                yield ds.collate(split, rows, config.data.max_seq_len)
+
+        return batches
+
+    has_valid = VALID_SPLIT in ds.splits and ds.num_examples(VALID_SPLIT) > 0
 
     manifest = ds.manifest
     info = {
@@ -55,12 +60,14 @@ def dataset_source(config: TrainConfig, dataset_dir: Path, rank: int, world_size
         "train_base_rates": train_label_rates(Path(dataset_dir), list(manifest["labels"])),
         "train_seq_lengths": ds.history_lengths(TRAIN_SPLIT, config.data.max_seq_len),
     }
-    return stream, eval_batches, manifest, info
+    eval_batches = split_batches(EVAL_SPLIT, config.data.eval_max_examples)
+    valid_batches = split_batches(VALID_SPLIT, config.data.valid_max_examples) if has_valid else None
+    return stream, eval_batches, valid_batches, manifest, info
 
 
 def remote_source(config: TrainConfig, addr: str, rank: int, world_size: int):
     import grpc
-    from gemrec.components.trainer.data import RemoteStream
+    from gemrec.components.trainer.data import EVAL_SPLIT, VALID_SPLIT, RemoteStream
 
     try:
         stream = RemoteStream(
@@ -79,8 +86,8 @@ def remote_source(config: TrainConfig, addr: str, rank: int, world_size: int):
         ) from err
     manifest = stream.manifest
 
-    def eval_batches():
-        return stream.eval_batches(config.data.eval_batch_size, config.data.eval_max_examples)
+    def split_batches(split: str, max_examples: int):
+        return lambda: stream.split_batches(split, config.data.eval_batch_size, max_examples)
 
     info = {
         "name": manifest.get("name"),
@@ -89,7 +96,10 @@ def remote_source(config: TrainConfig, addr: str, rank: int, world_size: int):
         "train_base_rates": {},
         "train_seq_lengths": None,
     }
-    return stream, eval_batches, manifest, info
+    eval_batches = split_batches(EVAL_SPLIT, config.data.eval_max_examples)
+    has_valid = stream.split_sizes.get(VALID_SPLIT, 0) > 0
+    valid_batches = split_batches(VALID_SPLIT, config.data.valid_max_examples) if has_valid else None
+    return stream, eval_batches, valid_batches, manifest, info
 
 
 def run_training(
@@ -140,11 +150,12 @@ def run_training(
     try:
         try:
             if dataset is not None:
-                stream, eval_batches, manifest, info = dataset_source(config, Path(dataset), ctx.rank, ctx.world_size)
+                source = dataset_source(config, Path(dataset), ctx.rank, ctx.world_size)
             elif data_addr is not None:
-                stream, eval_batches, manifest, info = remote_source(config, data_addr, ctx.rank, ctx.world_size)
+                source = remote_source(config, data_addr, ctx.rank, ctx.world_size)
             else:
                 raise CLIError("train from a dataset directory or a data service address: give one")
+            stream, eval_batches, valid_batches, manifest, info = source
             schema = FeatureSchema.from_manifest(manifest)
         except (DataError, ValueError, ConnectionError) as err:
             raise CLIError(f"{dataset or data_addr}: {err}") from err
@@ -159,7 +170,7 @@ def run_training(
             tracking=tracking,
         )
         try:
-            trainer = Trainer(config, ctx, options, stream, eval_batches, schema, info)
+            trainer = Trainer(config, ctx, options, stream, eval_batches, schema, info, valid_batches)
         except (ValueError, TrainingError) as err:  # the model or the trainer rejects the config
             raise CLIError(f"recipe {config.recipe}: {err}") from err
         try:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from gemrec.components.common import jagged
 from gemrec.components.trainer.config import TrainConfig
+from gemrec.components.trainer.evaluate import EarlyStopping
 from gemrec.components.trainer.ranking import KS, SAMPLED_NEGATIVES, ranking_metrics, sample_unseen, target_ranks
 from gemrec.components.trainer.seqrec_data import Jagged, SeqRecData, Targets
 from gemrec.components.trainer.tracking import (
@@ -281,7 +282,7 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
         sparse_kind,
     )
     history: list[dict] = []
-    best, best_state, best_step, stale = -1.0, None, 0, 0
+    early, best_state = EarlyStopping("ndcg@10", True, eval_interval, patience), None
     step, losses, train_seconds, eval_seconds = 0, [], 0.0, 0.0
     bar = tqdm(total=cfg.epochs * steps_per_epoch, desc=f"{arm.name}", unit="step", mininterval=2.0, dynamic_ncols=True)
     model.train()
@@ -296,7 +297,7 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
             step += 1
             losses.append(result.loss)
             bar.update(1)
-            if step % eval_interval:
+            if not early.due(step, last=False):
                 continue
             mean_loss = float(torch.stack(losses).float().mean())
             losses = []
@@ -313,12 +314,9 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
                 | {f"{arm.name}/train_loss": mean_loss},
                 step=step,
             )
-            if metrics["ndcg@10"] > best:
-                best, best_step, stale = metrics["ndcg@10"], step, 0
+            if early.update(step, metrics["ndcg@10"]):
                 best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            else:
-                stale += 1
-            bar.set_postfix(loss=f"{mean_loss:.4f}", ndcg10=f"{metrics['ndcg@10']:.4f}", best=f"{best:.4f}")
+            bar.set_postfix(loss=f"{mean_loss:.4f}", ndcg10=f"{metrics['ndcg@10']:.4f}", best=f"{early.best:.4f}")
             log.info(
                 "%s epoch %.2f: loss %.4f, valid HR@10 %.4f NDCG@10 %.4f (best %.4f at epoch %.2f)",
                 arm.name,
@@ -326,10 +324,10 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
                 mean_loss,
                 metrics["hr@10"],
                 metrics["ndcg@10"],
-                best,
-                best_step / steps_per_epoch,
+                early.best,
+                early.best_step / steps_per_epoch,
             )
-            if stale >= patience:
+            if early.stop:
                 done = True
                 break
         if done:
@@ -347,8 +345,8 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
     log.info("%s test: %s", arm.name, ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != "users"))
     return {
         "test": test,
-        "valid_best": next(h for h in history if h["step"] == best_step),
-        "best_epoch": best_step / steps_per_epoch,
+        "valid_best": next(h for h in history if h["step"] == early.best_step),
+        "best_epoch": early.best_step / steps_per_epoch,
         "epochs": step / steps_per_epoch,
         "steps": step,
         "params": params,

@@ -156,18 +156,20 @@ class Tracker:
         self.history.append(record)
         self.log_metrics({f"train/{k}": v for k, v in record.items() if k != "step"}, step=record["step"])
 
-    def log_eval(self, step: int, result: dict | None) -> None:
-        """An evaluation (`Evaluator.evaluate`'s result; None on ranks other than 0) as `eval/<metric>_<task>`."""
+    def log_eval(self, step: int, result: dict | None, split: str = "eval") -> None:
+        """An evaluation of `split` (`Evaluator.evaluate`'s result; None on ranks other than 0) as
+        `<split>/<metric>_<task>` (`eval/ne_like`, `valid/auc_love`)."""
         if result is None:
             return
-        flat: dict[str, Any] = {"step": step}
+        flat: dict[str, Any] = {"step": step, "split": split}
         for name, values in result["tasks"].items():
             for key, value in values.items():
                 flat[f"{key}_{name}"] = value
         self.eval_history.append(flat)
-        self.log_metrics({f"eval/{k}": v for k, v in flat.items() if k != "step"}, step=step)
+        self.log_metrics({f"{split}/{k}": v for k, v in flat.items() if k not in ("step", "split")}, step=step)
         log.info(
-            "eval at step %d: %s",
+            "%s at step %d: %s",
+            split,
             step,
             ", ".join(
                 f"{n}: NE {v['ne']:.4f} AUC {v['auc']:.4f} calib {v['calibration']:.3f}"
@@ -192,6 +194,19 @@ class Tracker:
             },
             step=summary["steps"],
         )
+        valid = summary.get("valid")
+        if valid:
+            self.log_metrics(
+                {f"final/valid_best_{valid['metric']}": valid["best"], "final/best_step": valid["best_step"]},
+                step=summary["steps"],
+            )
+            self.set_tags(
+                {
+                    "early_stopping": f"best valid {valid['metric']} {valid['best']:.4f} at step {valid['best_step']}"
+                    f" of {summary['steps']} trained ({valid['max_steps']} at most"
+                    + (", stopped early)" if valid["stopped_early"] else ")")
+                }
+            )
         if not self.enabled:
             return
         self._log_plot(plot_curves(self.history, self.eval_history), "plots/loss_ne_curves.png")
@@ -219,7 +234,7 @@ class Tracker:
 
 
 def plot_curves(history: list[dict], eval_history: list[dict]):
-    """Training loss and NE per logged step, eval NE per task at each evaluation."""
+    """Training loss and NE per logged step, valid and eval NE per task at each evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -235,12 +250,39 @@ def plot_curves(history: list[dict], eval_history: list[dict]):
     for key in ne_keys:
         ax_ne.plot(steps, [h.get(key, np.nan) for h in history], label=f"train {key[3:]}")
     eval_keys = sorted({k for e in eval_history for k in e if k.startswith("ne_")})
-    for key in eval_keys:
-        ax_ne.plot([e["step"] for e in eval_history], [e[key] for e in eval_history], "o--", label=f"eval {key[3:]}")
+    for split, style in (("valid", ".-"), ("eval", "o--")):
+        records = [e for e in eval_history if e["split"] == split]
+        for key in eval_keys:
+            if records:
+                ax_ne.plot([e["step"] for e in records], [e[key] for e in records], style, label=f"{split} {key[3:]}")
     ax_ne.axhline(1.0, color="gray", lw=0.8, ls=":")
     ax_ne.set_xlabel("step")
     ax_ne.set_ylabel("NE (1.0 = base rate)")
     ax_ne.legend()
+    fig.tight_layout()
+    return fig
+
+
+def plot_ne_comparison(ne: dict[str, dict[str, float | None]], base_rate: dict[str, float | None], tasks, title: str):
+    """Eval NE per task of every arm (`ne`: arm -> task -> NE), beside `base_rate` (task -> the NE of predicting the
+    training base rate) and the line NE = 1 (predicting the eval base rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [(arm, [values.get(t) for t in tasks]) for arm, values in ne.items()]
+    rows.append(("base rate (train)", [base_rate.get(t) for t in tasks]))
+    fig, ax = plt.subplots(figsize=(2.0 + 1.6 * len(tasks) * len(rows) / 3, 3.6))
+    width = 0.8 / len(rows)
+    for i, (name, values) in enumerate(rows):
+        xs = [j + i * width for j in range(len(tasks))]
+        ax.bar(xs, [v if v is not None else float("nan") for v in values], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(tasks))], [f"NE {t}" for t in tasks])
+    ax.set_ylabel("eval NE (lower is better)")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
@@ -295,13 +337,15 @@ def run_summary(
     checkpoint: str | None,
     mlflow: dict,
     dataset: dict,
+    valid: dict | None = None,
 ) -> dict:
     """The summary of a training run (the `--metrics-out` JSON, `metrics/summary.json` in MLflow).
 
     `totals`: examples, tokens, model FLOPs and seconds of the timed training windows, summed over ranks, and their
     steps, data wait (the slowest-fed rank's), batches read ahead and data-service CPU seconds; `data_waits`: this
     rank's wait for data at each timed step; `data_source`: "remote" (the data service) or "dataset" (in process);
-    `peak`: `mfu.Peak.as_dict()` of one device."""
+    `peak`: `mfu.Peak.as_dict()` of one device; `valid`: what validation decided (`Trainer.valid_summary`), None
+    without validation; `checkpoint`: the checkpoint of the evaluated weights (the best validated one)."""
     seconds, timed_steps = totals["seconds"], totals["steps"]
     waits_ms = 1000 * np.asarray(data_waits, dtype=np.float64)
     tasks = final_eval["tasks"]
@@ -345,6 +389,7 @@ def run_summary(
         "train_seconds": seconds,
         "timed_steps": int(timed_steps),
         "checkpoint": checkpoint,
+        "valid": valid,
         "mlflow": mlflow,
         "dataset": dataset,
         "git_commit": git_commit(),

@@ -1,6 +1,11 @@
-"""The training loop: data -> `Training.step` (the one train step) -> windows of metrics, with evaluation
-(`evaluate.py`), atomic DCP checkpoints (`checkpoint.py`), a NaN/Inf guard, MFU accounting and reporting to MLflow
-(`tracking.py`, rank 0 only).
+"""The training loop: data -> `Training.step` (the one train step) -> windows of metrics, with validation and early
+stopping on the `valid` split and the final evaluation on `eval` (`evaluate.py`), atomic DCP checkpoints
+(`checkpoint.py`), a NaN/Inf guard, MFU accounting and reporting to MLflow (`tracking.py`, rank 0 only).
+
+Validation: every `train.eval_every` steps and at the last one; rank 0 computes the followed metric and every rank
+counts it (`EarlyStopping`), so all ranks stop at the same step. A better value writes a checkpoint of that step and
+marks it best; training stops after `train.patience` validations without one; the best weights are loaded back
+before the final evaluation and the export (also when `--resume` finishes a run that already ended).
 
 The guard: losses are checked at every log point, checkpoint and evaluation; parameters (finite, norm not grown
 past `checkpoint.max_param_growth` since the previous checkpoint) before a checkpoint is written; and the step
@@ -22,7 +27,7 @@ from gemrec.components.trainer import metrics as qm
 from gemrec.components.trainer.checkpoint import CheckpointError, CheckpointManager
 from gemrec.components.trainer.config import TrainConfig
 from gemrec.components.trainer.distributed import DistContext
-from gemrec.components.trainer.evaluate import Evaluator
+from gemrec.components.trainer.evaluate import EarlyStopping, Evaluator
 from gemrec.components.trainer.mfu import LayerMFU, device_peak, measure_local_mfu, total_flops
 from gemrec.components.trainer.parallel.balance import RankBalance
 from gemrec.components.trainer.parallel.pipeline import training_inputs
@@ -121,9 +126,11 @@ class Trainer:
         eval_source,
         schema,
         dataset_info: dict,
+        valid_source=None,
     ):
-        """`stream` yields training `Batch`es and has `state()/load_state()`; `eval_source()` gives this rank's eval
-        batches; `dataset_info` carries name, checksum and the training label base rates."""
+        """`stream` yields training `Batch`es and has `state()/load_state()`; `eval_source()` and `valid_source()`
+        give this rank's eval and valid batches (`valid_source` None: the dataset has no valid split);
+        `dataset_info` carries name, checksum and the training label base rates."""
         self.config = config
         self.ctx = ctx
         self.options = options
@@ -148,9 +155,19 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             options.run_dir / "checkpoints", config.checkpoint.keep, ctx.rank, ctx.barrier, config.checkpoint.every
         )
-        self.evaluator = Evaluator(
-            eval_source, self.task_names, self.to_input, self.training.autocast, ctx, config.train.eval_every
+        self.evaluator = Evaluator(eval_source, self.task_names, self.to_input, self.training.autocast, ctx)
+        self.validator = (
+            Evaluator(valid_source, self.task_names, self.to_input, self.training.autocast, ctx, split="valid")
+            if valid_source is not None
+            else None
         )
+        self.early = EarlyStopping.for_run(config.train, self.task_names, has_valid=valid_source is not None)
+        if config.train.eval_every and valid_source is None:
+            log.warning(
+                "train.eval_every = %d but the dataset has no valid split: no validation, no early stopping; the "
+                "weights of the last step are evaluated (prepare the dataset with --valid-fraction > 0)",
+                config.train.eval_every,
+            )
         self.step = 0
         self.stream_state: dict | None = None  # the data stream's state after the last trained batch
         self.seen_label_sums = torch.zeros(len(self.task_names), dtype=torch.float64)
@@ -174,7 +191,7 @@ class Trainer:
             "optim": self.training.optimizers.state_dict(),
             "data": {f"rank{self.ctx.rank}": self.stream_state or self.stream.state()},
             "rng": {f"rank{self.ctx.rank}": rng},
-            "progress": {"step": self.step},
+            "progress": {"step": self.step, "valid": self.early.state_dict()},
         }
 
     def load_latest(self) -> bool:
@@ -206,6 +223,7 @@ class Trainer:
         if "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"], self.device)
         self.step = int(template["progress"]["step"])
+        self.early.load_state_dict(template["progress"]["valid"])
         self.last_checkpoint = path
         self.param_norm = meta.get("param_norm")
         self.resumed_run_id = meta.get("mlflow_run_id")
@@ -264,10 +282,45 @@ class Trainer:
 
     # -- evaluation and export -------------------------------------------------------------------------
 
-    def evaluate(self) -> dict | None:
-        """NE, AUC and calibration per task on the eval split (a collective); the result on rank 0."""
-        return self.evaluator.evaluate(
+    def evaluate(self, evaluator: Evaluator) -> dict | None:
+        """NE, AUC and calibration per task on the evaluator's split (a collective); the result on rank 0."""
+        return evaluator.evaluate(
             self.training.model, lambda: self.dataset_info.get("train_base_rates") or self.observed_train_rates()
+        )
+
+    def validate(self) -> bool:
+        """Validate (a collective), log `valid/*`, count the followed metric on every rank; True when it improved."""
+        result = self.evaluate(self.validator)
+        self.tracker.log_eval(self.step, result, split="valid")
+        value = self.ctx.broadcast_from_main(self.early.value(result) if result is not None else 0.0)
+        improved = self.early.update(self.step, value)
+        log.info(
+            "valid %s %.4f at step %d in %.1f s (best %.4f at step %d%s)",
+            self.early.metric,
+            value,
+            self.step,
+            self.validator.seconds,
+            self.early.best,
+            self.early.best_step,
+            f", stopping: {self.early.stale} validations without a better one" if self.early.stop else "",
+        )
+        return improved
+
+    def restore_best(self) -> None:
+        """Load the best validated weights (model only) unless they are the current ones."""
+        best = self.checkpoints.best()
+        if not self.early.active or best is None or self.early.best_step == self.step:
+            return
+        template = {"model": get_model_state_dict(self.training.train_model)}
+        self.checkpoints.load(template, best)
+        set_model_state_dict(self.training.train_model, template["model"])
+        self.last_checkpoint = best
+        log.info(
+            "restored the best weights of step %d (valid %s %.4f) from %s",
+            self.early.best_step,
+            self.early.metric,
+            self.early.best,
+            best,
         )
 
     def export_model(self):
@@ -292,6 +345,21 @@ class Trainer:
         sums = [self.ctx.all_reduce_sum(float(v)) for v in self.seen_label_sums]
         return {n: sums[i] / examples for i, n in enumerate(self.task_names)} if examples else {}
 
+    def valid_summary(self) -> dict | None:
+        """What validation decided (None without validation): the followed metric, its best value and step."""
+        if not self.early.active:
+            return None
+        best = self.checkpoints.best()
+        return {
+            "metric": self.early.metric,
+            "best": self.early.best,
+            "best_step": self.early.best_step,
+            "validations": self.early.validations,
+            "stopped_early": self.early.stop,
+            "max_steps": self.total_steps,
+            "best_checkpoint": str(best) if best else None,
+        }
+
     def to_input(self, batch):
         from gemrec.components.trainer.data import to_model_input
 
@@ -301,7 +369,7 @@ class Trainer:
 
     def run(self) -> dict:
         cfg, ctx = self.config, self.ctx
-        if cfg.checkpoint.every:
+        if cfg.checkpoint.every or self.early.active:  # the best validated weights are a checkpoint too
             try:
                 self.checkpoints.check_writable()
             except CheckpointError as err:
@@ -326,7 +394,8 @@ class Trainer:
             else:
                 self._log_start()
             totals, last_input = self.train()
-            final_eval = self.evaluate()
+            self.restore_best()
+            final_eval = self.evaluate(self.evaluator)
             self.tracker.log_eval(self.step, final_eval)
             if self.unconfirmed is not None and final_eval and all(map(math.isfinite, _losses(final_eval))):
                 self.checkpoints.mark_healthy(self.unconfirmed)  # the last one: no next step, the eval vouches
@@ -380,6 +449,8 @@ class Trainer:
             peak.flops,
             peak.source,
         )
+        if self.early.stop:
+            log.info("early stopping ended this run at step %d: nothing left to train", self.step)
         window = Window()
         totals = {"examples": 0.0, "tokens": 0.0, "flops": 0.0, "seconds": 0.0, "data_wait_s": 0.0}
         totals.update({"steps": 0.0, "in_flight": 0.0, "build_cpu_s": 0.0, "peak_memory_gib": 0.0})
@@ -407,7 +478,7 @@ class Trainer:
         from gemrec.model import model_flops
 
         cfg, training, last_input = self.config, self.training, None
-        while self.step < self.total_steps:
+        while self.step < self.total_steps and not self.early.stop:
             waiting = time.perf_counter()
             item = next(batches)
             window.data_waits.append(time.perf_counter() - waiting)
@@ -437,7 +508,12 @@ class Trainer:
             last_input = device_input
             bar.update(1)
 
-            last = self.step == self.total_steps
+            last, improved = self.step == self.total_steps, False
+            if self.early.due(self.step, last):
+                self.check_finite(window)
+                improved = self.validate()
+                window.exclude(self.validator.seconds)
+                last = last or self.early.stop
             if last:
                 batches.close()  # stop reading ahead before evaluation
             if self.step % cfg.train.log_every == 0 or last:
@@ -446,14 +522,13 @@ class Trainer:
                 window.reset()
             if (self.step + 1) % cfg.train.log_every == 0:
                 training.fp8_counters(collect_next=True)  # FP8 overflow/underflow: count the logging steps
-            if self.checkpoints.due(self.step, last):
+            if self.checkpoints.due(self.step, last) or improved:
                 self.check_finite(window)
                 self.save_checkpoint()
                 window.exclude(self.checkpoints.seconds)
-            if self.evaluator.due(self.step, last):
-                self.check_finite(window)
-                self.tracker.log_eval(self.step, self.evaluate())
-                window.exclude(self.evaluator.seconds)
+            if improved:  # validated: best, and healthy without waiting for the next step
+                self.checkpoints.mark_best(self.last_checkpoint)
+                self.unconfirmed = None
         return last_input
 
     def _log_window(self, window: Window, totals: dict[str, float], bar) -> None:
@@ -542,6 +617,7 @@ class Trainer:
             layer_rows=layer_rows,
             train_loss=self.tracker.history[-1]["loss"] if self.tracker.history else float("nan"),
             checkpoint=str(self.last_checkpoint) if self.last_checkpoint else None,
+            valid=self.valid_summary(),
             mlflow={
                 "tracking_uri": self.options.tracking_uri,
                 "experiment": self.options.experiment,

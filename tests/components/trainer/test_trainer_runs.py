@@ -2,6 +2,7 @@
 the NaN guard, torchrun with two ranks, CLI errors."""
 
 import json
+import math
 import os
 import re
 import signal
@@ -214,20 +215,21 @@ def test_torchrun_two_ranks_logs_once(movielens_dataset, tmp_path):
         "--experiment",
         "ddp",
         "--set",
-        "train.steps=6",
+        "train.steps=12",
+        *("--set", "train.eval_every=2", "--set", "train.patience=1"),  # validation decided by rank 0 for both
+        *("--set", "optim.dense_lr=0.05", "--set", "optim.decay='constant'"),  # a rate that soon makes it worse
     ]
     env = _env(uri)
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     errors = [line for line in done.stderr.splitlines() if "rank1" in line or "Error" in line]
     assert done.returncode == 0, "\n".join(errors)[-6000:]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
-    assert metrics["world_size"] == 2 and metrics["steps"] == 6
+    best, steps = metrics["valid"]["best_step"], metrics["steps"]
+    assert metrics["world_size"] == 2 and metrics["valid"]["stopped_early"] and steps == best + 2 < 12
     runs = mlflow.MlflowClient(uri).search_runs([mlflow.MlflowClient(uri).get_experiment_by_name("ddp").experiment_id])
     assert len(runs) == 1 and runs[0].data.params["world_size"] == "2"
-    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")) == [
-        "step_00000005",
-        "step_00000006",
-    ]
+    names = {p.name for p in (tmp_path / "run" / "checkpoints").glob("step_*")}
+    assert {f"step_{best:08d}", f"step_{steps:08d}"} <= names and len(names) <= 3  # the best, and keep = 2
     assert done.stderr.count("training tiny (gem") == 1  # rank 0 speaks for the run
     # The model is gathered from the sharded one (a collective) and logged once, by rank 0.
     client = mlflow.MlflowClient(uri)
@@ -271,6 +273,8 @@ def test_train_from_the_data_service(movielens_dataset, tmp_path, tracking_uri):
         )
         assert summary["steps"] == 6 and summary["eval_examples"] >= 256
         assert set(summary["ne"]) == {"like", "love"}
+        # The valid split through the service: validated at the last step (tiny: every 10), its weights kept.
+        assert summary["valid"]["best_step"] == 6 and math.isfinite(summary["valid"]["best"])
         data = summary["data"]  # the data path's numbers: waits, read-ahead, the service's CPU per batch
         assert data["source"] == "remote" and data["service_cpu_ms_per_batch"] > 0
         assert 0 <= data["wait_ms_p50"] <= data["wait_ms_p99"] and 0 <= data["wait_share"] < 1

@@ -1,0 +1,139 @@
+"""Validation and early stopping: the valid split is the end of the train period, a run whose valid NE gets worse
+stops and ends with (evaluates, exports) the weights of its best validated step, and `--resume` keeps that."""
+
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+from gemrec.cli import CLIError
+from gemrec.components.data_service.dataset import Dataset
+from gemrec.components.trainer.checkpoint import CheckpointManager
+from gemrec.components.trainer.config import load_recipe
+from gemrec.components.trainer.evaluate import EarlyStopping
+from gemrec.components.trainer.run import dataset_source, run_training
+from gemrec.config import ConfigError
+
+EVERY, PATIENCE = 5, 2
+
+
+def test_early_stopping_counts_validations_and_round_trips():
+    early = EarlyStopping("ne_like", higher_is_better=False, every=EVERY, patience=PATIENCE)
+    assert [early.due(s, last=False) for s in (4, 5, 10)] == [False, True, True] and early.due(7, last=True)
+    assert early.update(5, 0.9) and early.update(10, 0.8)
+    assert not early.update(15, math.nan) and not early.stop  # a non-finite value is never the best
+    assert not early.update(20, 0.85) and early.stop and (early.best, early.best_step) == (0.8, 10)
+    restored = EarlyStopping("ne_like", False, EVERY, PATIENCE)
+    restored.load_state_dict(early.state_dict())
+    assert restored == early
+    auc = EarlyStopping("auc_like", higher_is_better=True, every=1, patience=0)
+    assert auc.update(1, 0.6) and auc.update(2, 0.7) and not auc.update(3, 0.65) and not auc.stop  # 0: never stops
+    assert not EarlyStopping("ne_like", False, every=0, patience=0).due(10, last=True)
+
+
+def test_validation_settings_are_checked(movielens_dataset, tmp_path):
+    with pytest.raises(ConfigError, match=r"train.patience = 3: needs train.eval_every > 0"):
+        load_recipe("tiny", ["train.eval_every=0", "train.patience=3"])
+    with pytest.raises(ConfigError, match=r"train.valid_metric = 'mse_like': must be one of ne, auc, log_loss"):
+        load_recipe("tiny", ["train.valid_metric='mse_like'"])
+    with pytest.raises(CLIError, match=r"train.valid_metric = 'auc_click' names label 'click'; .* \['like', 'love'\]"):
+        _train(movielens_dataset, tmp_path, None, "train.valid_metric='auc_click'")
+
+
+def test_valid_batches_lie_between_train_and_eval(movielens_dataset):
+    """What the trainer validates on is the end of the train period: after every train example, before every
+    eval one, and no (user, time) pair of it is in eval."""
+    config = load_recipe("tiny", ["data.valid_max_examples=0", "data.eval_max_examples=0"])
+    split = Dataset.open(movielens_dataset).manifest["split"]
+    _, eval_batches, valid_batches, _, _ = dataset_source(config, movielens_dataset, rank=0, world_size=1)
+    seen = {}
+    for name, batches in (("valid", valid_batches), ("eval", eval_batches)):
+        rows = [(b.timestamps.numpy(), b.sparse_features["user_id"].values().numpy()) for b in batches()]
+        seen[name] = (np.concatenate([t for t, _ in rows]), np.concatenate([u for _, u in rows]))
+    valid_times, eval_times = seen["valid"][0], seen["eval"][0]
+    assert len(valid_times) == Dataset.open(movielens_dataset).num_examples("valid") > 0
+    assert split["valid_cutoff"] <= valid_times.min() and valid_times.max() < split["cutoff"] <= eval_times.min()
+    assert not set(zip(*seen["valid"])) & set(zip(*seen["eval"]))
+
+
+def _train(dataset, run_dir, tracking_uri, *overrides, resume=False):
+    config = load_recipe("tiny", ["data.eval_max_examples=256", "train.local_mfu=false", *overrides])
+    return run_training(
+        config,
+        dataset=dataset,
+        data_addr=None,
+        run_dir=run_dir,
+        tracking_uri=tracking_uri,
+        experiment="validation",
+        metrics_out=None,
+        resume=resume,
+        progress=False,
+        log_model=True,
+        tracking=tracking_uri is not None,
+    )
+
+
+def _model_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
+    """The model weights of a DCP checkpoint."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    target = tmp_path / f"{path.name}.pt"
+    dcp_to_torch_save(str(path), str(target))
+    return torch.load(target, weights_only=False)["model"]
+
+
+def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_dataset, tmp_path, caplog):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    run_dir = tmp_path / "run"
+    common = [f"train.eval_every={EVERY}", "checkpoint.keep=1"]
+    # 20 steps of the tiny recipe, validated every 5, then a learning rate that wrecks the model: valid NE worsens.
+    _train(movielens_dataset, run_dir, uri, *common, "train.steps=20")
+    with caplog.at_level(logging.INFO, logger="gemrec"):
+        summary = _train(
+            movielens_dataset,
+            run_dir,
+            uri,
+            *common,
+            "train.steps=60",
+            f"train.patience={PATIENCE}",
+            "optim.dense_lr=0.05",
+            "optim.decay='constant'",
+            resume=True,
+        )
+    valid = summary["valid"]
+    client = mlflow.MlflowClient(uri)
+    history = {m.step: m.value for m in client.get_metric_history(summary["mlflow"]["run_id"], "valid/ne_like")}
+    best_step = min(history, key=history.get)
+    assert sorted(history) == list(range(EVERY, summary["steps"] + 1, EVERY))
+    assert valid["metric"] == "ne_like" and valid["stopped_early"] and best_step <= 20
+    assert (valid["best_step"], valid["best"]) == (best_step, pytest.approx(history[best_step]))
+    assert summary["steps"] == best_step + PATIENCE * EVERY < 60  # stopped `patience` validations after the best
+    assert f"restored the best weights of step {best_step}" in caplog.text
+
+    manager = CheckpointManager(run_dir / "checkpoints", keep=1)
+    best = manager.step_dir(best_step)
+    assert manager.best() == best == tmp_path / "run" / "checkpoints" / f"step_{best_step:08d}"  # kept by pruning
+    assert summary["checkpoint"] == str(best) and manager.latest().name == f"step_{summary['steps']:08d}"
+    exported = torch.load(
+        mlflow.artifacts.download_artifacts(
+            run_id=summary["mlflow"]["run_id"],
+            artifact_path="checkpoint/state_dict.pt",
+            tracking_uri=uri,
+            dst_path=str(tmp_path / "exported"),
+        )
+    )
+    best_weights, last_weights = _model_tensors(best, tmp_path), _model_tensors(manager.latest(), tmp_path)
+    assert all(torch.equal(exported[k], best_weights[k]) for k in exported)
+    assert any(not torch.equal(exported[k], last_weights[k]) for k in exported)
+
+    # --resume of the finished run trains nothing and ends with the same best weights and eval numbers.
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="gemrec"):
+        again = _train(
+            movielens_dataset, run_dir, None, *common, "train.steps=60", f"train.patience={PATIENCE}", resume=True
+        )
+    assert f"early stopping ended this run at step {summary['steps']}" in caplog.text
+    assert again["steps"] == summary["steps"] and again["ne"] == summary["ne"] and again["valid"] == valid
