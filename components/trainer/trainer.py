@@ -230,7 +230,7 @@ class Trainer:
         log.info("resumed from %s at step %d", path, self.step)
         return True
 
-    def save_checkpoint(self) -> None:
+    def save_checkpoint(self) -> Path:
         """Write a checkpoint unless the parameters are non-finite or exploded (then stop, naming the step)."""
         norm = parameter_norm(self.training.model, self.ctx)
         if not math.isfinite(norm):
@@ -249,6 +249,7 @@ class Trainer:
         }
         self.last_checkpoint = self.checkpoints.save(self.step, self.state(), meta)
         self.unconfirmed, self.param_norm = self.last_checkpoint, norm
+        return self.last_checkpoint
 
     def confirm_checkpoint(self, loss: torch.Tensor) -> None:
         """The step after a checkpoint: a finite loss (on every rank) marks it healthy."""
@@ -288,9 +289,9 @@ class Trainer:
             self.training.model, lambda: self.dataset_info.get("train_base_rates") or self.observed_train_rates()
         )
 
-    def validate(self) -> bool:
+    def validate(self, validator: Evaluator) -> bool:
         """Validate (a collective), log `valid/*`, count the followed metric on every rank; True when it improved."""
-        result = self.evaluate(self.validator)
+        result = self.evaluate(validator)
         self.tracker.log_eval(self.step, result, split="valid")
         value = self.ctx.broadcast_from_main(self.early.value(result) if result is not None else 0.0)
         improved = self.early.update(self.step, value)
@@ -299,7 +300,7 @@ class Trainer:
             self.early.metric,
             value,
             self.step,
-            self.validator.seconds,
+            validator.seconds,
             self.early.best,
             self.early.best_step,
             f", stopping: {self.early.stale} validations without a better one" if self.early.stop else "",
@@ -509,9 +510,9 @@ class Trainer:
             bar.update(1)
 
             last, improved = self.step == self.total_steps, False
-            if self.early.due(self.step, last):
+            if self.validator is not None and self.early.due(self.step, last):
                 self.check_finite(window)
-                improved = self.validate()
+                improved = self.validate(self.validator)
                 window.exclude(self.validator.seconds)
                 last = last or self.early.stop
             if last:
@@ -524,11 +525,11 @@ class Trainer:
                 training.fp8_counters(collect_next=True)  # FP8 overflow/underflow: count the logging steps
             if self.checkpoints.due(self.step, last) or improved:
                 self.check_finite(window)
-                self.save_checkpoint()
+                saved = self.save_checkpoint()
                 window.exclude(self.checkpoints.seconds)
-            if improved:  # validated: best, and healthy without waiting for the next step
-                self.checkpoints.mark_best(self.last_checkpoint)
-                self.unconfirmed = None
+                if improved:  # validated: best, and healthy without waiting for the next step
+                    self.checkpoints.mark_best(saved)
+                    self.unconfirmed = None
         return last_input
 
     def _log_window(self, window: Window, totals: dict[str, float], bar) -> None:
