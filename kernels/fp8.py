@@ -210,10 +210,10 @@ def _quantize_kernel(
         fixed = tl.load(fixed_ptr)
     if TILE:
         amax_t = tl.max(tl.max(ax, 1), 0)
-        scale_t = tl.where(amax_t == 0, 1.0, amax_t / FP8_MAX)
+        scale_t = tl.where(amax_t == 0, 1.0, tl.div_rn(amax_t, FP8_MAX))
         if FIXED:
             scale_t = tl.where(fixed > 0, fixed, scale_t)
-        y = x / scale_t
+        y = tl.div_rn(x, scale_t)
         q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
         tl.store(q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc, q.to(q_ptr.dtype.element_ty), valid)
         tl.store(s_ptr + pid_b * ssb + pid_r * ssr + pid_c * ssc, scale_t)
@@ -223,20 +223,20 @@ def _quantize_kernel(
     else:
         if ROWS:
             amax_r = tl.max(ax, 1)
-            scale_r = tl.where(amax_r == 0, 1.0, amax_r / FP8_MAX)
+            scale_r = tl.where(amax_r == 0, 1.0, tl.div_rn(amax_r, FP8_MAX))
             if FIXED:
                 scale_r = tl.where(fixed > 0, fixed, scale_r)
-            y = x / scale_r[:, None]
+            y = tl.div_rn(x, scale_r[:, None])
             q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
             q_ptrs = q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc
             tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), valid)
             tl.store(s_ptr + pid_b * ssb + rows * ssr + pid_c * ssc, scale_r, rows < R)
         if COLS:
             amax_c = tl.max(ax, 0)
-            scale_c = tl.where(amax_c == 0, 1.0, amax_c / FP8_MAX)
+            scale_c = tl.where(amax_c == 0, 1.0, tl.div_rn(amax_c, FP8_MAX))
             if FIXED:
                 scale_c = tl.where(fixed > 0, fixed, scale_c)
-            y_c = x / scale_c[None, :]
+            y_c = tl.div_rn(x, scale_c[None, :])
             q_c = _to_fp8(y_c, FP8_MAX, MANT, EMIN, qt_ptr)
             qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
             tl.store(qt_ptrs, q_c.to(qt_ptr.dtype.element_ty), valid)
