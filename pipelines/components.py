@@ -106,16 +106,32 @@ def train(
 
 
 @dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
+def baselines(dataset: Input[Dataset], recipe: str, run_dir: str, metrics: Output[Metrics], results: Output[Artifact]):
+    """The baselines (DLRM, GBDT) trained with the same recipe on the same dataset; their eval NE/AUC per label."""
+    import json
+
+    from gemrec.pipelines import steps
+
+    with steps.step_guard(run_dir, "baselines"):
+        summaries = steps.baselines(dataset.path, recipe, run_dir)
+        for name, value in steps.baseline_metrics(summaries).items():
+            metrics.log_metric(name.removeprefix("baseline/").replace("/", "_"), value)
+        with open(results.path, "w") as f:
+            json.dump(summaries, f, indent=2)
+
+
+@dsl.component(base_image=CPU_IMAGE, install_kfp_package=False)
 def evaluate(
     model: Input[Model],
     dataset: Input[Dataset],
+    baselines: Input[Artifact],
     tracking_uri: str,
     recipe: str,
     run_dir: str,
     evaluation: Output[Metrics],
     decision: Output[Artifact],
 ):
-    """Compare the candidate's eval NE with the `champion` model's."""
+    """Compare the candidate's eval NE with the `champion` model's; log the baselines beside it in its MLflow run."""
     import json
 
     from gemrec.pipelines import steps
@@ -123,7 +139,16 @@ def evaluate(
     with steps.step_guard(run_dir, "evaluate"):
         with open(model.path) as f:
             candidate = json.load(f)
-        verdict = steps.evaluate(candidate, tracking_uri, recipe, dataset.metadata.get("dataset_checksum", ""))
+        with open(baselines.path) as f:
+            baseline_results = json.load(f)
+        verdict = steps.evaluate(
+            candidate,
+            tracking_uri,
+            recipe,
+            dataset.metadata.get("dataset_checksum", ""),
+            list(dataset.metadata.get("labels", [])),
+            baseline_results,
+        )
         for name, value in verdict["metrics"].items():
             evaluation.log_metric(name, value)
         with open(decision.path, "w") as f:

@@ -219,6 +219,10 @@ def print_summary(summary: dict) -> None:
     table.add_column("result", no_wrap=True)
     table.add_column("value", overflow="fold")
     table.add_row(f"NE ({task})", f"{m['ne']:.4f}")
+    for arm, ne in summary.get("baselines", {}).items():
+        table.add_row(
+            f"NE ({task}), {arm.replace('_', ' ')}", f"{ne:.4f}" + (" (train rate)" if arm == "base_rate" else "")
+        )
     if "auc" in m:
         table.add_row(f"AUC ({task})", f"{m['auc']:.4f}")
     if "qps" in m:

@@ -1,4 +1,6 @@
-"""The `gemrec-train` pipeline: ingest -> validate -> materialize features -> train -> evaluate -> register.
+"""The `gemrec-train` pipeline: ingest -> validate -> materialize features -> train -> evaluate -> register, with
+the baselines (DLRM, GBDT) trained on the same dataset (beside train on the cluster, after it locally) and logged
+beside GEM by evaluate.
 
 `build(target)` gives the same DAG for two targets:
 - "local": run by kfp.local's SubprocessRunner; train starts the services on 127.0.0.1.
@@ -72,8 +74,16 @@ def build(target: str = "local"):
             trained = c.train(mode="local", **train_args).set_display_name("train")
             model = trained.outputs["model"]
             tasks = [ingest, validate, materialize, trained]
+        baselines = c.baselines(dataset=ingest.outputs["dataset"], recipe=recipe, run_dir=run_dir)
+        # On the cluster beside the GPU train step; locally the steps run one at a time, GEM's train first.
+        baselines.set_display_name("baselines (DLRM, GBDT)").after(validate if cluster else trained)
         evaluate = c.evaluate(
-            model=model, dataset=ingest.outputs["dataset"], tracking_uri=tracking_uri, recipe=recipe, run_dir=run_dir
+            model=model,
+            dataset=ingest.outputs["dataset"],
+            baselines=baselines.outputs["results"],
+            tracking_uri=tracking_uri,
+            recipe=recipe,
+            run_dir=run_dir,
         ).set_display_name("evaluate")
         register = c.register(
             model=model,
@@ -83,7 +93,7 @@ def build(target: str = "local"):
             run_dir=run_dir,
             ui_address=ui_address,
         ).set_display_name("register")
-        tasks += [evaluate, register]
+        tasks += [baselines, evaluate, register]
         for task in tasks:
             task.set_caching_options(False)
             if cluster:

@@ -465,22 +465,89 @@ def train(spec: TrainSpec, dataset: str, features: dict, dataset_checksum: str, 
     }
 
 
+# ---- baselines ------------------------------------------------------------------------------------------
+
+BASELINE_ARMS = ("dlrm", "gbdt")
+
+
+def baselines(dataset: str, recipe: str, run_dir: str) -> dict[str, dict]:
+    """Train the baselines (`BASELINE_ARMS`) with the recipe on the dataset, in this process on the CPU and without
+    MLflow (the evaluate step logs them into GEM's run): arm -> its run summary (eval NE/AUC/calibration per label)."""
+    from gemrec.cli import CLIError
+    from gemrec.components.trainer.bench import train_arms
+    from gemrec.components.trainer.config import load_recipe
+
+    try:
+        configs = {arm: load_recipe(recipe, ["train.local_mfu=false"], arch=arm) for arm in BASELINE_ARMS}
+    except ValueError as err:  # ConfigError: the recipe or one of its values
+        raise StepError(f"recipe {recipe!r}: {err}") from err
+    try:
+        results = train_arms(
+            configs,
+            Path(dataset),
+            Path(run_dir) / "baselines",
+            tracking_uri=None,
+            experiment="",
+            device="cpu",
+            progress=False,
+            tracking=False,
+        )
+    except CLIError as err:
+        raise StepError(f"baselines: {err}") from err
+    for arm, summary in results.items():
+        ne = ", ".join(f"{label} {value:.4f}" for label, value in summary["ne"].items())
+        print(f"[gemrec] baseline {arm}: eval NE {ne} ({summary['wall_seconds']:.0f} s)", flush=True)
+    return {arm: tracking.finite_or_none(summary) for arm, summary in results.items()}
+
+
+def baseline_metrics(results: dict[str, dict]) -> dict[str, float]:
+    """`baseline/<arm>/<ne|auc|calibration>_<label>` of every baseline, and `baseline/base_rate/ne_<label>` (the NE
+    of predicting the training base rate), as logged into GEM's MLflow run."""
+    out: dict[str, float] = {}
+    for arm, summary in results.items():
+        for key in ("ne", "auc", "calibration"):
+            for label, value in summary[key].items():
+                out[f"baseline/{arm}/{key}_{label}"] = value
+        for label, value in summary["ne_train_base_rate"].items():
+            out[f"baseline/base_rate/ne_{label}"] = value
+    return {k: float(v) for k, v in out.items() if v is not None and math.isfinite(v)}
+
+
 # ---- evaluate and register ------------------------------------------------------------------------------
 
 
-def evaluate(candidate: dict, tracking_uri: str, recipe: str, dataset_checksum: str) -> dict[str, Any]:
+def evaluate(
+    candidate: dict,
+    tracking_uri: str,
+    recipe: str,
+    dataset_checksum: str,
+    labels: list[str],
+    baseline_results: dict[str, dict],
+) -> dict[str, Any]:
+    """The champion decision on GEM's eval NE; GEM's MLflow run gets the baselines beside it (metrics, a PNG)."""
     ne = require_ne(candidate["numbers"])
     current = tracking.champion(tracking_uri, tracking.model_name(recipe))
     promote, reason = tracking.decide(ne, current, dataset_checksum)
     metrics = {"candidate_ne": ne, "promote": float(promote)}
     if current is not None and current.ne is not None:
         metrics.update({"champion_ne": current.ne, "ne_improvement": current.ne - ne})
+    logged = baseline_metrics(baseline_results)
+    versus = {
+        arm: logged[key]
+        for arm in (*baseline_results, "base_rate")
+        if (key := f"baseline/{arm}/ne_{labels[0]}") in logged
+    }
+    metrics.update({f"{arm}_ne": value for arm, value in versus.items()})
+    tracking.log_baselines(tracking_uri, candidate["run_id"], candidate["numbers"], logged, labels, recipe)
+    others = ", ".join(f"{arm.replace('_', ' ')} {value:.4f}" for arm, value in versus.items())
+    print(f"[gemrec] eval NE {labels[0]}: gem {ne:.4f}, {others}", flush=True)
     print(f"[gemrec] {reason}", flush=True)
     return {
         "promote": promote,
         "reason": reason,
         "metrics": metrics,
         "champion_version": current.version if current else None,
+        "baselines": versus,
     }
 
 
@@ -509,6 +576,7 @@ def register(
         "reason": verdict["reason"],
         "run_id": candidate["run_id"],
         "metrics": numbers,
+        "baselines": verdict.get("baselines", {}),  # arm -> eval NE of the first label
         "tracking_uri": tracking_uri,
         "ui": ui_address,
     }

@@ -7,9 +7,11 @@ Store default: `sqlite:///mlruns.db` in the working directory (the trainer's def
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 
 from gemrec.components.trainer.tracking import artifact_root as artifact_root
+from gemrec.components.trainer.tracking import finite_or_none as finite_or_none
 from gemrec.components.trainer.tracking import git_commit as git_commit
 from gemrec.components.trainer.tracking import resolve_tracking_uri as resolve_tracking_uri
 from gemrec.components.trainer.tracking import sqlite_path as sqlite_path
@@ -125,6 +127,38 @@ def decide(candidate_ne: float, current: Champion | None, dataset_checksum: str)
         f"NE {candidate_ne:.4f} does not improve on champion v{current.version} NE {current.ne:.4f}"
         f"{same_data}: alias stays"
     )
+
+
+def log_baselines(
+    tracking_uri: str,
+    run_id: str,
+    numbers: dict[str, float],
+    baselines: dict[str, float],
+    labels: list[str],
+    recipe: str,
+) -> None:
+    """Into GEM's run: the baselines' metrics (`baseline/<arm>/<metric>_<label>`, `steps.baseline_metrics`), a tag
+    with the first label's NEs and `plots/baselines.png` (GEM's eval NE per label beside every baseline's)."""
+    import matplotlib.pyplot as plt
+    from gemrec.components.trainer.tracking import plot_ne_comparison
+    from mlflow.entities import Metric
+
+    mlflow_client = client(tracking_uri)
+    now = int(time.time() * 1000)
+    mlflow_client.log_batch(run_id, metrics=[Metric(key, value, now, 0) for key, value in baselines.items()])
+    arms = sorted({key.split("/")[1] for key in baselines} - {"base_rate"})
+    ne = {"gem": {label: numbers.get(f"ne_{label}") for label in labels}}
+    ne.update({arm: {label: baselines.get(f"baseline/{arm}/ne_{label}") for label in labels} for arm in arms})
+    base_rate = {label: baselines.get(f"baseline/base_rate/ne_{label}") for label in labels}
+    mlflow_client.set_tag(
+        run_id,
+        "gemrec.baselines",
+        f"eval NE {labels[0]}: "
+        + ", ".join(f"{arm} {values[labels[0]]:.4f}" for arm, values in ne.items() if values[labels[0]] is not None),
+    )
+    fig = plot_ne_comparison(ne, base_rate, labels, f"recipe {recipe}: GEM beside the baselines (same dataset)")
+    mlflow_client.log_figure(run_id, fig, "plots/baselines.png")
+    plt.close(fig)
 
 
 def model_uri(tracking_uri: str, run_id: str) -> str:

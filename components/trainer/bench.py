@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemrec.components.trainer.config import load_recipe
+from gemrec.components.trainer.config import TrainConfig, load_recipe
 from gemrec.components.trainer.run import run_training
 from gemrec.components.trainer.tracking import git_commit
 from gemrec.config import ConfigError, parse_override
@@ -75,25 +75,10 @@ def run_quality_bench(
         )
         for arm, seed in runs
     }
-    results = {}
     with tempfile.TemporaryDirectory(prefix="gemrec-bench-") as tmp:
-        for index, (name, config) in enumerate(configs.items()):
-            start = time.perf_counter()
-            summary = run_training(
-                config,
-                dataset=dataset,
-                data_addr=None,
-                run_dir=Path(tmp) / f"arm{index}",
-                tracking_uri=tracking_uri,
-                experiment=experiment,
-                metrics_out=None,
-                resume=False,
-                device=device,
-                progress=True,
-                log_model=False,
-            )
-            summary["wall_seconds"] = time.perf_counter() - start
-            results[name] = summary
+        results = train_arms(
+            configs, dataset, Path(tmp), tracking_uri=tracking_uri, experiment=experiment, device=device
+        )
     first = next(iter(results.values()))
     tasks = first["tasks"]
     relative = len(arms) > 1  # each arm's NE against the first arm's of the same seed
@@ -145,6 +130,41 @@ def run_quality_bench(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"arms": results, "table": table}, indent=2, default=str))
     return table
+
+
+def train_arms(
+    configs: dict[str, TrainConfig],
+    dataset: Path,
+    run_root: Path,
+    *,
+    tracking_uri: str | None,
+    experiment: str,
+    device: str,
+    progress: bool = True,
+    tracking: bool = True,
+) -> dict[str, dict]:
+    """Train and evaluate every named config on `dataset` in turn (run folders `run_root/arm<i>`, no model logged):
+    name -> its run summary with `wall_seconds`."""
+    results = {}
+    for index, (name, config) in enumerate(configs.items()):
+        start = time.perf_counter()
+        summary = run_training(
+            config,
+            dataset=dataset,
+            data_addr=None,
+            run_dir=run_root / f"arm{index}",
+            tracking_uri=tracking_uri,
+            experiment=experiment,
+            metrics_out=None,
+            resume=False,
+            device=device,
+            progress=progress,
+            log_model=False,
+            tracking=tracking,
+        )
+        summary["wall_seconds"] = time.perf_counter() - start
+        results[name] = summary
+    return results
 
 
 def log_comparison(results: dict, arms: list[str], tasks: list[str], table: str, recipe: str, tracking_uri, experiment):

@@ -7,7 +7,7 @@ from gemrec.pipelines import components as c
 from gemrec.pipelines.pipeline import DATA_MOUNT, DATA_PVC, GPU_RESOURCE, PIPELINE_NAME, build
 from kfp import components
 
-STEPS = ["ingest", "validate", "materialize-features", "train", "evaluate", "register"]
+STEPS = ["ingest", "validate", "materialize-features", "train", "baselines", "evaluate", "register"]
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +46,9 @@ def test_dag_runs_the_steps_in_order(compiled):
     root = spec["root"]["dag"]["tasks"]
     assert root["validate"]["dependentTasks"] == ["ingest"]
     assert set(root["materialize-features"]["dependentTasks"]) == {"ingest", "validate"}
+    assert set(root["baselines"]["dependentTasks"]) == {"ingest", "validate"}  # beside materialize and train
     # evaluate and register consume the trained model from whichever branch ran (dsl.OneOf).
-    assert "ingest" in root["evaluate"]["dependentTasks"]
+    assert {"ingest", "baselines"} <= set(root["evaluate"]["dependentTasks"])
     assert "evaluate" in root["register"]["dependentTasks"]
     conditions = [t for t in tasks.values() if "triggerPolicy" in t]
     assert {t["triggerPolicy"]["condition"].count("num_nodes") for t in conditions} == {1}
@@ -59,13 +60,16 @@ def test_dag_runs_the_steps_in_order(compiled):
     assert artifacts["comp-train"]["model"]["artifactType"]["schemaTitle"] == "system.Model"
     assert artifacts["comp-train"]["metrics"]["artifactType"]["schemaTitle"] == "system.Metrics"
     assert artifacts["comp-validate"]["statistics"]["artifactType"]["schemaTitle"] == "system.Metrics"
+    assert artifacts["comp-baselines"]["metrics"]["artifactType"]["schemaTitle"] == "system.Metrics"
+    evaluate_inputs = spec["components"]["comp-evaluate"]["inputDefinitions"]["artifacts"]
+    assert evaluate_inputs["baselines"]["artifactType"]["schemaTitle"] == "system.Artifact"
 
 
 def test_each_cluster_run_writes_its_own_folder(compiled):
     spec, _ = yaml.safe_load_all(compiled.read_text())
     tasks = all_tasks(spec["root"]["dag"], spec)
     steps = {name: task for name, task in tasks.items() if "run_dir" in task.get("inputs", {}).get("parameters", {})}
-    assert len(steps) == 7  # six steps, train twice (GPU pod or TrainJob)
+    assert len(steps) == 8  # seven steps, train twice (GPU pod or TrainJob)
     for name, task in steps.items():
         value = task["inputs"]["parameters"]["run_dir"]["runtimeValue"]["constant"]
         assert value.endswith("/{{$.pipeline_job_name}}"), (name, value)

@@ -10,7 +10,7 @@ import pytest
 from gemrec.cli import main
 from gemrec.pipelines import steps, tracking
 
-STEPS = ("ingest", "validate", "materialize", "train", "evaluate", "register")
+STEPS = ("ingest", "validate", "materialize", "train", "baselines", "evaluate", "register")
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +25,8 @@ def test_run_prints_progress_and_the_summary_table(run):
     out = run["result"].stdout
     for step in STEPS:
         assert f"[gemrec] step {step}: started" in out and f"[gemrec] step {step}: done" in out, step
+    starts = [out.index(f"[gemrec] step {step}: started") for step in STEPS]
+    assert starts == sorted(starts)  # one at a time, in this order (the baselines after GEM's train)
     assert "[gemrec] starting feature service on 127.0.0.1:" in out
     assert "[gemrec] training with torchrun --nproc_per_node 1" in out
     summary = run["summary"]
@@ -38,6 +40,10 @@ def test_run_prints_progress_and_the_summary_table(run):
         "gemrec-tiny v1 (new champion)",
     ):
         assert label in out, label
+    for arm, ne in summary["baselines"].items():  # the baselines' eval NE beside GEM's, as the evaluate step logged it
+        row = rf"NE \(eval, like\), {arm.replace('_', ' ')}\s*│\s*{ne:.4f}"
+        assert re.search(row, out), row
+    assert set(summary["baselines"]) == {"dlrm", "gbdt", "base_rate"}
     assert summary["run_id"] in out
     assert f"http://127.0.0.1:{run['ui_port']}" in out
     assert "Got executor_input" not in out  # the executor's JSON dump stays in pipeline.log
@@ -89,6 +95,30 @@ def test_mlflow_run_is_named_tagged_and_registered_as_champion(run):
     assert champion.run_id == summary["run_id"] and champion.ne == pytest.approx(summary["metrics"]["ne"], rel=1e-5)
     model = client.get_registered_model("gemrec-tiny")
     assert "Champion: version 1" in model.description and "NE" in model.description
+
+
+@pytest.mark.slow  # the whole pipeline runs once per session
+def test_gem_run_holds_the_baselines_trained_in_the_same_pipeline_run(run):
+    """The evaluate step logs DLRM and GBDT (trained by the baselines step on the same dataset) into GEM's run;
+    the champion decision stays on GEM's NE."""
+    client = tracking.client(run["store"])
+    summary = run["summary"]
+    mlflow_run = client.get_run(summary["run_id"])
+    metrics = mlflow_run.data.metrics
+    (baselines_output,) = run["run_dir"].glob("kfp/*/baselines/executor_output.json")
+    kfp_metrics = json.loads(baselines_output.read_text())["artifacts"]["metrics"]["artifacts"][0]["metadata"]
+    for arm in ("dlrm", "gbdt"):
+        for label in ("like", "love"):
+            for key in ("ne", "auc", "calibration"):
+                assert metrics[f"baseline/{arm}/{key}_{label}"] == pytest.approx(kfp_metrics[f"{arm}_{key}_{label}"])
+        assert 0.0 < metrics[f"baseline/{arm}/ne_like"] < 1.5
+        assert summary["baselines"][arm] == pytest.approx(metrics[f"baseline/{arm}/ne_like"])
+    assert metrics["baseline/base_rate/ne_like"] > 0.99  # predicting the training rate on the eval period
+    assert mlflow_run.data.tags["gemrec.baselines"].startswith("eval NE like: gem ")
+    assert "plots/baselines.png" in {a.path for a in client.list_artifacts(summary["run_id"], "plots")}
+    # The train step's own trainer validated on the valid split (tiny: eval_every) and logged it.
+    assert "valid/ne_like" in metrics and "final/best_step" in metrics
+    assert tracking.champion(run["store"], "gemrec-tiny").ne == pytest.approx(summary["metrics"]["ne"], rel=1e-5)
 
 
 @pytest.mark.slow  # the whole pipeline runs once per session
