@@ -5,8 +5,8 @@
 #   bash infra/bench/seqrec_gpu.sh RAW OUT [RECIPE] [PARTS]
 # RAW: a folder with S3-Rec's Beauty.txt, Beauty_item2attributes.json, Sports_and_Outdoors.txt and
 # Sports_and_Outdoors_item2attributes.json (not in the repository: carry it). RECIPE default s3rec.
-# PARTS default beauty-full,beauty-sampled99,sports-full,sports-sampled99 (each one run of both arms).
-# No MLflow on the device (--no-tracking): the results are the JSON files and logs in OUT.
+# PARTS default beauty-full,beauty-sampled99,sports-full,sports-sampled99 (one process per part and arm, all at once).
+# No MLflow on the device (--no-tracking): the results are the JSON files and logs in OUT/seqrec.tgz.
 set -u
 raw=${1:?usage: seqrec_gpu.sh RAW OUT [RECIPE] [PARTS]}
 out=${2:?usage: seqrec_gpu.sh RAW OUT [RECIPE] [PARTS]}
@@ -19,16 +19,27 @@ export PYTHONPATH=/tmp/gemrec-seqrec-path PYTHONUNBUFFERED=1
 if [[ -f $root/COMMIT ]]; then export GEMREC_GIT_COMMIT=$(cat "$root/COMMIT"); fi
 nvidia-smi --query-gpu=name --format=csv,noheader > "$out/gpu.txt"
 declare -A names=([beauty]=Beauty [sports]=Sports_and_Outdoors)
-for part in ${parts//,/ }; do
-  data=${part%%-*}
-  protocol=${part#*-}
-  if [[ ! -d $out/data/$data ]]; then
+for data in beauty sports; do
+  if [[ $parts == *$data* && ! -d $out/data/$data ]]; then
     python3 -m gemrec data prepare s3rec --raw "$raw" --name "${names[$data]}" --out "$out/data/$data" \
       > "$out/prepare-$data.log" 2>&1
   fi
-  start=$(date +%s)
-  python3 -m gemrec bench seqrec --dataset "$out/data/$data" --protocol "$protocol" --recipe "$recipe" \
-    --device cuda --no-tracking --metrics-out "$out/$part.json" > "$out/$part.log" 2>&1
-  echo "$part: exit $? in $(( $(date +%s) - start )) s" | tee -a "$out/status.txt"
 done
+# Every part's arms at once, one process each (small models: the GPU has room; the wall times are then upper bounds).
+for part in ${parts//,/ }; do
+  data=${part%%-*}
+  protocol=${part#*-}
+  for arm in gem sasrec; do
+    (
+      start=$(date +%s)
+      python3 -m gemrec bench seqrec --dataset "$out/data/$data" --protocol "$protocol" --recipe "$recipe" \
+        --arms $arm --device cuda --no-tracking --metrics-out "$out/$part-$arm.json" > "$out/$part-$arm.log" 2>&1
+      echo "$part-$arm: exit $? in $(( $(date +%s) - start )) s" >> "$out/status.txt"
+    ) &
+  done
+done
+wait
 rm -rf "$out/data"
+cat "$out/status.txt"
+# one file: a device call brings back only a few files
+(cd "$out" && tar czf seqrec.tgz --exclude=seqrec.tgz . && find . -type f ! -name seqrec.tgz -delete)
