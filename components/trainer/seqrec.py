@@ -12,15 +12,19 @@ Protocols (definitions in `ranking.py`):
 - Arm `sasrec`, under either protocol: the SASRec baseline (`gemrec.model.sasrec`), trained with
   `seqrec.sasrec_loss` (its paper's BCE with one negative per position by default).
 
-Every arm trains with the trainer's optimizers (row-wise Adagrad on embedding tables, AdamW on the rest),
-validates on the `valid` split every `seqrec.eval_every` epochs (the ranker: `ranker_eval_every`), stops after
-`seqrec.patience` (`ranker_patience`) validations without a better NDCG@10, and is tested on the `test` split
-with its best validated weights. Everything goes to one MLflow run (params, per-validation metrics, test
-metrics, a PNG of the metrics, the results JSON).
+Every arm trains with the trainer's pieces: its optimizers (row-wise Adagrad on embedding tables, AdamW on the
+rest), the one `train_step`, its loss guard (`first_nonfinite`) and its `EarlyStopping`: validation on the `valid`
+split every `seqrec.eval_every` epochs (the ranker: `ranker_eval_every`), a stop after `seqrec.patience`
+(`ranker_patience`) validations without a better NDCG@10, and the test on the `test` split with the best validated
+weights. Everything goes to one MLflow run (params, per-validation metrics, test metrics, a PNG of the metrics, the
+results JSON). The loop itself is this file's, not the `Trainer`'s: one process, batches of users' sequences
+(not the data service's `Batch` stream), ranking metrics instead of NE/AUC, and the best weights kept in memory
+(a run of minutes writes no checkpoints).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -43,7 +47,7 @@ from gemrec.components.trainer.tracking import (
     resolve_tracking_uri,
     write_summary,
 )
-from gemrec.components.trainer.trainer import TrainingError
+from gemrec.components.trainer.trainer import TrainingError, first_nonfinite
 from gemrec.components.trainer.training import autocast_for, set_determinism
 from tqdm import tqdm
 
@@ -209,12 +213,14 @@ def build_arm(name: str, protocol: str, config: TrainConfig, data: SeqRecData, d
     return RankerArm(name, model, data, config, device)
 
 
-class Evaluator:
-    """Ranks of the `valid` or `test` targets under one protocol; sampled candidates are drawn once."""
+class RankingEvaluator:
+    """Ranks of the `valid` or `test` targets under one protocol, timed (`seconds`: the last call's wall time);
+    sampled candidates are drawn once. (`evaluate.Evaluator` is the trainer's NE/AUC evaluation.)"""
 
     def __init__(self, data: SeqRecData, protocol: str, batch_users: int, device: torch.device):
         self.data, self.protocol, self.batch_users, self.device = data, protocol, batch_users, device
         self.candidates: dict[str, np.ndarray] = {}
+        self.seconds = 0.0
 
     def _candidates(self, split: str) -> np.ndarray:
         if split not in self.candidates:
@@ -225,6 +231,13 @@ class Evaluator:
             )
             self.candidates[split] = np.concatenate([targets.items[:, None], negatives], axis=1)
         return self.candidates[split]
+
+    def metrics(self, arm, split: str, rows: np.ndarray | None = None) -> dict:
+        """`ranking_metrics` of the arm's ranks of `split` (its `rows` only when given)."""
+        start = time.perf_counter()
+        ranks = self.ranks(arm, split, rows)
+        self.seconds = time.perf_counter() - start
+        return ranking_metrics(ranks)
 
     def ranks(self, arm, split: str, rows: np.ndarray | None = None) -> np.ndarray:
         targets = self.data.splits[split]
@@ -252,7 +265,7 @@ class Evaluator:
         return np.concatenate(out)
 
 
-def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, device: torch.device) -> dict:
+def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tracker, device: torch.device) -> dict:
     """Train with early stopping on validation NDCG@10, then test the best weights; the arm's results."""
     from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
     from gemrec.model import train_step
@@ -266,7 +279,7 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
     _, autocast = autocast_for(config.train.precision, device)
     ranker = isinstance(arm, RankerArm)
     eval_every, patience = (cfg.ranker_eval_every, cfg.ranker_patience) if ranker else (cfg.eval_every, cfg.patience)
-    eval_interval = max(1, round(eval_every * steps_per_epoch))
+    early = EarlyStopping("ndcg@10", True, max(1, round(eval_every * steps_per_epoch)), patience)
     valid_rows = None
     if cfg.valid_users and cfg.valid_users < len(evaluator.data.splits["valid"]):
         pick = np.random.default_rng(CANDIDATE_SEEDS["valid"])
@@ -278,69 +291,62 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
         type(model).__name__,
         params / 1e6,
         steps_per_epoch,
-        eval_interval,
+        early.every,
         sparse_kind,
     )
     history: list[dict] = []
-    early, best_state = EarlyStopping("ndcg@10", True, eval_interval, patience), None
-    step, losses, train_seconds, eval_seconds = 0, [], 0.0, 0.0
+    best_state: dict[str, torch.Tensor] | None = None
+    step, losses, eval_seconds = 0, list[torch.Tensor](), 0.0
     bar = tqdm(total=cfg.epochs * steps_per_epoch, desc=f"{arm.name}", unit="step", mininterval=2.0, dynamic_ncols=True)
     model.train()
     started = time.perf_counter()
-    done = False
-    for _ in range(cfg.epochs):
-        for batch in arm.batches(rng):
-            inp, labels, objective = arm.step_args(batch, rng)
-            result = train_step(
-                model, inp, labels, autocast=autocast, optimizer_step=optimizers.clip_and_step, objective=objective
-            )
-            step += 1
-            losses.append(result.loss)
-            bar.update(1)
-            if not early.due(step, last=False):
-                continue
-            mean_loss = float(torch.stack(losses).float().mean())
-            losses = []
-            if not math.isfinite(mean_loss):
-                raise TrainingError(f"{arm.name}: loss is {mean_loss} before step {step}")
-            eval_start = time.perf_counter()
-            with autocast():
-                metrics = ranking_metrics(evaluator.ranks(arm, "valid", valid_rows))
-            eval_seconds += time.perf_counter() - eval_start
-            record = {"step": step, "epoch": step / steps_per_epoch, "train_loss": mean_loss, **metrics}
-            history.append(record)
-            tracker.log_metrics(
-                {f"{arm.name}/valid_{_metric_name(k)}": v for k, v in metrics.items() if k != "users"}
-                | {f"{arm.name}/train_loss": mean_loss},
-                step=step,
-            )
-            if early.update(step, metrics["ndcg@10"]):
-                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            bar.set_postfix(loss=f"{mean_loss:.4f}", ndcg10=f"{metrics['ndcg@10']:.4f}", best=f"{early.best:.4f}")
-            log.info(
-                "%s epoch %.2f: loss %.4f, valid HR@10 %.4f NDCG@10 %.4f (best %.4f at epoch %.2f)",
-                arm.name,
-                record["epoch"],
-                mean_loss,
-                metrics["hr@10"],
-                metrics["ndcg@10"],
-                early.best,
-                early.best_step / steps_per_epoch,
-            )
-            if early.stop:
-                done = True
-                break
-        if done:
+    for batch in itertools.chain.from_iterable(arm.batches(rng) for _ in range(cfg.epochs)):
+        inp, labels, objective = arm.step_args(batch, rng)
+        result = train_step(
+            model, inp, labels, autocast=autocast, optimizer_step=optimizers.clip_and_step, objective=objective
+        )
+        step += 1
+        losses.append(result.loss)
+        bar.update(1)
+        if not early.due(step, last=False):
+            continue
+        bad = first_nonfinite(losses, step - len(losses) + 1)
+        if bad is not None:
+            raise TrainingError(f"{arm.name}: loss is {bad[1]} at step {bad[0]}")
+        mean_loss = float(torch.stack(losses).float().mean())
+        losses = []
+        with autocast():
+            metrics = evaluator.metrics(arm, "valid", valid_rows)
+        eval_seconds += evaluator.seconds
+        record = {"step": step, "epoch": step / steps_per_epoch, "train_loss": mean_loss, **metrics}
+        history.append(record)
+        tracker.log_metrics(
+            {f"{arm.name}/valid_{_metric_name(k)}": v for k, v in metrics.items() if k != "users"}
+            | {f"{arm.name}/train_loss": mean_loss},
+            step=step,
+        )
+        if early.update(step, metrics["ndcg@10"]):
+            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        bar.set_postfix(loss=f"{mean_loss:.4f}", ndcg10=f"{metrics['ndcg@10']:.4f}", best=f"{early.best:.4f}")
+        log.info(
+            "%s epoch %.2f: loss %.4f, valid HR@10 %.4f NDCG@10 %.4f (best %.4f at epoch %.2f)",
+            arm.name,
+            record["epoch"],
+            mean_loss,
+            metrics["hr@10"],
+            metrics["ndcg@10"],
+            early.best,
+            early.best_step / steps_per_epoch,
+        )
+        if early.stop:
             break
     bar.close()
     train_seconds = time.perf_counter() - started - eval_seconds
     if best_state is None:
         raise TrainingError(f"{arm.name}: no validation ran (the validation interval is longer than seqrec.epochs)")
     model.load_state_dict(best_state)
-    test_start = time.perf_counter()
     with autocast():
-        test = ranking_metrics(evaluator.ranks(arm, "test"))
-    test_seconds = time.perf_counter() - test_start
+        test = evaluator.metrics(arm, "test")
     tracker.log_metrics({f"{arm.name}/test_{_metric_name(k)}": v for k, v in test.items() if k != "users"}, step=step)
     log.info("%s test: %s", arm.name, ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != "users"))
     return {
@@ -352,7 +358,7 @@ def train_arm(arm, evaluator: Evaluator, config: TrainConfig, tracker: Tracker, 
         "params": params,
         "train_seconds": train_seconds,
         "valid_seconds": eval_seconds,
-        "test_seconds": test_seconds,
+        "test_seconds": evaluator.seconds,
         "history": history,
     }
 
@@ -435,7 +441,7 @@ def run_seqrec_bench(
             {**config.flat(), "protocol": protocol, "arms": ",".join(arms), "dataset": data.name, "device": str(dev)}
         )
         tracker.set_tags({"git_commit": git_commit(), "dataset_checksum": data.checksum, "recipe": config.recipe})
-        evaluator = Evaluator(data, protocol, config.seqrec.eval_batch_size, dev)
+        evaluator = RankingEvaluator(data, protocol, config.seqrec.eval_batch_size, dev)
         arm_results = {}
         for name in arms:
             set_determinism(config.train.seed, config.train.deterministic)  # each arm's weights from the seed

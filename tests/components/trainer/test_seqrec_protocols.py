@@ -8,7 +8,7 @@ import torch
 from gemrec.components.data_service.dataset import Dataset
 from gemrec.components.data_service.s3rec import prepare_s3rec
 from gemrec.components.trainer.ranking import ranking_metrics, sample_unseen, target_ranks
-from gemrec.components.trainer.seqrec import Evaluator
+from gemrec.components.trainer.seqrec import RankingEvaluator
 from gemrec.components.trainer.seqrec_data import SeqRecData
 
 
@@ -103,7 +103,7 @@ def test_sampled99_candidates_are_never_seen(toy):
     ds = Dataset.open(path)
     data = SeqRecData(ds, max_seq_len=8)
     users, items = raw_ids(ds, "user"), raw_ids(ds, "item")
-    evaluator = Evaluator(data, "sampled99", batch_users=16, device=torch.device("cpu"))
+    evaluator = RankingEvaluator(data, "sampled99", batch_users=16, device=torch.device("cpu"))
     candidates = evaluator._candidates("test")
     assert candidates.shape == (len(sequences), 100)
     for row, user in enumerate(data.splits["test"].users):
@@ -130,14 +130,14 @@ class ItemIdScorer:
 def test_full_ranking_removes_history_items(toy):
     path, _ = toy
     data = SeqRecData(Dataset.open(path), max_seq_len=8)
-    evaluator = Evaluator(data, "full", batch_users=7, device=torch.device("cpu"))
+    evaluator = RankingEvaluator(data, "full", batch_users=7, device=torch.device("cpu"))
     ranks = evaluator.ranks(ItemIdScorer(data.num_items), "test")
     t = data.splits["test"]
     for row in range(len(t)):
         target, before = t.items[row], set(t.before.row(row).tolist())
         expected = sum(1 for j in range(target + 1, data.num_items) if j not in before)
         assert ranks[row] == expected
-    sampled = Evaluator(data, "sampled99", batch_users=7, device=torch.device("cpu"))
+    sampled = RankingEvaluator(data, "sampled99", batch_users=7, device=torch.device("cpu"))
     ranks = sampled.ranks(ItemIdScorer(data.num_items), "valid")
     candidates = sampled._candidates("valid")
     assert ranks.tolist() == (candidates[:, 1:] >= candidates[:, :1]).sum(1).tolist()
