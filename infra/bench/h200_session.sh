@@ -5,8 +5,9 @@
 #            the per-kernel device times of ours on B and C (--profile), then C with the resident-side kernels off
 #            (--no-resident, ours only: their before/after)
 #   trainer  gpu_bench compiled, then eager, then eager with the reference attention (the kernels' before/after)
-#   scaling  scaling_bench (compiled, ZeRO-2, bf16 reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile
-#            cache) with nothing else running, and its report
+#   scaling  scaling_bench with the h200-bench recipe's [parallel] layout (compiled, ZeRO-2, bf16 all-gather and
+#            reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile cache) with nothing else running, and its
+#            report
 #   services the real path on GPU 0: `gemrec data synth --profile h200-bench`, `gemrec serve features` and
 #            `gemrec serve data` as processes on this machine's CPUs, the compiled h200-bench step trained through
 #            --data-addr (no MLflow), then gpu_bench compiled on batches of the same dataset staged on the GPU;
@@ -93,10 +94,9 @@ if want long; then
 fi
 wait
 if want scaling; then
-  common="--param-dtype bfloat16 --reduce-dtype bfloat16 --compile --no-reshard-after-forward"
-  steps="--set bench.steps=20 --set bench.warmup_steps=4"
-  run scaling_2 python3 -m torch.distributed.run --nproc_per_node 2 -m $S --out "$out/scaling" $common --trace $steps
-  run scaling_1 python3 -m torch.distributed.run --nproc_per_node 1 -m $S --out "$out/scaling" $common $steps
+  steps="--set bench.steps=20 --set bench.warmup_steps=4"  # the layout: the recipe's [parallel]
+  run scaling_2 python3 -m torch.distributed.run --nproc_per_node 2 -m $S --out "$out/scaling" --trace $steps
+  run scaling_1 python3 -m torch.distributed.run --nproc_per_node 1 -m $S --out "$out/scaling" $steps
   python3 -m $S report "$out"/scaling/*.json > "$out/scaling_report.md" 2>&1
   cat "$out/scaling_report.md"
 fi

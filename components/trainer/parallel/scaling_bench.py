@@ -5,7 +5,11 @@ without torchrun it trains the plain model on one device (the `gpu_bench` setup)
 Weak scaling: every rank trains on a batch of the recipe's size, so the global batch grows with the world; the
 ranks' batches are split from one global batch by attention cost, as the data service balances them.
 
-    torchrun --nproc_per_node N -m gemrec.components.trainer.parallel.scaling_bench --out DIR [--ep 2] [--set k=v]
+    torchrun --nproc_per_node N -m gemrec.components.trainer.parallel.scaling_bench --out DIR [--set k=v ...]
+
+The layout is the recipe's `[parallel]` section (`ParallelConfig`), changed like any other key: `--set parallel.ep=2`,
+`--set parallel.dp_replicate=2`, `--set parallel.compile=false`, `--set parallel.reshard_after_forward=true`,
+`--set parallel.param_dtype=` (empty: fp32 all-gathers), `--set parallel.reduce_dtype=float32`.
 
 Writes DIR/scaling_w<N>[_ep<E>].json: QPS (all ranks), E2E MFU (model FLOPs of all ranks / time / (peak x N)),
 step time, and from one profiled step per rank: compute imbalance (max/mean) and exposed communication.
@@ -57,32 +61,26 @@ def run(argv: list[str]) -> dict:
     from gemrec.components.trainer.parallel import ParallelConfig
     from gemrec.components.trainer.parallel.balance import RankBalance
     from gemrec.components.trainer.training import set_determinism, setup_training, timed_steps
+    from gemrec.config import ConfigError
     from gemrec.model import model_flops
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="h200-bench")
-    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="recipe override section.key=value, repeatable"
+    )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--ep", type=int, default=1)
-    parser.add_argument("--dp-replicate", type=int, default=1)
-    parser.add_argument("--param-dtype", default="", help="FSDP2 all-gather dtype, e.g. bfloat16 ('' = fp32)")
-    parser.add_argument(
-        "--reduce-dtype",
-        default="",
-        help="FSDP2 reduce-scatter dtype ('' = float32 with --param-dtype, else the parameters' dtype)",
-    )
-    parser.add_argument("--compile", action="store_true", help="torch.compile per block (parallelize's compile)")
-    parser.add_argument(
-        "--no-reshard-after-forward",
-        action="store_true",
-        help="FSDP2 keeps gathered parameters from forward to backward (ZeRO-2 style)",
-    )
     parser.add_argument(
         "--trace",
         action="store_true",
         help="write the profiled step's Chrome trace per rank and its per-collective breakdown",
     )
     args = parser.parse_args(argv)
+    try:
+        config = load_recipe(args.recipe, args.overrides)
+    except ConfigError as err:
+        parser.error(str(err))
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, embedding_backend="torch"))
 
     launched = "WORLD_SIZE" in os.environ  # under torchrun: parallelize, also on 1 rank (same code path)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -95,21 +93,8 @@ def run(argv: list[str]) -> dict:
     if launched:
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
 
-    config = load_recipe(args.recipe, args.overrides)
-    reduce_dtype = args.reduce_dtype or ("float32" if args.param_dtype else "")
-    parallel = ParallelConfig.from_dict(  # the flags give the whole layout; the recipe's [parallel] is not used
-        {
-            "dp_replicate": args.dp_replicate,
-            "ep": args.ep,
-            "param_dtype": args.param_dtype,
-            "compile": args.compile,
-            "reshard_after_forward": not args.no_reshard_after_forward,
-            "reduce_dtype": reduce_dtype,
-        }
-    )
-    config = dataclasses.replace(
-        config, model=dataclasses.replace(config.model, embedding_backend="torch"), parallel=parallel
-    )
+    # The layout the result reports; without torchrun there is no wrapper and `train.compile` compiles the model.
+    parallel = config.parallel if launched else ParallelConfig(compile=config.train.compile)
     bench = config.bench
     set_determinism(config.train.seed, False)
     schema = synthetic_schema(bench)
@@ -156,12 +141,12 @@ def run(argv: list[str]) -> dict:
     peak = device_peak(device, training.bf16)
     result = {
         "world_size": world,
-        "ep": args.ep,
-        "dp_replicate": args.dp_replicate,
-        "compile": args.compile,
-        "reshard_after_forward": not args.no_reshard_after_forward,
-        "fsdp_param_dtype": (args.param_dtype or "float32") if launched else "-",
-        "fsdp_reduce_dtype": (reduce_dtype or "param") if launched else "-",
+        "ep": parallel.ep,
+        "dp_replicate": parallel.dp_replicate,
+        "compile": parallel.compile,
+        "reshard_after_forward": parallel.reshard_after_forward,
+        "fsdp_param_dtype": (parallel.param_dtype or "float32") if launched else "-",
+        "fsdp_reduce_dtype": (parallel.reduce_dtype or "param") if launched else "-",
         "layout": layout,
         "device": peak.device,
         "torch": torch.__version__,
@@ -183,12 +168,12 @@ def run(argv: list[str]) -> dict:
         name = (
             f"scaling_w{world}"
             + ("_fsdp" if launched else "_plain")
-            + (f"_ep{args.ep}" if args.ep > 1 else "")
-            + (f"_rep{args.dp_replicate}" if args.dp_replicate > 1 else "")
-            + (f"_{args.param_dtype}" if args.param_dtype and launched else "")
-            + (f"_rs-{args.reduce_dtype}" if args.reduce_dtype and launched else "")
-            + ("_compiled" if args.compile else "")
-            + ("_zero2" if args.no_reshard_after_forward else "")
+            + (f"_ep{parallel.ep}" if parallel.ep > 1 else "")
+            + (f"_rep{parallel.dp_replicate}" if parallel.dp_replicate > 1 else "")
+            + (f"_{parallel.param_dtype}" if parallel.param_dtype and launched else "")
+            + (f"_rs-{parallel.reduce_dtype}" if parallel.reduce_dtype and launched else "")
+            + ("_compiled" if parallel.compile else "")
+            + ("_zero2" if not parallel.reshard_after_forward and launched else "")
             + ".json"
         )
         (args.out / name).write_text(json.dumps(result, indent=2))

@@ -71,6 +71,36 @@ def test_scaling_bench_splits_one_global_batch_by_attention_cost():
     )
 
 
+def test_scaling_bench_takes_its_layout_from_the_recipe(tmp_path, capsys):
+    """One rank launched as torchrun launches it (gloo on the CPU): the recipe's `[parallel]`, changed by `--set`,
+    reaches `parallelize` and names the result; a bad layout value is refused naming the key."""
+    import os
+    import subprocess
+    import sys
+
+    from gemrec.components.common.ports import free_port
+    from gemrec.components.trainer.parallel import scaling_bench
+
+    argv = ["--recipe", "tiny", "--out", str(tmp_path), *SMALL, "--set", "bench.distinct_batches=1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    module = [sys.executable, "-m", scaling_bench.__name__]
+    done = subprocess.run(
+        [*module, *argv, "--set", "parallel.reshard_after_forward=false"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "scaling_w1_fsdp_zero2.json").read_text())
+    assert result["reshard_after_forward"] is False and result["compile"] is False and result["ep"] == 1
+    assert result["layout"].startswith("world 1 = dp_replicate 1 x dp_shard 1") and result["qps"] > 0
+    with pytest.raises(SystemExit) as refused:
+        scaling_bench.run([*argv, "--set", "parallel.param_dtype=int8"])
+    assert refused.value.code == 2 and "parallel.param_dtype" in capsys.readouterr().err
+
+
 def test_h200_bench_flop_count_matches_flop_counter_per_layer(monkeypatch):
     """The h200-bench model, narrowed (d_model 128, expert hidden 512), on a batch of the bench's own shape
     (lognormal lengths, mean 384, sigma 0.8, capped at 1024), fp32 on the CPU: every layer alone, forward and
