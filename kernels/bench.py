@@ -13,9 +13,7 @@ and, after every eager timing, replayed from a CUDA graph (device time only).
 
 import json
 import math
-import os
 import platform
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 from gemrec.kernels.ops import attention_flops, gdpa, jagged_attention
 from gemrec.kernels.options import KernelOptions
 from gemrec.kernels.reference import rope_cos_sin, rotate_half
+from gemrec.provenance import git_commit
 
 ROPE_BASE = 10000.0
 
@@ -434,22 +433,6 @@ def profile_ours(config_names: list[str], options: KernelOptions, seed: int = 0,
             progress(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))
 
 
-def _git_commit() -> str:
-    """GEMREC_COMMIT (set for a copy without git history, e.g. a `git archive` snapshot), else git's HEAD."""
-    if os.environ.get("GEMREC_COMMIT"):
-        return os.environ["GEMREC_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).parent,
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def least_bytes(case: Case) -> dict[str, int]:
     """The fewest bytes each timing must move through device memory: forward reads q, k, v and writes out (and the
     softmax's logsumexp, 4 bytes per row and head); backward reads q, k, v and dO and writes dq, dk, dv."""
@@ -585,7 +568,7 @@ def run_benchmark(
             progress(format_row(row))
     meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": _git_commit(),
+        "commit": git_commit(short=True),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "python": platform.python_version(),

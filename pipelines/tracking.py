@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from gemrec.components.trainer.tracking import artifact_root as artifact_root
 from gemrec.components.trainer.tracking import finite_or_none as finite_or_none
-from gemrec.components.trainer.tracking import git_commit as git_commit
 from gemrec.components.trainer.tracking import resolve_tracking_uri as resolve_tracking_uri
 from gemrec.components.trainer.tracking import sqlite_path as sqlite_path
+from gemrec.provenance import git_commit as git_commit
 
 CHAMPION_ALIAS = "champion"
 

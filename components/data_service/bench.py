@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
+from gemrec.provenance import git_commit
 
 
 def _timed(fn) -> tuple[object, dict]:
@@ -117,12 +117,9 @@ def run(
     from .synth import SynthConfig, synthesize
 
     torch.set_num_threads(1)
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
-    ).stdout.strip()
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        "commit": commit,
+        "commit": git_commit(short=True),
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "machine": f"{platform.processor() or platform.machine()}, {_cpu_name()}",
         "datasets": {},

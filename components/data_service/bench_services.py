@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 from gemrec.components.common.grpc_channel import open_channel, wait_healthy
 from gemrec.components.common.ports import free_port
+from gemrec.provenance import git_commit
 
 
 def _serve(args: list[str], port: int) -> subprocess.Popen:
@@ -262,7 +263,7 @@ def run(args) -> int:
     report = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "machine": _machine(),
-        "commit": _commit(),
+        "commit": git_commit(short=True),
         "features_dataset": str(features_dir),
         "feature_service": {},
     }
@@ -322,19 +323,6 @@ def _machine() -> str:
 
     cpu = platform.processor() or platform.machine()
     return f"{platform.node()} {cpu} {os.cpu_count()} cores, Python {platform.python_version()}"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=Path(__file__).resolve().parents[2],
-            check=True,
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _print(report: dict) -> None:

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from gemrec.components.trainer.config import TrainConfig, load_recipe
 from gemrec.components.trainer.run import run_training
-from gemrec.components.trainer.tracking import git_commit
 from gemrec.config import ConfigError, parse_override
+from gemrec.provenance import git_commit
 
 
 @dataclass(frozen=True)

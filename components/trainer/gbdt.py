@@ -89,7 +89,8 @@ def run_gbdt(config, dataset_dir, tracking_uri: str, experiment: str, metrics_ou
     """`gemrec train --model gbdt`: fit, evaluate on `eval`, log to MLflow like the neural arms; the summary."""
     from gemrec.components.data_service.dataset import Dataset
     from gemrec.components.trainer import metrics as qm
-    from gemrec.components.trainer.tracking import Tracker, git_commit, write_summary
+    from gemrec.components.trainer.tracking import Tracker, write_summary
+    from gemrec.provenance import git_commit
 
     ds = Dataset.open(dataset_dir)
     model = config.model

@@ -43,12 +43,12 @@ from gemrec.components.trainer.seqrec_data import Jagged, SeqRecData, Targets
 from gemrec.components.trainer.tracking import (
     Tracker,
     finite_or_none,
-    git_commit,
     resolve_tracking_uri,
     write_summary,
 )
 from gemrec.components.trainer.trainer import TrainingError, first_nonfinite
 from gemrec.components.trainer.training import autocast_for, set_determinism
+from gemrec.provenance import git_commit
 from tqdm import tqdm
 
 log = logging.getLogger(__name__)

@@ -10,17 +10,16 @@ import json
 import logging
 import math
 import os
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from gemrec.provenance import git_commit
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"
-REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def resolve_tracking_uri(uri: str | None = None) -> str:
@@ -39,19 +38,6 @@ def artifact_root(uri: str) -> Path | None:
     """Where runs of a SQLite store keep their artifacts: `mlartifacts/` beside the database file."""
     db = sqlite_path(uri)
     return db.resolve().parent / "mlartifacts" if db is not None else None
-
-
-def git_commit() -> str:
-    """$GEMREC_GIT_COMMIT (set in container images, which have no .git), else this checkout's HEAD."""
-    if os.environ.get("GEMREC_GIT_COMMIT"):
-        return os.environ["GEMREC_GIT_COMMIT"]
-    try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO_ROOT), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        )
-        return out.stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 class Tracker:

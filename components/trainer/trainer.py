@@ -31,8 +31,9 @@ from gemrec.components.trainer.evaluate import EarlyStopping, Evaluator
 from gemrec.components.trainer.mfu import LayerMFU, device_peak, measure_local_mfu, total_flops
 from gemrec.components.trainer.parallel.balance import RankBalance
 from gemrec.components.trainer.parallel.pipeline import training_inputs
-from gemrec.components.trainer.tracking import Tracker, git_commit, run_summary, write_summary
+from gemrec.components.trainer.tracking import Tracker, run_summary, write_summary
 from gemrec.components.trainer.training import peak_memory_gib, set_determinism, setup_training
+from gemrec.provenance import git_commit
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,

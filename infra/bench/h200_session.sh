@@ -37,7 +37,7 @@ shift $(( $# < 3 ? $# : 3 ))
 long_extra=("$@")  # part long: more gpu_bench arguments, after the part's own (its CPU test shrinks the model)
 root=$(cd "$(dirname "$0")/../.." && pwd)
 # a `git archive` snapshot has no history: its commit comes from COMMIT (`git rev-parse --short HEAD > COMMIT`)
-if [[ -f $root/COMMIT ]]; then export GEMREC_COMMIT=$(cat "$root/COMMIT") GEMREC_GIT_COMMIT=$(cat "$root/COMMIT"); fi
+if [[ -f $root/COMMIT ]]; then export GEMREC_GIT_COMMIT=$(cat "$root/COMMIT"); fi
 mkdir -p "$out" && out=$(cd "$out" && pwd)  # the steps run from the repo root
 path_dir=$(mktemp -d /tmp/gemrec-path.XXXXXX)  # this run's own: runs beside it link their own trees
 ln -sfn "$root" "$path_dir/gemrec"
