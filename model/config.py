@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal, Self
@@ -43,6 +44,20 @@ def schema_problems(
     return problems
 
 
+def dense_bins_problems(dense_features: tuple[str, ...], dense_bins: tuple[tuple[float, ...], ...]) -> list[str]:
+    """What is wrong with the quantile edges of the dense features (empty: usable, or none given)."""
+    if not dense_bins:
+        return []
+    if len(dense_bins) != len(dense_features):
+        return [f"dense_bins has {len(dense_bins)} edge lists for {len(dense_features)} dense features"]
+    problems = []
+    for name, edges in zip(dense_features, dense_bins):
+        rising = all(b > a for a, b in zip(edges[:-1], edges[1:]))
+        if len(edges) < 2 or not rising or not all(map(math.isfinite, edges)):
+            problems.append(f"dense_bins of {name!r} must be at least 2 finite rising edges, got {list(edges)}")
+    return problems
+
+
 def _manifest_fields(manifest: dict[str, Any]) -> dict[str, Any]:
     """`FeatureSchema` keyword arguments from a manifest dict; ValueError when a key is missing or malformed."""
     missing = [k for k in ("sparse_features", "labels") if k not in manifest]
@@ -61,10 +76,19 @@ def _manifest_fields(manifest: dict[str, Any]) -> dict[str, Any]:
         )
     except (KeyError, TypeError, ValueError) as err:
         raise ValueError(f"manifest sparse_features entry is malformed: {err!r}") from err
+    dense = tuple(manifest.get("dense_features", ()))
+    edges = (manifest.get("dense_bins") or {}).get("edges", {})
+    try:
+        dense_bins = tuple(tuple(float(e) for e in edges[n]) for n in dense) if edges else ()
+    except (KeyError, TypeError, ValueError) as err:
+        raise ValueError(
+            f"manifest dense_bins.edges must give a list of numbers for every dense feature: {err!r}"
+        ) from err
     return {
         "sparse_features": sparse,
         "seq_item_features": tuple(manifest.get("seq_item_features", ())),
-        "dense_features": tuple(manifest.get("dense_features", ())),
+        "dense_features": dense,
+        "dense_bins": dense_bins,
         "labels": tuple(manifest["labels"]),
         "actions": tuple(manifest.get("actions", ())),
     }
@@ -77,9 +101,13 @@ class FeatureSchema:
     dense_features: tuple[str, ...] = ()
     labels: tuple[str, ...] = ("label",)
     actions: tuple[str, ...] = ()
+    # Per dense feature, rising quantile edges of its train-split values (the manifest's dense_bins): the bins
+    # of the piecewise-linear encoding (model.dense_encoding = "ple"). Empty: the dataset has none.
+    dense_bins: tuple[tuple[float, ...], ...] = ()
 
     def __post_init__(self):
         problems = schema_problems(self.sparse_features, self.seq_item_features, self.labels)
+        problems += dense_bins_problems(self.dense_features, self.dense_bins)
         if problems:
             raise ValueError("feature schema: " + "; ".join(problems))
 
@@ -95,7 +123,9 @@ class FeatureSchema:
             fields = _manifest_fields(manifest)
         except ValueError as err:
             return [str(err)]
-        return schema_problems(fields["sparse_features"], fields["seq_item_features"], fields["labels"])
+        return schema_problems(
+            fields["sparse_features"], fields["seq_item_features"], fields["labels"]
+        ) + dense_bins_problems(fields["dense_features"], fields["dense_bins"])
 
     @property
     def feature_names(self) -> list[str]:
@@ -139,6 +169,10 @@ class ModelConfig(Section):
     # starts at zero, so an id never trained on (a new user or item) reads as a hidden one.
     user_id_dropout: float = 0.0
     item_id_dropout: float = 0.0
+    # Dense features into the feature tokens: "linear" = all of them through one linear map into one token; "ple" =
+    # one token per feature, a piecewise-linear encoding over its train-split quantile bins (the dataset's
+    # dense_bins) then a linear map per feature: each token a learned nonlinear curve of its feature.
+    dense_encoding: Literal["linear", "ple"] = "linear"
     d_model: int = 64  # token width inside the towers
     num_heads: int = 4
     mlp_ratio: float = 4.0

@@ -175,8 +175,59 @@ class SeqInput(nn.Module):
         return add(*parts)
 
 
+class PiecewiseLinearTokens(nn.Module):
+    """One token per dense feature: its piecewise-linear encoding over the feature's quantile bins, then a linear map
+    of its own (Gorishniy et al. 2022, "On Embeddings for Numerical Features in Tabular Deep Learning").
+
+    With edges e_0 < ... < e_n, component t of the encoding is (x - e_t) / (e_(t+1) - e_t) clipped to [0, 1]; the
+    first is not clipped below and the last not above, so values outside the train range extrapolate linearly. The
+    token sum_t enc_t W_t + b is a learned piecewise-linear curve in R^d with a knot at every edge.
+    """
+
+    # buffers (registered in __init__), (F, bins) each
+    left: torch.Tensor
+    inv_span: torch.Tensor
+    low: torch.Tensor
+    high: torch.Tensor
+    used: torch.Tensor
+
+    def __init__(self, bins: tuple[tuple[float, ...], ...], dim: int):
+        super().__init__()
+        num, width = len(bins), max(len(edges) - 1 for edges in bins)
+        left = torch.zeros(num, width, dtype=torch.float64)
+        span = torch.ones(num, width, dtype=torch.float64)
+        low, high = torch.zeros(num, width), torch.ones(num, width)
+        used = torch.zeros(num, width)
+        for f, edges in enumerate(bins):
+            e = torch.tensor(edges, dtype=torch.float64)
+            n = len(edges) - 1
+            left[f, :n], span[f, :n], used[f, :n] = e[:-1], e[1:] - e[:-1], 1.0
+            low[f, 0], high[f, n - 1] = -math.inf, math.inf
+        self.register_buffer("left", left.float())
+        self.register_buffer("inv_span", (1.0 / span).float())
+        self.register_buffer("low", low)
+        self.register_buffer("high", high)
+        self.register_buffer("used", used)
+        self.weight = nn.Parameter(torch.randn(num, width, dim) * width**-0.5)
+        self.bias = nn.Parameter(torch.zeros(num, dim))
+
+    def encode(self, dense: torch.Tensor) -> torch.Tensor:
+        """(B, F) -> (B, F, bins): the piecewise-linear encoding, zero in the bins a feature does not have."""
+        enc = (dense.float().unsqueeze(-1) - self.left) * self.inv_span
+        return torch.maximum(torch.minimum(enc, self.high), self.low) * self.used
+
+    def forward(self, dense: torch.Tensor) -> torch.Tensor:
+        """(B, F) -> (B, F, dim)."""
+        return torch.einsum("bft,ftd->bfd", self.encode(dense).to(self.weight.dtype), self.weight) + self.bias
+
+    def flops(self, batch: int) -> tuple[int, int]:
+        num, width, dim = self.weight.shape
+        return linear_flops(batch * num, width, dim, input_grad=False)
+
+
 class FeatureTokens(nn.Module):
-    """One d_model token per sparse feature (a projection per feature) plus one for the dense features."""
+    """One d_model token per sparse feature (a projection per feature), then the dense features: one token through a
+    linear map of all of them (`dense_encoding = "linear"`) or one token per feature (`"ple"`)."""
 
     def __init__(self, schema: FeatureSchema, config: ModelConfig):
         super().__init__()
@@ -184,13 +235,25 @@ class FeatureTokens(nn.Module):
         self.weight = nn.Parameter(torch.empty(num, emb, d))
         self.bias = nn.Parameter(torch.zeros(num, d))
         nn.init.normal_(self.weight, std=emb**-0.5)
-        self.dense_proj = nn.Linear(schema.num_dense, d) if schema.num_dense else None
-        self.num_tokens = num + (1 if schema.num_dense else 0)
+        self.dense_proj = self.dense_ple = None
+        if schema.num_dense and config.dense_encoding == "ple":
+            if not schema.dense_bins:
+                raise ValueError(
+                    "model.dense_encoding = 'ple' needs the dataset's quantile bins of its dense features "
+                    "(manifest dense_bins): prepare the dataset again with this version of gemrec"
+                )
+            self.dense_ple = PiecewiseLinearTokens(schema.dense_bins, d)
+        elif schema.num_dense:
+            self.dense_proj = nn.Linear(schema.num_dense, d)
+        dense_tokens = schema.num_dense if self.dense_ple is not None else min(schema.num_dense, 1)
+        self.num_tokens = num + dense_tokens
 
     def forward(self, example_emb: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
         tokens = torch.einsum("bfe,fed->bfd", example_emb, self.weight.to(example_emb.dtype)) + self.bias
         if self.dense_proj is not None:
             tokens = torch.cat([tokens, self.dense_proj(dense.to(tokens.dtype)).unsqueeze(1)], dim=1)
+        if self.dense_ple is not None:
+            tokens = torch.cat([tokens, self.dense_ple(dense).to(tokens.dtype)], dim=1)
         return tokens
 
     def flops(self, batch: int) -> tuple[int, int]:
@@ -198,6 +261,8 @@ class FeatureTokens(nn.Module):
         parts = [linear_flops(batch * num, emb, d)]
         if self.dense_proj is not None:
             parts.append(linear_flops(batch, self.dense_proj.in_features, d, input_grad=False))
+        if self.dense_ple is not None:
+            parts.append(self.dense_ple.flops(batch))
         return add(*parts)
 
 

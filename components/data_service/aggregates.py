@@ -7,6 +7,7 @@ events.parquet (u's events strictly before t):
     user_seconds_since_last_log  log1p(t - u's latest earlier event) / log1p(time span of the log); 1 without one
     user_past_mean_<a>           mean of action a over all of u's earlier events
     user_recent_mean_<a>         the same over the last `recent_events` of them
+    user_last<N>_mean_<a>        the same over the last N of them, N in WINDOWS (the window is in the name)
     item_past_count_log          log1p(events of item i strictly before t, by any user) / log1p(most events of an item)
     item_past_mean_<a>           mean of action a over those events
 
@@ -17,21 +18,28 @@ events strictly before t enter: never the target event, its label, or anything l
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from .errors import DataError
 
 RECENT_EVENTS = 10
+# More windows of the user's latest events: the last one to three ratings and the last few hundred each predict the
+# next one beyond the all-time and last-10 means (measured with the GBDT, docs/benchmarks.md issue 21).
+WINDOWS = (1, 3, 30, 100, 300)
 SMOOTHING = 5.0
 USER_FEATURES = ["history_length_log", "user_seconds_since_last_log"]
 ITEM_FEATURES = ["item_past_count_log"]
+_WINDOW_NAME = re.compile(r"user_last([1-9][0-9]*)_mean_.+")
 USER_SOURCE = "history"  # dense feature sources in the manifest
 ITEM_SOURCE = "item_history"
 
 
 def aggregate_feature_sources(actions: list[str]) -> dict[str, str]:
     """Dense feature name -> source, for a dataset whose history tokens carry `actions`."""
-    user = USER_FEATURES + [f"user_{kind}_mean_{a}" for kind in ("past", "recent") for a in actions]
+    kinds = ["past", "recent"] + [f"last{n}" for n in WINDOWS]
+    user = USER_FEATURES + [f"user_{kind}_mean_{a}" for kind in kinds for a in actions]
     item = ITEM_FEATURES + [f"item_past_mean_{a}" for a in actions]
     return {**{n: USER_SOURCE for n in user}, **{n: ITEM_SOURCE for n in item}}
 
@@ -132,6 +140,11 @@ class HistoryAggregates:
             for j, a in enumerate(self.action_names):
                 out[f"user_past_mean_{a}"] = past[:, j]
                 out[f"user_recent_mean_{a}"] = recent[:, j]
+            for window in sorted({int(m.group(1)) for m in map(_WINDOW_NAME.fullmatch, names) if m}):
+                begin = np.maximum(hist_start, hist_end - window)
+                means = self._shrunk(self._window_sums(begin, hist_end), hist_end - begin)
+                for j, a in enumerate(self.action_names):
+                    out[f"user_last{window}_mean_{a}"] = means[:, j]
         if any(n.startswith("item_") for n in names):
             if len(items) and (items.min() < 0 or items.max() >= len(self._item_start)):
                 raw = items[(items < 0) | (items >= len(self._item_start))][0]

@@ -26,6 +26,7 @@ from gemrec.components.common import jagged
 from tqdm import tqdm
 
 from .aggregates import aggregate_feature_sources, aggregate_spec
+from .dense_bins import dense_bins
 from .errors import DataError
 
 SCHEMA_VERSION = 2  # 2: point-in-time aggregate features of earlier events (aggregates.py)
@@ -346,6 +347,8 @@ def build_dataset(
         manifest = _build(
             tmp, name, events, items, users, split, seq_item_features, hash_buckets, max_history, aggregates, steps
         )
+        if manifest["dense_features"]:
+            manifest["dense_bins"] = _dense_bins(tmp, manifest)
         manifest["checksums"] = dict(sorted((input_checksums or {}).items()))
         manifest.update(extra or {})
         manifest["prepare_seconds"] = round(time.perf_counter() - started, 3)
@@ -363,6 +366,14 @@ def build_dataset(
         steps.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _dense_bins(root: Path, manifest: dict) -> dict:
+    """The manifest's dense_bins of the dataset written at `root`: read back through `Dataset.collate`, the code
+    that training and serving use, so the edges are of exactly the values the model sees."""
+    from .dataset import Dataset  # dataset.py reads manifests through this module
+
+    return dense_bins(Dataset(root, manifest))
 
 
 def _build(

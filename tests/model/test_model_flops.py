@@ -15,6 +15,7 @@ MANIFEST = {
     ],
     "seq_item_features": ["item_genres"],
     "dense_features": ["hour_sin"],
+    "dense_bins": {"edges": {"hour_sin": [-1.0, -0.2, 0.5, 1.0]}},
 }
 SCHEMA = FeatureSchema.from_manifest(MANIFEST)
 
@@ -35,6 +36,7 @@ def measured(model, inp):
     [
         ("gem", dict(seq_attention="softmax", time_encoding="continuous")),
         ("gem", dict(seq_attention="silu", moe_every=1, nonseq_layers=2)),
+        ("gem", dict(dense_encoding="ple")),
         ("dlrm", dict()),
     ],
 )

@@ -1,6 +1,7 @@
 import pytest
 import torch
 from gemrec.model import FeatureSchema, JaggedFeatures, ModelConfig, ModelOutput, build_model, loss
+from gemrec.model.gem import PiecewiseLinearTokens
 from gemrec.model.synthetic import random_input
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -254,3 +255,39 @@ def test_no_id_dropout_leaves_training_unchanged():
     model.eval()
     second = model.embeddings(inp.sparse_features, inp.seq_item_ids, inp.seq_item_features)
     assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_piecewise_linear_encoding_on_hand_computed_edges():
+    # Feature 0: bins [0, 1), [1, 3); feature 1: the one bin [-1, 1). The first bin is open below, the last above.
+    tokens = PiecewiseLinearTokens(((0.0, 1.0, 3.0), (-1.0, 1.0)), dim=3)
+    dense = torch.tensor([[-1.0, -3.0], [0.5, 0.0], [2.0, 1.0], [5.0, 2.0]])
+    expected = torch.tensor(
+        [
+            [[-1.0, 0.0], [-1.0, 0.0]],
+            [[0.5, 0.0], [0.5, 0.0]],
+            [[1.0, 0.5], [1.0, 0.0]],
+            [[1.0, 2.0], [1.5, 0.0]],
+        ]
+    )
+    torch.testing.assert_close(tokens.encode(dense), expected)
+    with torch.no_grad():
+        tokens.weight.copy_(torch.arange(12.0).view(2, 2, 3))
+        tokens.bias.copy_(torch.tensor([[1.0, 0.0, 0.0], [0.0, 0.0, -1.0]]))
+    out = tokens(dense)
+    # Row 2, feature 0: 1 * [0, 1, 2] + 0.5 * [3, 4, 5] + [1, 0, 0]; feature 1: 1 * [6, 7, 8] + [0, 0, -1].
+    torch.testing.assert_close(out[2], torch.tensor([[2.5, 3.0, 4.5], [6.0, 7.0, 7.0]]))
+
+
+def test_ple_dense_encoding_gives_one_token_per_dense_feature():
+    edges = {"hour_sin": [-1.0, 0.0, 1.0], "hour_cos": [-1.0, -0.5, 0.5, 1.0]}
+    schema = FeatureSchema.from_manifest({**MANIFEST, "dense_bins": {"edges": edges}})
+    assert schema.dense_bins == ((-1.0, 0.0, 1.0), (-1.0, -0.5, 0.5, 1.0))
+    torch.manual_seed(0)
+    linear = build_model(ModelConfig(**SMALL), schema)
+    ple = build_model(ModelConfig(**SMALL, dense_encoding="ple"), schema)
+    assert ple.feature_input.num_tokens == linear.feature_input.num_tokens + 1  # two dense tokens instead of one
+    inp = random_input(schema, 4, 6, seed=1)
+    out = ple(inp)
+    assert out.logits.shape == (4, 2) and torch.isfinite(out.logits).all()
+    with pytest.raises(ValueError, match="dense_encoding = 'ple' needs the dataset's quantile bins"):
+        build_model(ModelConfig(**SMALL, dense_encoding="ple"), SCHEMA)

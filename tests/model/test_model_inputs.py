@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 from gemrec.model import FeatureSchema, JaggedFeatures, ModelConfig
@@ -92,3 +94,35 @@ def test_config_validation():
         ModelConfig.from_dict({"nope": 1})
     assert ModelConfig.from_dict({"seq_layers": 3}).seq_layers == 3
     assert ModelConfig.from_dict({"dlrm_top_mlp": [8, 4]}).dlrm_top_mlp == (8, 4)
+
+
+@pytest.mark.parametrize(
+    "edges, message",
+    [
+        ({"hour_of_day_sin": [0.0, 1.0], "extra": [0.0, 1.0]}, None),  # edges of other features are ignored
+        ({}, None),  # no bins: the linear dense encoding only
+        ({"other": [0.0, 1.0]}, "dense_bins.edges must give a list of numbers for every dense feature"),
+        ({"hour_of_day_sin": [0.0, 0.0, 1.0]}, r"dense_bins of 'hour_of_day_sin' must be at least 2 finite rising"),
+        ({"hour_of_day_sin": [1.0]}, "at least 2 finite rising edges, got \\[1.0\\]"),
+        ({"hour_of_day_sin": [0.0, float("inf")]}, "finite rising edges"),
+        ({"hour_of_day_sin": ["a", 1.0]}, "list of numbers"),
+    ],
+)
+def test_manifest_dense_bins_are_checked(edges, message):
+    manifest = {**MANIFEST, "dense_bins": {"edges": edges}}
+    if message is None:
+        assert FeatureSchema.manifest_problems(manifest) == []
+        assert len(FeatureSchema.from_manifest(manifest).dense_bins) == (1 if edges else 0)
+        return
+    assert any(re.search(message, p) for p in FeatureSchema.manifest_problems(manifest))
+    with pytest.raises(ValueError, match=message):
+        FeatureSchema.from_manifest(manifest)
+
+
+def test_schema_dense_bins_must_match_the_dense_features():
+    with pytest.raises(ValueError, match="dense_bins has 2 edge lists for 1 dense features"):
+        FeatureSchema(
+            sparse_features=FeatureSchema.from_manifest(MANIFEST).sparse_features,
+            dense_features=("a",),
+            dense_bins=((0.0, 1.0), (0.0, 1.0)),
+        )

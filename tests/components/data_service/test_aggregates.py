@@ -7,6 +7,7 @@ import pytest
 from gemrec.components.data_service.aggregates import HistoryAggregates, aggregate_feature_sources
 from gemrec.components.data_service.builder import EventLog, SplitConfig, build_dataset
 from gemrec.components.data_service.dataset import Dataset
+from gemrec.components.data_service.dense_bins import quantile_edges
 
 # (user, item, timestamp, like); A's y and B's x share second 20.
 LOG = [
@@ -90,6 +91,26 @@ def test_recent_window_covers_only_the_last_events(tmp_path):
     recent_likes = sum(int(t % 2 == 0) for t in range(4, 14))
     assert last["user_recent_mean_like"] == pytest.approx((recent_likes + k * prior) / (10 + k), abs=1e-6)
     assert last["user_past_mean_like"] == pytest.approx((7 + k * prior) / (14 + k), abs=1e-6)
+    # More windows: the last event (13: no like), the last 3 (11, 12, 13: one like), the last 30 (all 14).
+    assert last["user_last1_mean_like"] == pytest.approx((0 + k * prior) / (1 + k), abs=1e-6)
+    assert last["user_last3_mean_like"] == pytest.approx((1 + k * prior) / (3 + k), abs=1e-6)
+    assert last["user_last30_mean_like"] == pytest.approx(last["user_past_mean_like"], abs=1e-6)
+    assert features(ds)[("A", 0)]["user_last1_mean_like"] == pytest.approx(prior, abs=1e-6)  # no earlier event
+
+
+def test_dense_bins_are_train_split_quantiles(tmp_path):
+    # Item i's count of earlier events grows with time, so the eval examples have larger values than any train one.
+    log = [(f"u{t % 7}", "i", 100 + 10 * t, t % 2) for t in range(60)]
+    ds = build(tmp_path, log=log, cutoff=100 + 10 * 40)
+    bins = ds.manifest["dense_bins"]
+    assert bins["split"] == "train" and set(bins["edges"]) == set(ds.dense_features)
+    values = {s: ds.collate(s, np.arange(ds.num_examples(s)), max_seq_len=0).dense_features for s in ds.splits}
+    col = ds.dense_features.index("item_past_count_log")
+    edges = bins["edges"]["item_past_count_log"]
+    assert edges[0] == pytest.approx(float(values["train"][:, col].min()))
+    assert edges[-1] == pytest.approx(float(values["train"][:, col].max()))
+    assert edges[-1] < float(values["eval"][:, col].min())
+    assert all(b > a for a, b in zip(edges, edges[1:])) and len(edges) == bins["bins"] + 1  # 40 distinct values
 
 
 def test_no_leakage_of_the_target_or_later_events(tmp_path):
@@ -137,3 +158,13 @@ def test_valid_split_lies_between_train_and_eval(tmp_path):
     assert times["train"].max() < split["valid_cutoff"] <= times["valid"].min()
     assert times["valid"].max() < split["cutoff"] <= times["eval"].min()
     assert sum(len(t) for t in times.values()) == 100
+
+
+def test_quantile_edges_merge_duplicates_and_handle_constants():
+    assert quantile_edges(np.array([0.0, 0.0, 0.0, 1.0, 2.0]), bins=4) == [
+        0.0,
+        1.0,
+        2.0,
+    ]  # quantiles 0, 0, 0, 1, 2 merged
+    assert quantile_edges(np.array([3.0, 3.0, np.nan]), bins=4) == [3.0, 4.0]  # one bin of width 1
+    assert quantile_edges(np.array([]), bins=4) == [0.0, 1.0]
