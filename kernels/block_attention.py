@@ -454,39 +454,7 @@ def _grid(p):
 def forward(p, out, lse):
     """Fills `out` and, for softmax, the log2-domain logsumexp `lse` of a `Problem` with `block_kernel()`."""
     q, k, v = p.q, p.k, p.v
-    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-    args = (
-        q,
-        k,
-        v,
-        out,
-        lse,
-        ab,
-        pt,
-        tt,
-        qts,
-        kts,
-        p.rope,
-        p.q_off,
-        p.kv_off,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        sabt,
-        sabh,
-        spt,
-        stt,
-        p.scale,
-        p.inv_max_len,
-        p.pos_log_inv,
-        p.time_log_inv,
-        p.heads,
-    )
+    args = p.kernel_args((q, k, v, out, lse), (q, k, v, out), tail=(p.heads,))
     KERNELS["block_fwd"](_grid(p), args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket, p.options)
     return out, lse
 
@@ -499,50 +467,7 @@ def backward(p, go, num_kv_rows, dab, dpt, dtt):
     alloc = torch.empty if p.q_off is p.kv_off else torch.zeros
     dk = alloc((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
     dv = alloc((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
-    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-    dab_arg, dpt_arg, dtt_arg = ta._bias_grad_args(p, dab, dpt, dtt)
-    args = (
-        q,
-        k,
-        v,
-        go,
-        dq,
-        dk,
-        dv,
-        ab,
-        dab_arg,
-        pt,
-        dpt_arg,
-        tt,
-        dtt_arg,
-        qts,
-        kts,
-        p.rope,
-        p.q_off,
-        p.kv_off,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        go.stride(0),
-        go.stride(1),
-        dq.stride(0),
-        dq.stride(1),
-        dk.stride(0),
-        dk.stride(1),
-        dv.stride(0),
-        dv.stride(1),
-        sabt,
-        sabh,
-        spt,
-        stt,
-        p.scale,
-        p.inv_max_len,
-        p.pos_log_inv,
-        p.time_log_inv,
-    )
+    args = p.kernel_args((q, k, v, go, dq, dk, dv), (q, k, v, go, dq, dk, dv), ta._bias_grad_args(p, dab, dpt, dtt))
     KERNELS["block_bwd"](
         _grid(p),
         args,

@@ -3657,20 +3657,42 @@ class Problem:
         work = self.num_seqs * self.max_q_len * self.max_kv_len * self.heads * self.head_dim
         return self.options.one_launch and self.head_dim <= 128 and work < ONE_LAUNCH_MAX_WORK
 
-    def bias_args(self):
-        dummy = self.q_off
-        ab = self.attn_bias if self.attn_bias is not None else dummy
-        pt = self.pos_table if self.pos_table is not None else dummy
-        tt = self.time_table if self.time_table is not None else dummy
+    def kernel_args(self, tensors: tuple, strided: tuple, grads: tuple | None = None, *, qk_scale=False, tail=()):
+        """A launch's arguments in the order every attention kernel takes them: `tensors` (q, k, v, then the outputs
+        and buffers of this kernel), the score biases (each followed by its gradient in `grads`, from
+        `_bias_grad_args`, when given), timestamps, RoPE table and offsets, the row and head strides of `strided` (0, 0
+        for None) and of the biases, the scale (and the log2-domain `qk_scale` when asked), `inv_max_len`, the
+        buckets' log factors, then `tail`. Absent biases and timestamps get a dummy tensor, their strides 0."""
+        dummy, ab, pt, tt = self.q_off, self.attn_bias, self.pos_table, self.time_table
         qts = self.q_ts if self.q_ts is not None else dummy
         kts = self.kv_ts if self.kv_ts is not None else dummy
-        strides = (
-            ab.stride(0) if self.attn_bias is not None else 0,
-            ab.stride(1) if self.attn_bias is not None else 0,
-            pt.stride(0) if self.pos_table is not None else 0,
-            tt.stride(0) if self.time_table is not None else 0,
+        bias_strides = (
+            ab.stride(0) if ab is not None else 0,
+            ab.stride(1) if ab is not None else 0,
+            pt.stride(0) if pt is not None else 0,
+            tt.stride(0) if tt is not None else 0,
         )
-        return ab, pt, tt, qts, kts, strides
+        ab, pt, tt = ab if ab is not None else dummy, pt if pt is not None else dummy, tt if tt is not None else dummy
+        biases = (ab, pt, tt) if grads is None else (ab, grads[0], pt, grads[1], tt, grads[2])
+        strides: list[int] = []
+        for t in strided:
+            strides += (t.stride(0), t.stride(1)) if t is not None else (0, 0)
+        scales = (self.scale, self.scale * LOG2E) if qk_scale else (self.scale,)
+        positions = (self.inv_max_len, self.pos_log_inv, self.time_log_inv)
+        return (
+            *tensors,
+            *biases,
+            qts,
+            kts,
+            self.rope,
+            self.q_off,
+            self.kv_off,
+            *strides,
+            *bias_strides,
+            *scales,
+            *positions,
+            *tail,
+        )
 
 
 def forward(p: Problem):
@@ -3683,40 +3705,7 @@ def forward(p: Problem):
         from gemrec.kernels import block_attention
 
         return block_attention.forward(p, out, lse)
-    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-    args = (
-        q,
-        k,
-        v,
-        out,
-        lse,
-        ab,
-        pt,
-        tt,
-        qts,
-        kts,
-        p.rope,
-        p.q_off,
-        p.kv_off,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        sabt,
-        sabh,
-        spt,
-        stt,
-        p.scale,
-        p.scale * LOG2E,
-        p.inv_max_len,
-        p.pos_log_inv,
-        p.time_log_inv,
-        p.heads,
-    )
+    args = p.kernel_args((q, k, v, out, lse), (q, k, v, out), qk_scale=True, tail=(p.heads,))
     consts = {**p.consts, "BLOCK_D": p.block_d, "SCALE_POS": p.scale > 0}
     if p.resident() == "kv":
 
@@ -3775,60 +3764,16 @@ def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
     """dq (dk, dv and the bias gradients in place) from `_bwd_one_launch_kernel`: no delta kernel, no dQ buffer."""
     q, k, v = p.q, p.k, p.v
     dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
-    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-    dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
 
     def grid(meta):
         blocks = _cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]) + _cdiv(max(p.max_q_len, 1), meta["BLOCK_N"])
         return (blocks, p.heads, p.num_seqs)
 
-    args = (
-        q,
-        k,
-        v,
-        out,
-        go,
-        lse,
-        dq,
-        dk,
-        dv,
-        ab,
-        dab_arg,
-        pt,
-        dpt_arg,
-        tt,
-        dtt_arg,
-        qts,
-        kts,
-        p.rope,
-        p.q_off,
-        p.kv_off,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        go.stride(0),
-        go.stride(1),
-        dq.stride(0),
-        dq.stride(1),
-        dk.stride(0),
-        dk.stride(1),
-        dv.stride(0),
-        dv.stride(1),
-        sabt,
-        sabh,
-        spt,
-        stt,
-        p.scale,
-        p.inv_max_len,
-        p.pos_log_inv,
-        p.time_log_inv,
-        p.heads,
-        max(p.max_kv_len, 1),
+    args = p.kernel_args(
+        (q, k, v, out, go, lse, dq, dk, dv),
+        (q, k, v, out, go, dq, dk, dv),
+        _bias_grad_args(p, dab, dpt, dtt),
+        tail=(p.heads, max(p.max_kv_len, 1)),
     )
     _KERNELS["bwd1"](
         grid,
@@ -3853,56 +3798,15 @@ def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
         dka, dva = (torch.zeros(shape, dtype=torch.float32, device=q.device) for _ in range(2))
     else:
         dka, dva = torch.zeros((2, *shape), dtype=torch.float32, device=q.device).unbind(0)
-    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-    dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
 
     def grid(meta):
         return (_cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
-    args = (
-        q,
-        k,
-        v,
-        out,
-        go,
-        lse,
-        dq,
-        dka,
-        dva,
-        ab,
-        dab_arg,
-        pt,
-        dpt_arg,
-        tt,
-        dtt_arg,
-        qts,
-        kts,
-        p.rope,
-        p.q_off,
-        p.kv_off,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        go.stride(0),
-        go.stride(1),
-        dq.stride(0),
-        dq.stride(1),
-        dka.stride(0),
-        dka.stride(1),
-        sabt,
-        sabh,
-        spt,
-        stt,
-        p.scale,
-        p.inv_max_len,
-        p.pos_log_inv,
-        p.time_log_inv,
-        p.heads,
+    args = p.kernel_args(
+        (q, k, v, out, go, lse, dq, dka, dva),
+        (q, k, v, out, go, dq, dka),  # dV: dK's strides (one buffer or two alike)
+        _bias_grad_args(p, dab, dpt, dtt),
+        tail=(p.heads,),
     )
     _KERNELS["bwd_rkv"](
         grid,
@@ -3922,58 +3826,15 @@ def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
     dqa = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
     dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
     dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
-    ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
-    dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
 
     def grid(meta):
         return (_cdiv(max(p.max_kv_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
-    args = (
-        q,
-        k,
-        v,
-        out,
-        go,
-        lse,
-        dqa,
-        dk,
-        dv,
-        ab,
-        dab_arg,
-        pt,
-        dpt_arg,
-        tt,
-        dtt_arg,
-        qts,
-        kts,
-        p.rope,
-        p.q_off,
-        p.kv_off,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        out.stride(0),
-        out.stride(1),
-        go.stride(0),
-        go.stride(1),
-        dqa.stride(0),
-        dqa.stride(1),
-        dk.stride(0),
-        dk.stride(1),
-        dv.stride(0),
-        dv.stride(1),
-        sabt,
-        sabh,
-        spt,
-        stt,
-        p.scale,
-        p.inv_max_len,
-        p.pos_log_inv,
-        p.time_log_inv,
-        p.heads,
+    args = p.kernel_args(
+        (q, k, v, out, go, lse, dqa, dk, dv),
+        (q, k, v, out, go, dqa, dk, dv),
+        _bias_grad_args(p, dab, dpt, dtt),
+        tail=(p.heads,),
     )
     _KERNELS["bwd_rq"](
         grid,
@@ -4023,56 +3884,15 @@ def backward(p: Problem, grad_out, out, lse):
             dqa = (torch.empty if p.mode == 0 else torch.zeros)(shape, dtype=torch.float32, device=dev)
         # pointwise modes never read delta
         delta = _delta(p, out, grad_out, dqa if fused else None) if p.mode == 0 else lse
-        ab, pt, tt, qts, kts, (sabt, sabh, spt, stt) = p.bias_args()
         go = grad_out
 
         def grid_kv(meta):
             return (_cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
 
-        args: tuple = (
-            q,
-            k,
-            v,
-            out,
-            go,
-            lse,
-            delta,
-            dk,
-            dv,
-            dqa,
-            ab,
-            pt,
-            tt,
-            qts,
-            kts,
-            p.rope,
-            p.q_off,
-            p.kv_off,
-            q.stride(0),
-            q.stride(1),
-            k.stride(0),
-            k.stride(1),
-            v.stride(0),
-            v.stride(1),
-            out.stride(0),
-            out.stride(1),
-            go.stride(0),
-            go.stride(1),
-            dk.stride(0),
-            dk.stride(1),
-            dv.stride(0),
-            dv.stride(1),
-            dqa.stride(0) if fused else 0,
-            dqa.stride(1) if fused else 0,
-            sabt,
-            sabh,
-            spt,
-            stt,
-            p.scale,
-            p.inv_max_len,
-            p.pos_log_inv,
-            p.time_log_inv,
-            p.heads,
+        args: tuple = p.kernel_args(
+            (q, k, v, out, go, lse, delta, dk, dv, dqa),
+            (q, k, v, out, go, dk, dv, dqa if fused else None),
+            tail=(p.heads,),
         )
         _KERNELS["dkdv"](
             grid_kv,
@@ -4087,53 +3907,15 @@ def backward(p: Problem, grad_out, out, lse):
             dq = dqa
         else:
             dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
-            dab_arg, dpt_arg, dtt_arg = _bias_grad_args(p, dab, dpt, dtt)
 
             def grid_q(meta):
                 return (_cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-            args = (
-                q,
-                k,
-                v,
-                out,
-                go,
-                lse,
-                delta,
-                dq,
-                ab,
-                dab_arg,
-                pt,
-                dpt_arg,
-                tt,
-                dtt_arg,
-                qts,
-                kts,
-                p.rope,
-                p.q_off,
-                p.kv_off,
-                q.stride(0),
-                q.stride(1),
-                k.stride(0),
-                k.stride(1),
-                v.stride(0),
-                v.stride(1),
-                out.stride(0),
-                out.stride(1),
-                go.stride(0),
-                go.stride(1),
-                dq.stride(0),
-                dq.stride(1),
-                sabt,
-                sabh,
-                spt,
-                stt,
-                p.scale,
-                p.inv_max_len,
-                p.pos_log_inv,
-                p.time_log_inv,
-                p.heads,
-                0,
+            args = p.kernel_args(
+                (q, k, v, out, go, lse, delta, dq),
+                (q, k, v, out, go, dq),
+                _bias_grad_args(p, dab, dpt, dtt),
+                tail=(p.heads, 0),
             )
             _KERNELS["dq"](
                 grid_q,
