@@ -36,7 +36,7 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     if "bench" in groups:
         q = groups["bench"].add_parser(
             "quality",
-            help="gem vs dlrm vs base rate: NE per task, trained and evaluated in one run",
+            help="gem vs dlrm vs gbdt vs base rate: NE per task, trained and evaluated in one run",
             description="Train every arm on the same data and eval split; print a markdown table.",
         )
         q.add_argument("--dataset", type=Path, required=True, help="dataset directory")
