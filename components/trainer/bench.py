@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import platform
-import re
 import shlex
 import tempfile
 import time
@@ -170,7 +169,7 @@ def train_arms(
 def log_comparison(results: dict, arms: list[str], tasks: list[str], table: str, recipe: str, tracking_uri, experiment):
     """An MLflow run `quality-<recipe>`: the table and a PNG of every arm's NE per task beside the base rate."""
     import matplotlib.pyplot as plt
-    from gemrec.components.trainer.tracking import Tracker, plot_ne_comparison, resolve_tracking_uri
+    from gemrec.components.trainer.tracking import Tracker, metric_key, plot_ne_comparison, resolve_tracking_uri
 
     first = results[arms[0]]
     fig = plot_ne_comparison(
@@ -182,11 +181,9 @@ def log_comparison(results: dict, arms: list[str], tasks: list[str], table: str,
     tracker = Tracker(True, resolve_tracking_uri(tracking_uri), experiment, run_name=f"quality-{recipe}")
     tracker.set_tags({"dataset": first["dataset"]["name"], "recipe": recipe, "arms": ",".join(arms)})
 
-    def key(arm: str) -> str:  # MLflow metric names allow letters, digits, _ - . space : /
-        return re.sub(r"[^\w\-. :/]", "", arm)
-
     tracker.log_metrics(
-        {f"ne_{t}/{key(arm)}": v for arm in arms for t in tasks if (v := results[arm]["ne"][t]) is not None}, step=0
+        {f"ne_{t}/{metric_key(arm)}": v for arm in arms for t in tasks if (v := results[arm]["ne"][t]) is not None},
+        step=0,
     )
     tracker.log_figure(fig, "plots/quality_comparison.png")
     tracker.log_text(table, "quality_table.md")

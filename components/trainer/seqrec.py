@@ -43,6 +43,7 @@ from gemrec.components.trainer.seqrec_data import Jagged, SeqRecData, Targets
 from gemrec.components.trainer.tracking import (
     Tracker,
     finite_or_none,
+    metric_key,
     resolve_tracking_uri,
     write_summary,
 )
@@ -74,10 +75,6 @@ PUBLISHED = {
     },
     ("Sports_and_Outdoors", "full"): {"ICLRec": {"hr@10": 0.0437, "ndcg@10": 0.0238}},
 }
-
-
-def _metric_name(key: str) -> str:
-    return key.replace("@", "_at_")  # MLflow metric names take no '@'
 
 
 class RetrievalArm:
@@ -321,7 +318,7 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
         record = {"step": step, "epoch": step / steps_per_epoch, "train_loss": mean_loss, **metrics}
         history.append(record)
         tracker.log_metrics(
-            {f"{arm.name}/valid_{_metric_name(k)}": v for k, v in metrics.items() if k != "users"}
+            {f"{arm.name}/valid_{metric_key(k)}": v for k, v in metrics.items() if k != "users"}
             | {f"{arm.name}/train_loss": mean_loss},
             step=step,
         )
@@ -347,7 +344,7 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
     model.load_state_dict(best_state)
     with autocast():
         test = evaluator.metrics(arm, "test")
-    tracker.log_metrics({f"{arm.name}/test_{_metric_name(k)}": v for k, v in test.items() if k != "users"}, step=step)
+    tracker.log_metrics({f"{arm.name}/test_{metric_key(k)}": v for k, v in test.items() if k != "users"}, step=step)
     log.info("%s test: %s", arm.name, ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != "users"))
     return {
         "test": test,

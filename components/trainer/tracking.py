@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,12 @@ from gemrec.provenance import git_commit
 log = logging.getLogger(__name__)
 
 DEFAULT_TRACKING_URI = "sqlite:///mlruns.db"
+
+
+def metric_key(name: str) -> str:
+    """`name` as an MLflow metric name (letters, digits, _ - . space : / only): '@' is spelled `_at_` (hr@10 ->
+    hr_at_10), any other character MLflow refuses is dropped."""
+    return re.sub(r"[^\w\-. :/]", "", name.replace("@", "_at_"))
 
 
 def resolve_tracking_uri(uri: str | None = None) -> str:

@@ -57,6 +57,14 @@ def test_calibration_and_task_metrics():
     assert out["love"]["base_rate"] == 0.25 and out["love"]["count"] == 4
 
 
+def test_metric_keys_are_names_mlflow_accepts():
+    from gemrec.components.trainer.tracking import metric_key
+
+    assert metric_key("ndcg@10") == "ndcg_at_10"
+    assert metric_key("window (seed 1)") == "window seed 1"
+    assert metric_key("ne_click/gem-2.0:a b") == "ne_click/gem-2.0:a b"
+
+
 def test_recipes_load_and_overrides_are_checked():
     assert {"tiny", "movielens", "synth", "h200-bench"} <= set(available_recipes())
     config = load_recipe("tiny", ["train.steps=7", "optim.dense_lr=0.5", "model.d_model=16"], arch="dlrm")
