@@ -30,3 +30,29 @@ def s3rec_toy(tmp_path_factory):
         return raw, sequences
 
     return make
+
+
+@pytest.fixture(scope="session")
+def train_tiny():
+    """`train_tiny(dataset, run_dir, tracking_uri, *overrides, resume=False, log_model=False) -> summary`: the `tiny`
+    recipe with the overrides (256 eval examples, no local MFU probe) trained in this process; MLflow only when a
+    tracking_uri is given."""
+    from gemrec.components.trainer.config import load_recipe
+    from gemrec.components.trainer.run import run_training
+
+    def train(dataset, run_dir, tracking_uri, *overrides, resume=False, log_model=False):
+        return run_training(
+            load_recipe("tiny", ["data.eval_max_examples=256", "train.local_mfu=false", *overrides]),
+            dataset=dataset,
+            data_addr=None,
+            run_dir=run_dir,
+            tracking_uri=tracking_uri,
+            experiment="tiny",
+            metrics_out=None,
+            resume=resume,
+            progress=False,
+            log_model=log_model,
+            tracking=tracking_uri is not None,
+        )
+
+    return train

@@ -10,26 +10,8 @@ import torch
 from gemrec.cli import CLIError
 from gemrec.cli import main as gemrec_main
 from gemrec.components.trainer.checkpoint import CheckpointManager
-from gemrec.components.trainer.config import load_recipe
-from gemrec.components.trainer.run import run_training
 
 DIVERGE = ["optim.dense_lr=1e30", "checkpoint.every=1"]  # the update after step 6 explodes the weights
-
-
-def _train(dataset, run_dir, tracking_uri, *overrides, resume=False):
-    config = load_recipe("tiny", ["data.eval_max_examples=256", *overrides])
-    return run_training(
-        config,
-        dataset=dataset,
-        data_addr=None,
-        run_dir=run_dir,
-        tracking_uri=tracking_uri,
-        experiment="faults",
-        metrics_out=None,
-        resume=resume,
-        progress=False,
-        log_model=False,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +20,10 @@ def tracking_uri(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def six_steps(movielens_dataset, tmp_path_factory, tracking_uri):
+def six_steps(movielens_dataset, tmp_path_factory, tracking_uri, train_tiny):
     """A healthy run of 6 steps with checkpoints at 2, 4, 6."""
     run_dir = tmp_path_factory.mktemp("base") / "run"
-    _train(movielens_dataset, run_dir, tracking_uri, "train.steps=6", "checkpoint.every=2")
+    train_tiny(movielens_dataset, run_dir, tracking_uri, "train.steps=6", "checkpoint.every=2")
     return run_dir
 
 
@@ -54,20 +36,22 @@ def six_steps(movielens_dataset, tmp_path_factory, tracking_uri):
     ids=["norm-check", "healthy-marker"],
 )
 def test_resume_after_divergence_starts_from_the_last_healthy_checkpoint(
-    movielens_dataset, six_steps, tmp_path, tracking_uri, caplog, extra, stopped_by
+    movielens_dataset, six_steps, tmp_path, tracking_uri, caplog, extra, stopped_by, train_tiny
 ):
     run_dir = tmp_path / "run"
     shutil.copytree(six_steps, run_dir)
     healthy = run_dir / "checkpoints" / "step_00000006"
     with pytest.raises(CLIError) as err:
-        _train(movielens_dataset, run_dir, tracking_uri, "train.steps=10", *DIVERGE, *extra, resume=True)
+        train_tiny(movielens_dataset, run_dir, tracking_uri, "train.steps=10", *DIVERGE, *extra, resume=True)
     message = str(err.value)
     assert stopped_by in message and f"the last healthy checkpoint is {healthy}" in message, message
     assert "\n" not in message
     assert CheckpointManager(run_dir / "checkpoints", keep=2).resume_point() == healthy
 
     with caplog.at_level(logging.INFO, logger="gemrec"):
-        summary = _train(movielens_dataset, run_dir, tracking_uri, "train.steps=10", "checkpoint.every=2", resume=True)
+        summary = train_tiny(
+            movielens_dataset, run_dir, tracking_uri, "train.steps=10", "checkpoint.every=2", resume=True
+        )
     assert f"resumed from {healthy} at step 6" in caplog.text and "last healthy checkpoint" in caplog.text
     assert summary["steps"] == 10 and all(math.isfinite(v) for v in summary["ne"].values())
     manager = CheckpointManager(run_dir / "checkpoints", keep=2)

@@ -12,7 +12,7 @@ from gemrec.components.data_service.dataset import Dataset
 from gemrec.components.trainer.checkpoint import CheckpointManager
 from gemrec.components.trainer.config import load_recipe
 from gemrec.components.trainer.evaluate import EarlyStopping
-from gemrec.components.trainer.run import dataset_source, run_training
+from gemrec.components.trainer.run import dataset_source
 from gemrec.config import ConfigError
 
 EVERY, PATIENCE = 5, 2
@@ -32,13 +32,13 @@ def test_early_stopping_counts_validations_and_round_trips():
     assert not EarlyStopping("ne_like", False, every=0, patience=0).due(10, last=True)
 
 
-def test_validation_settings_are_checked(movielens_dataset, tmp_path):
+def test_validation_settings_are_checked(movielens_dataset, tmp_path, train_tiny):
     with pytest.raises(ConfigError, match=r"train.patience = 3: needs train.eval_every > 0"):
         load_recipe("tiny", ["train.eval_every=0", "train.patience=3"])
     with pytest.raises(ConfigError, match=r"train.valid_metric = 'mse_like': must be one of ne, auc, log_loss"):
         load_recipe("tiny", ["train.valid_metric='mse_like'"])
     with pytest.raises(CLIError, match=r"train.valid_metric = 'auc_click' names label 'click'; .* \['like', 'love'\]"):
-        _train(movielens_dataset, tmp_path, None, "train.valid_metric='auc_click'")
+        train_tiny(movielens_dataset, tmp_path, None, "train.valid_metric='auc_click'")
 
 
 def test_valid_batches_lie_between_train_and_eval(movielens_dataset):
@@ -57,23 +57,6 @@ def test_valid_batches_lie_between_train_and_eval(movielens_dataset):
     assert not set(zip(*seen["valid"])) & set(zip(*seen["eval"]))
 
 
-def _train(dataset, run_dir, tracking_uri, *overrides, resume=False):
-    config = load_recipe("tiny", ["data.eval_max_examples=256", "train.local_mfu=false", *overrides])
-    return run_training(
-        config,
-        dataset=dataset,
-        data_addr=None,
-        run_dir=run_dir,
-        tracking_uri=tracking_uri,
-        experiment="validation",
-        metrics_out=None,
-        resume=resume,
-        progress=False,
-        log_model=True,
-        tracking=tracking_uri is not None,
-    )
-
-
 def _model_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
     """The model weights of a DCP checkpoint."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -83,16 +66,16 @@ def _model_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
     return torch.load(target, weights_only=False)["model"]
 
 
-def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_dataset, tmp_path, caplog):
+def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_dataset, tmp_path, caplog, train_tiny):
     import mlflow
 
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     run_dir = tmp_path / "run"
     common = [f"train.eval_every={EVERY}", "checkpoint.keep=1"]
     # 20 steps of the tiny recipe, validated every 5, then a learning rate that wrecks the model: valid NE worsens.
-    _train(movielens_dataset, run_dir, uri, *common, "train.steps=20")
+    train_tiny(movielens_dataset, run_dir, uri, *common, "train.steps=20")
     with caplog.at_level(logging.INFO, logger="gemrec"):
-        summary = _train(
+        summary = train_tiny(
             movielens_dataset,
             run_dir,
             uri,
@@ -102,6 +85,7 @@ def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_da
             "optim.dense_lr=0.05",
             "optim.decay='constant'",
             resume=True,
+            log_model=True,
         )
     valid = summary["valid"]
     client = mlflow.MlflowClient(uri)
@@ -132,7 +116,7 @@ def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_da
     # --resume of the finished run trains nothing and ends with the same best weights and eval numbers.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="gemrec"):
-        again = _train(
+        again = train_tiny(
             movielens_dataset, run_dir, None, *common, "train.steps=60", f"train.patience={PATIENCE}", resume=True
         )
     assert f"early stopping ended this run at step {summary['steps']}" in caplog.text
