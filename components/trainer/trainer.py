@@ -308,11 +308,11 @@ class Trainer:
         )
         return improved
 
-    def restore_best(self) -> None:
-        """Load the best validated weights (model only) unless they are the current ones."""
+    def restore_best(self) -> int:
+        """Load the best validated weights (model only) unless they are the current ones; the step of the weights."""
         best = self.checkpoints.best()
         if not self.early.active or best is None or self.early.best_step == self.step:
-            return
+            return self.step
         template = {"model": get_model_state_dict(self.training.train_model)}
         self.checkpoints.load(template, best)
         set_model_state_dict(self.training.train_model, template["model"])
@@ -324,6 +324,7 @@ class Trainer:
             self.early.best,
             best,
         )
+        return self.early.best_step
 
     def export_model(self):
         """A clean CPU copy of the trained model (no optimizer hooks, no wrappers) for MLflow, on rank 0.
@@ -396,9 +397,9 @@ class Trainer:
             else:
                 self._log_start()
             totals, last_input = self.train()
-            self.restore_best()
+            weights_step = self.restore_best()
             final_eval = self.evaluate(self.evaluator)
-            self.tracker.log_eval(self.step, final_eval)
+            self.tracker.log_eval(weights_step, final_eval)  # at the step of the weights it evaluated
             if self.unconfirmed is not None and final_eval and all(map(math.isfinite, _losses(final_eval))):
                 self.checkpoints.mark_healthy(self.unconfirmed)  # the last one: no next step, the eval vouches
             result = self._finish(final_eval, totals, last_input)

@@ -96,6 +96,9 @@ def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_da
     assert (valid["best_step"], valid["best"]) == (best_step, pytest.approx(history[best_step]))
     assert summary["steps"] == best_step + PATIENCE * EVERY < 60  # stopped `patience` validations after the best
     assert f"restored the best weights of step {best_step}" in caplog.text
+    evals = client.get_metric_history(summary["mlflow"]["run_id"], "eval/ne_like")  # the 20-step run's, then this
+    final = max(evals, key=lambda m: m.timestamp)
+    assert final.step == best_step and final.value == pytest.approx(summary["ne"]["like"])  # the best weights' eval
 
     manager = CheckpointManager(run_dir / "checkpoints", keep=1)
     best = manager.step_dir(best_step)
