@@ -8,11 +8,14 @@ events.parquet (u's events strictly before t):
     user_past_mean_<a>           mean of action a over all of u's earlier events
     user_recent_mean_<a>         the same over the last `recent_events` of them
     user_last<N>_mean_<a>        the same over the last N of them, N in WINDOWS (the window is in the name)
+    user_past_resid_<a>          mean over u's earlier events e of (a of e - item_past_mean_<a> of e's item at e's
+                                 time): how far u's actions sit above or below everyone's on the same items
+    user_recent_resid_<a>        the same over the last `recent_events` of them
     item_past_count_log          log1p(events of item i strictly before t, by any user) / log1p(most events of an item)
     item_past_mean_<a>           mean of action a over those events
 
-Means are shrunk towards the action's train-period mean (the manifest's `aggregates.priors`) with
-`smoothing` pseudo-events, so few events give a value near the prior and no events give the prior. Only
+Means are shrunk towards the action's train-period mean (the manifest's `aggregates.priors`), residual means
+towards 0, with `smoothing` pseudo-events, so few events give a value near the prior and no events give the prior. Only
 events strictly before t enter: never the target event, its label, or anything later.
 """
 
@@ -40,6 +43,7 @@ def aggregate_feature_sources(actions: list[str]) -> dict[str, str]:
     """Dense feature name -> source, for a dataset whose history tokens carry `actions`."""
     kinds = ["past", "recent"] + [f"last{n}" for n in WINDOWS]
     user = USER_FEATURES + [f"user_{kind}_mean_{a}" for kind in kinds for a in actions]
+    user += [f"user_{kind}_resid_{a}" for kind in ("past", "recent") for a in actions]
     item = ITEM_FEATURES + [f"item_past_mean_{a}" for a in actions]
     return {**{n: USER_SOURCE for n in user}, **{n: ITEM_SOURCE for n in item}}
 
@@ -86,7 +90,8 @@ class HistoryAggregates:
         rows = np.arange(n, dtype=np.int64)
         new_user = np.ones(n, dtype=bool)
         new_user[1:] = event_user[1:] != event_user[:-1]
-        self._user_cum = _segment_cumsum(actions, np.maximum.accumulate(np.where(new_user, rows, 0)))
+        user_start = np.maximum.accumulate(np.where(new_user, rows, 0))
+        self._user_cum = _segment_cumsum(actions, user_start)
         lengths = np.bincount(event_user) if n else np.zeros(0, dtype=np.int64)
         self._user_count_norm = float(np.log1p(max(1, int(lengths.max(initial=0)))))
         first, last = (int(event_ts.min()), int(event_ts.max())) if n else (0, 0)
@@ -106,16 +111,32 @@ class HistoryAggregates:
         self._item_start = np.searchsorted(sorted_item, np.arange(int(event_item.max(initial=-1)) + 1))
         self._item_cum = _segment_cumsum(actions[order], np.maximum.accumulate(np.where(new_item, rows, 0)))
         self._item_count_norm = float(np.log1p(max(1, int(np.bincount(event_item).max(initial=0)) if n else 1)))
+        # Each event's actions less its item's mean before it: the user-side residual sums.
+        self._resid = (actions - self._item_past(event_item, event_ts)[1]).astype(np.float32)
+        self._resid_cum = _segment_cumsum(self._resid, user_start)
 
     def _shrunk(self, sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
         return (sums + self.smoothing * self.priors) / (counts[:, None] + self.smoothing)
 
-    def _window_sums(self, begin: np.ndarray, end: np.ndarray) -> np.ndarray:
-        """Action sums over user rows [begin, end) of one user's timeline each (end > begin where it matters)."""
+    def _window_sums(self, begin: np.ndarray, end: np.ndarray, resid: bool = False) -> np.ndarray:
+        """Action (or residual) sums over user rows [begin, end) of one user's timeline each."""
+        cum, values = (self._resid_cum, self._resid) if resid else (self._user_cum, self._actions)
         last = np.maximum(end - 1, 0)
         first = np.minimum(begin, last)
-        sums = self._user_cum[last] - self._user_cum[first] + self._actions[first]
+        sums = cum[last] - cum[first] + values[first]
         return np.where((end > begin)[:, None], sums, 0.0)
+
+    def _item_past(self, items: np.ndarray, timestamps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(count, shrunk action means) of each item's events strictly before the given time."""
+        if len(items) and (items.min() < 0 or items.max() >= len(self._item_start)):
+            raw = items[(items < 0) | (items >= len(self._item_start))][0]
+            raise DataError(f"item index {raw} has no events")
+        lo = self._item_start[items]
+        earlier_times = np.searchsorted(self._times, timestamps, side="left")
+        hi = np.searchsorted(self._item_key, items * self._key_stride + earlier_times, side="left")
+        count = hi - lo
+        sums = np.where((count > 0)[:, None], self._item_cum[np.maximum(hi - 1, 0)], 0.0)
+        return count, self._shrunk(sums, count)
 
     def compute(
         self,
@@ -145,17 +166,13 @@ class HistoryAggregates:
                 means = self._shrunk(self._window_sums(begin, hist_end), hist_end - begin)
                 for j, a in enumerate(self.action_names):
                     out[f"user_last{window}_mean_{a}"] = means[:, j]
+            for kind, begin in (("past", hist_start), ("recent", np.maximum(hist_start, hist_end - self.recent))):
+                resid = self._window_sums(begin, hist_end, resid=True) / (hist_end - begin + self.smoothing)[:, None]
+                for j, a in enumerate(self.action_names):
+                    out[f"user_{kind}_resid_{a}"] = resid[:, j]
         if any(n.startswith("item_") for n in names):
-            if len(items) and (items.min() < 0 or items.max() >= len(self._item_start)):
-                raw = items[(items < 0) | (items >= len(self._item_start))][0]
-                raise DataError(f"item index {raw} has no events")
-            lo = self._item_start[items]
-            earlier_times = np.searchsorted(self._times, timestamps, side="left")
-            hi = np.searchsorted(self._item_key, items * self._key_stride + earlier_times, side="left")
-            item_count = hi - lo
-            sums = np.where((item_count > 0)[:, None], self._item_cum[np.maximum(hi - 1, 0)], 0.0)
+            item_count, past = self._item_past(items, timestamps)
             out["item_past_count_log"] = np.log1p(item_count) / self._item_count_norm
-            past = self._shrunk(sums, item_count)
             for j, a in enumerate(self.action_names):
                 out[f"item_past_mean_{a}"] = past[:, j]
         unknown = sorted(set(names) - set(out))

@@ -80,6 +80,25 @@ def test_aggregates_match_hand_computed_values(tmp_path):
     assert got[("B", 40)]["user_seconds_since_last_log"] == pytest.approx(np.log1p(10) / span)
 
 
+def test_residuals_against_the_items_earlier_means(tmp_path):
+    ds = build(tmp_path)
+    spec = ds.manifest["aggregates"]
+    k, p = spec["smoothing"], spec["priors"]["like"]
+    got = features(ds)
+    # Each history event's like less its item's shrunk mean before it (LOG above), summed, over (count + k).
+    a10, a20 = 1 - p, 0 - p  # A's x at 10 and y at 20: neither item has an earlier event
+    b20, b30 = 0 - (1 + k * p) / (1 + k), 1 - (0 + k * p) / (1 + k)  # x after A@10 (1); y after A@20 (0)
+    expected = {
+        ("A", 10): 0.0,
+        ("A", 30): (a10 + a20) / (2 + k),
+        ("B", 30): b20 / (1 + k),
+        ("B", 40): (b20 + b30) / (2 + k),
+    }
+    for key, value in expected.items():
+        assert got[key]["user_past_resid_like"] == pytest.approx(value, abs=1e-6), key
+        assert got[key]["user_recent_resid_like"] == pytest.approx(value, abs=1e-6), key  # all within the last 10
+
+
 def test_recent_window_covers_only_the_last_events(tmp_path):
     # One user, 14 events alternating like 1, 0, ...; the recent mean of the 15th sees events 4..13 only.
     log = [("A", f"i{t}", t, int(t % 2 == 0)) for t in range(14)] + [("A", "z", 100, 1)]
