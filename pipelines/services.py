@@ -25,8 +25,8 @@ class ServiceError(RuntimeError):
 
 def claim_ports(wanted: Sequence[tuple[int, str]]) -> list[int]:
     """Each (port, what) pair's port, or for 0 a free one; all distinct. ServiceError names a taken or shared port."""
-    given = [port for port, _ in wanted if port]
-    spare = iter(port for port in free_ports(len(wanted) * 2) if port not in given)
+    given = {port for port, _ in wanted if port}
+    spare = iter(port for port in free_ports(len(wanted)) if port not in given)  # enough: <= len(given) dropped
     claimed: dict[int, str] = {}
     for port, what in wanted:
         if port == 0:
