@@ -69,10 +69,16 @@ def _check_input(inp: ModelInput, schema: FeatureSchema, with_sequence: bool) ->
 
 
 class TaskHeads(nn.Module):
-    """Shared trunk, then one tower and one logit per task."""
+    """Shared trunk, then one tower and one logit per task, plus the task's logit offset: a buffer (0 in training)
+    that the trainer fits on the valid split once training ends (`Trainer.calibrate`), so the exported model and
+    whatever serves it predict calibrated probabilities."""
+
+    # buffers (registered in __init__)
+    logit_offset: torch.Tensor  # (num_tasks,)
 
     def __init__(self, in_dim: int, hidden: int, num_tasks: int):
         super().__init__()
+        self.register_buffer("logit_offset", torch.zeros(num_tasks))
         self.trunk = nn.Linear(in_dim, hidden)
         tower = max(hidden // 2, 1)
         self.towers = nn.ModuleList(
@@ -81,7 +87,7 @@ class TaskHeads(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.trunk(x))
-        return torch.cat([tower(h) for tower in self.towers], dim=1)
+        return torch.cat([tower(h) for tower in self.towers], dim=1) + self.logit_offset.to(h.dtype)
 
     def flops(self, batch: int) -> tuple[int, int]:
         parts = [linear_flops(batch, self.trunk.in_features, self.trunk.out_features)]

@@ -94,6 +94,9 @@ class LoopConfig(Section):
     eval_every: int = 0
     patience: int = 0  # validations in a row without a better valid_metric before training stops; 0 = never
     valid_metric: str = ""  # ne | auc | log_loss, optionally _<label> ("ne_like"); "" = NE of the first label
+    # With validation: one logit offset per task fitted on the valid split with the restored best weights (their
+    # mean prediction then equals the valid rate), kept in the task heads for the evaluation, export and serving.
+    calibrate: bool = True
     local_mfu: bool = True  # measure per-layer local MFU (each layer alone) at the end
     local_mfu_repeats: int = 3
     task_weights: dict[str, float] = field(default_factory=dict)  # label -> loss weight (default 1.0)

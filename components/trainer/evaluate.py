@@ -39,12 +39,12 @@ class Evaluator:
         self.ctx = ctx
         self.split = split
         self.seconds = 0.0  # wall time of the last evaluation
+        self.predictions: tuple[np.ndarray, np.ndarray] | None = None  # of the last `predict`, on rank 0
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, train_rates: Callable[[], dict[str, float]]) -> dict | None:
-        """NE, AUC and calibration per task; the result on rank 0, None elsewhere. `train_rates()` (a collective,
-        called on every rank) gives the training split's positive rate per label, for the NE of predicting it."""
-        start = time.perf_counter()
+    def predict(self, model: nn.Module) -> tuple[np.ndarray, np.ndarray] | None:
+        """(labels, logits), each (N, num_tasks), of the whole split on rank 0 (None elsewhere; a collective); rank
+        0 also keeps them as `predictions` until the next call."""
         model.eval()
         logits, labels = [], []
         try:
@@ -62,13 +62,24 @@ class Evaluator:
             np.concatenate(labels) if labels else np.zeros((0, num_tasks), np.float32),
             np.concatenate(logits) if logits else np.zeros((0, num_tasks), np.float32),
         )
-        rates = train_rates()
         gathered = self.ctx.gather_objects(local)
-        if gathered is None:
+        self.predictions = (
+            None
+            if gathered is None
+            else (np.concatenate([g[0] for g in gathered]), np.concatenate([g[1] for g in gathered]))
+        )
+        return self.predictions
+
+    def evaluate(self, model: nn.Module, train_rates: Callable[[], dict[str, float]]) -> dict | None:
+        """NE, AUC and calibration per task; the result on rank 0, None elsewhere. `train_rates()` (a collective,
+        called on every rank) gives the training split's positive rate per label, for the NE of predicting it."""
+        start = time.perf_counter()
+        predictions = self.predict(model)
+        rates = train_rates()
+        if predictions is None:
             self.seconds = time.perf_counter() - start
             return None
-        all_labels = np.concatenate([g[0] for g in gathered])
-        all_logits = np.concatenate([g[1] for g in gathered])
+        all_labels, all_logits = predictions
         result = qm.task_metrics(all_labels, all_logits, self.task_names)
         for name in self.task_names:
             rate = rates.get(name)

@@ -84,3 +84,19 @@ def task_metrics(labels: np.ndarray, logits: np.ndarray, task_names: list[str]) 
             "count": int(y.size),
         }
     return out
+
+
+def logit_offsets(labels: np.ndarray, logits: np.ndarray, iterations: int = 25) -> np.ndarray:
+    """Per task, the constant b minimizing the mean log loss of sigmoid(logits + b) (Newton's method; the loss is
+    convex in b): at the optimum the mean prediction equals the observed rate. 0 for a task with one class only
+    (no finite optimum) or no labels. labels/logits are (N, num_tasks); returns (num_tasks,)."""
+    y = np.asarray(labels, dtype=np.float64)
+    z = np.asarray(logits, dtype=np.float64)
+    offsets = np.zeros(z.shape[1])
+    rates = y.mean(0) if len(y) else np.zeros(z.shape[1])
+    fit = (rates > 0) & (rates < 1)
+    for _ in range(iterations):
+        p = sigmoid(z + offsets)
+        gradient, curvature = (p - y).sum(0), np.maximum((p * (1 - p)).sum(0), 1e-12)
+        offsets = np.where(fit, offsets - np.clip(gradient / curvature, -4.0, 4.0), 0.0)
+    return offsets

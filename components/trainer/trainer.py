@@ -20,6 +20,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -178,6 +179,8 @@ class Trainer:
         self.unconfirmed: Path | None = None  # a checkpoint whose next step has not run yet
         self.param_norm: float | None = None  # at the last checkpoint (or the start): the growth reference
         self.resumed_run_id: str | None = None
+        self.validated_step: int | None = None  # the step of the last validation's weights
+        self.logit_offsets: dict[str, float] | None = None  # what `calibrate` added to the task heads
         self.tracker = Tracker(False, options.tracking_uri, options.experiment, run_name="")  # replaced by `run`
         self.num_params = sum(p.numel() for p in self.training.model.parameters())
 
@@ -294,6 +297,7 @@ class Trainer:
         """Validate (a collective), log `valid/*`, count the followed metric on every rank; True when it improved."""
         result = self.evaluate(validator)
         self.tracker.log_eval(self.step, result, split="valid")
+        self.validated_step = self.step  # the validator's predictions are of this step's weights
         value = self.ctx.broadcast_from_main(self.early.value(result) if result is not None else 0.0)
         improved = self.early.update(self.step, value)
         log.info(
@@ -325,6 +329,35 @@ class Trainer:
             best,
         )
         return self.early.best_step
+
+    def calibrate(self, weights_step: int) -> dict[str, float] | None:
+        """Fit one logit offset per task on the valid split (never eval) with the weights to be evaluated and add it
+        to the task heads' `logit_offset` buffer, so the evaluation, the export and what serves it use it. Reuses
+        the last validation's predictions when they are of these weights. None without validation or with
+        `train.calibrate = false`; else the offsets added, by task (a collective)."""
+        if self.validator is None or not (self.config.train.calibrate and self.early.active):
+            return None
+        offset = cast(torch.Tensor, self.training.model.heads.logit_offset)  # gem and dlrm: `TaskHeads`
+        if self.validated_step != weights_step:
+            self.validator.predict(self.training.model)
+        predictions = self.validator.predictions
+        fitted = qm.logit_offsets(*predictions) if self.ctx.is_main and predictions is not None else None
+        offsets = [
+            self.ctx.broadcast_from_main(float(fitted[j]) if fitted is not None else 0.0)
+            for j in range(len(self.task_names))
+        ]
+        with torch.no_grad():
+            offset += torch.tensor(offsets, dtype=offset.dtype, device=offset.device)
+        added = dict(zip(self.task_names, offsets))
+        self.tracker.log_metrics(
+            {f"valid/logit_offset_{name}": value for name, value in added.items()}, step=weights_step
+        )
+        log.info(
+            "calibrated on the valid split: logit offsets %s",
+            ", ".join(f"{name} {value:+.4f}" for name, value in added.items()),
+        )
+        self.logit_offsets = added
+        return added
 
     def export_model(self):
         """A clean CPU copy of the trained model (no optimizer hooks, no wrappers) for MLflow, on rank 0.
@@ -361,6 +394,7 @@ class Trainer:
             "stopped_early": self.early.stop,
             "max_steps": self.total_steps,
             "best_checkpoint": str(best) if best else None,
+            "logit_offsets": self.logit_offsets,
         }
 
     def to_input(self, batch):
@@ -398,6 +432,7 @@ class Trainer:
                 self._log_start()
             totals, last_input = self.train()
             weights_step = self.restore_best()
+            self.calibrate(weights_step)
             final_eval = self.evaluate(self.evaluator)
             self.tracker.log_eval(weights_step, final_eval)  # at the step of the weights it evaluated
             if self.unconfirmed is not None and final_eval and all(map(math.isfinite, _losses(final_eval))):

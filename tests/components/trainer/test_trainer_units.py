@@ -57,6 +57,27 @@ def test_calibration_and_task_metrics():
     assert out["love"]["base_rate"] == 0.25 and out["love"]["count"] == 4
 
 
+def test_logit_offsets_make_the_mean_prediction_the_observed_rate():
+    # Constant logits 0 and a rate of 1/4: the offset is logit(1/4) exactly.
+    labels = np.array([[1, 0, 1], [0, 0, 1], [0, 0, 1], [0, 0, 1]], dtype=np.float32)
+    offsets = qm.logit_offsets(labels, np.zeros((4, 3)))
+    assert offsets[0] == pytest.approx(math.log(0.25 / 0.75), abs=1e-9)
+    assert offsets[1] == offsets[2] == 0.0  # one class only: no finite optimum, left alone
+    # Labels drawn from sigmoid(z), the model's logits z - 1.5 (under-predicting): the fit undoes the shift, and at the
+    # optimum the mean prediction is the observed rate, which a shifted or unfitted offset is not.
+    rng = np.random.default_rng(0)
+    z = rng.normal(0.0, 2.0, size=(20000, 2))
+    labels = (rng.random(z.shape) < qm.sigmoid(z)).astype(np.float32)
+    logits = z - np.array([1.5, -0.5])
+    offsets = qm.logit_offsets(labels, logits)
+    assert offsets == pytest.approx([1.5, -0.5], abs=0.06)
+    calibrated = qm.task_metrics(labels, logits + offsets, ["a", "b"])
+    assert [calibrated[t]["calibration"] for t in "ab"] == pytest.approx([1.0, 1.0], abs=1e-6)
+    before = qm.task_metrics(labels, logits, ["a", "b"])
+    assert all(calibrated[t]["log_loss"] < before[t]["log_loss"] for t in "ab")
+    assert qm.logit_offsets(np.zeros((0, 2)), np.zeros((0, 2))).tolist() == [0.0, 0.0]
+
+
 def test_metric_keys_are_names_mlflow_accepts():
     from gemrec.components.trainer.tracking import metric_key
 

@@ -66,6 +66,28 @@ def _model_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
     return torch.load(target, weights_only=False)["model"]
 
 
+OFFSET = "heads.logit_offset"
+
+
+def _valid_calibration(state: dict[str, torch.Tensor], dataset, overrides: list[str]) -> list[float]:
+    """Mean prediction / rate per label on the valid examples the tiny recipe validates on, of a model state."""
+    from gemrec.components.trainer import metrics as qm
+    from gemrec.components.trainer.data import to_model_input
+    from gemrec.model import FeatureSchema, build_model
+
+    config = load_recipe("tiny", ["data.eval_max_examples=256", *overrides])
+    _, _, valid_batches, manifest, _ = dataset_source(config, dataset, rank=0, world_size=1)
+    model = build_model(config.model, FeatureSchema.from_manifest(manifest))
+    model.load_state_dict(state)
+    model.eval()
+    with torch.no_grad():
+        rows = [(model(to_model_input(b)).logits.numpy(), b.labels.numpy()) for b in valid_batches()]
+    metrics = qm.task_metrics(
+        np.concatenate([r[1] for r in rows]), np.concatenate([r[0] for r in rows]), ["like", "love"]
+    )
+    return [metrics[name]["calibration"] for name in ("like", "love")]
+
+
 def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_dataset, tmp_path, caplog, train_tiny):
     import mlflow
 
@@ -113,8 +135,21 @@ def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_da
         )
     )
     best_weights, last_weights = _model_tensors(best, tmp_path), _model_tensors(manager.latest(), tmp_path)
-    assert all(torch.equal(exported[k], best_weights[k]) for k in exported)
-    assert any(not torch.equal(exported[k], last_weights[k]) for k in exported)
+    weights = [k for k in exported if k != OFFSET]
+    assert all(torch.equal(exported[k], best_weights[k]) for k in weights)
+    assert any(not torch.equal(exported[k], last_weights[k]) for k in weights)
+    # The logit offsets were fitted after training (0 in the checkpoints) and the export carries them: with them
+    # the best weights' mean prediction on the valid split is the valid rate of every label.
+    offsets = valid["logit_offsets"]
+    assert not best_weights[OFFSET].any() and exported[OFFSET].tolist() == pytest.approx(list(offsets.values()))
+    assert all(abs(v) > 1e-3 for v in offsets.values())
+    logged = max(
+        client.get_metric_history(summary["mlflow"]["run_id"], "valid/logit_offset_love"), key=lambda m: m.timestamp
+    )
+    assert (logged.step, logged.value) == (best_step, pytest.approx(offsets["love"]))  # this run's, at the best step
+    assert _valid_calibration(exported, movielens_dataset, common) == pytest.approx([1.0, 1.0], abs=1e-4)
+    exported[OFFSET].zero_()
+    assert _valid_calibration(exported, movielens_dataset, common) != pytest.approx([1.0, 1.0], abs=1e-2)
 
     # --resume of the finished run trains nothing and ends with the same best weights and eval numbers.
     caplog.clear()
@@ -124,3 +159,13 @@ def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_da
         )
     assert f"early stopping ended this run at step {summary['steps']}" in caplog.text
     assert again["steps"] == summary["steps"] and again["ne"] == summary["ne"] and again["valid"] == valid
+
+
+def test_calibrate_false_leaves_the_task_heads_alone(movielens_dataset, tmp_path, train_tiny):
+    runs = {
+        flag: train_tiny(movielens_dataset, tmp_path / flag, None, "train.steps=10", "train.eval_every=5", flag)
+        for flag in ("train.calibrate=true", "train.calibrate=false")
+    }
+    offsets = runs["train.calibrate=true"]["valid"]["logit_offsets"]
+    assert set(offsets) == {"like", "love"} and runs["train.calibrate=false"]["valid"]["logit_offsets"] is None
+    assert runs["train.calibrate=true"]["ne"] != runs["train.calibrate=false"]["ne"]
