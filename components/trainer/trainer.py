@@ -20,7 +20,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
 
 import numpy as np
 import torch
@@ -337,7 +336,7 @@ class Trainer:
         `train.calibrate = false`; else the offsets added, by task (a collective)."""
         if self.validator is None or not (self.config.train.calibrate and self.early.active):
             return None
-        offset = cast(torch.Tensor, self.training.model.heads.logit_offset)  # gem and dlrm: `TaskHeads`
+        offset = self.training.model.get_buffer("heads.logit_offset")  # gem and dlrm: `TaskHeads`
         if self.validated_step != weights_step:
             self.validator.predict(self.training.model)
         predictions = self.validator.predictions
