@@ -29,8 +29,9 @@ ints that must bound the real lengths (checked for CPU offsets; CUDA calls trust
 - The Triton path is the custom ops `gemrec::attention_fwd` / `gemrec::attention_bwd` (fake impls for
   `torch.compile(fullgraph=True)`, FLOP formulas for `FlopCounterMode` counting real pairs only),
   autotuned on (bucketed max length, head dim, variant). How it runs is chosen by `options=KernelOptions(...)`
-  (tma, one_launch, resident, gluon, autotune; see `options.py`), passed down to the kernel choice and the
-  autotuner: no environment variable changes kernel behaviour (TRITON_INTERPRET is Triton's own).
+  (tma, one_launch, resident, gluon, autotune, fp8: the FP8 forward of `fp8_attention.py`; see `options.py`), passed
+  down to the kernel choice and the autotuner: no environment variable changes kernel behaviour (TRITON_INTERPRET is
+  Triton's own).
   Eager calls on plain tensors skip the custom-op dispatch and launch the kernels straight from Python.
 """
 

@@ -11,6 +11,7 @@ the bytes they must move and the TB/s that makes. Each is timed eagerly (launche
 and, after every eager timing, replayed from a CUDA graph (device time only).
 """
 
+import dataclasses
 import json
 import math
 import platform
@@ -210,22 +211,34 @@ def run_ours(variant: Variant, case: Case, backend="auto", q=None, k=None, v=Non
     return gdpa(*args, activation="silu", normalize="kv_len", **kw)
 
 
-def check_correctness(cfg: Config, variant: Variant, device, seed: int, options: KernelOptions) -> dict:
-    """bf16 kernel vs fp32 reference on a few sequences of the config: output and all input grads."""
+# Relative L2 error a check allows: bf16 rounding, or with the FP8 forward e4m3's (3 mantissa bits: 4-6% measured on
+# the CPU emulation; `tests/kernels/kernel_harness.FP8_TOL`).
+CHECK_TOL = 1e-2
+FP8_CHECK_TOL = 0.08
+
+
+def check_correctness(
+    cfg: Config, variant: Variant, device, seed: int, options: KernelOptions, backward: bool = True
+) -> dict:
+    """bf16 kernel vs fp32 reference on a few sequences of the config: output and (with `backward`) all input
+    grads."""
     case = make_case(cfg, seed, device, num_seqs=4)
-    leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
+    leaves = [t.detach().clone().requires_grad_(backward) for t in (case.q, case.k, case.v)]
     out = run_ours(variant, case, "triton", leaves[0], leaves[1], leaves[2], options=options)
-    grad = torch.randn_like(out)
-    grads = torch.autograd.grad(out, leaves, grad)
-    ref_leaves = [t.detach().float().requires_grad_() for t in (case.q, case.k, case.v)]
+    ref_leaves = [t.detach().float().requires_grad_(backward) for t in (case.q, case.k, case.v)]
     ref = run_ours(variant, case, "reference", *ref_leaves)
-    ref_grads = torch.autograd.grad(ref, ref_leaves, grad.float())
 
     def rel(a, b):
         return float((a.float() - b).norm() / b.norm().clamp(min=1e-12))
 
-    errs = {"out": rel(out, ref), **{f"d{n}": rel(g, r) for n, g, r in zip("qkv", grads, ref_grads)}}
-    return {"errors": errs, "ok": all(e < 1e-2 for e in errs.values())}
+    errs = {"out": rel(out, ref)}
+    if backward:
+        grad = torch.randn_like(out)
+        grads = torch.autograd.grad(out, leaves, grad)
+        ref_grads = torch.autograd.grad(ref, ref_leaves, grad.float())
+        errs.update({f"d{n}": rel(g, r) for n, g, r in zip("qkv", grads, ref_grads)})
+    tol = FP8_CHECK_TOL if options.fp8 else CHECK_TOL
+    return {"errors": errs, "ok": all(e < tol for e in errs.values())}
 
 
 def _padded(x: torch.Tensor, lens: list[int], max_len: int) -> torch.Tensor:
@@ -476,8 +489,18 @@ def run_benchmark(
     seed: int = 0,
     with_peers: bool = True,
     progress=print,
+    fp8_vs_bf16: bool = False,
+    fwd_only: bool = False,
 ) -> list[dict]:
-    """Correctness of every variant first, then fwd and fwd+bwd timings of ours (run with `options`) and the peers."""
+    """Correctness of every variant first, then fwd and fwd+bwd timings of ours (run with `options`) and the peers.
+    fp8_vs_bf16: ours with the FP8 forward too ("ours (triton, fp8 fwd)", checked against fp32 at `FP8_CHECK_TOL`),
+    each of its rows with its speed-up over ours (`*_vs_ours`); fwd_only: no fwd+bwd timings."""
+    fp8_options = dataclasses.replace(options, fp8=True)
+
+    def ours(variant: Variant) -> dict[str, KernelOptions]:  # the FP8 forward has no RoPE
+        fp8 = {FP8_IMPL: fp8_options} if fp8_vs_bf16 and not variant.rope_base else {}
+        return {"ours (triton)": options} | fp8
+
     device = torch.device("cuda")
     # every config and grad mode compiles the peers' flex_attention and padded GDPA again; past dynamo's default
     # limit of 8 recompiles they silently ran uncompiled (the C-pma Flex row at 20 ms)
@@ -488,9 +511,10 @@ def run_benchmark(
     for name in config_names:
         cfg = CONFIGS[name]
         for variant in cfg.variants:
-            key = f"{name}/{variant.name}"
-            checks[key] = check_correctness(cfg, variant, device, seed + 1, options)
-            progress(f"check {key}: {'ok' if checks[key]['ok'] else 'FAIL'} {checks[key]['errors']}")
+            for impl_options in ours(variant).values():
+                key = f"{name}/{variant.name}" + (" fp8 fwd" if impl_options.fp8 else "")
+                checks[key] = check_correctness(cfg, variant, device, seed + 1, impl_options, not fwd_only)
+                progress(f"check {key}: {'ok' if checks[key]['ok'] else 'FAIL'} {checks[key]['errors']}")
     from gemrec.kernels.triton_attention import tuned_configs
 
     for name in config_names:
@@ -509,12 +533,13 @@ def run_benchmark(
             )
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
             impls = {
-                "ours (triton)": (
-                    lambda q, k, v, variant=variant, case=case: run_ours(
-                        variant, case, "auto", q, k, v, options=options
+                impl: (
+                    lambda q, k, v, variant=variant, case=case, impl_options=impl_options: run_ours(
+                        variant, case, "auto", q, k, v, options=impl_options
                     ),
                     leaves,
                 )
+                for impl, impl_options in ours(variant).items()
             }
             if with_peers:
                 try:
@@ -538,13 +563,16 @@ def run_benchmark(
                 if variant.block:  # memory-bound: the bytes it must move, and the TB/s each timing makes of them
                     row["bytes"] = least_bytes(case)
                 for label, backward, graph, flops in _timings(fwd_flops, bwd_flops):
-                    if not graph:
+                    if backward and fwd_only:
+                        row[f"{label}_error"] = "not timed (--fwd-only)"
+                    elif not graph:
                         _record(row, label, flops, fn, impl_leaves, backward, graph)
                     elif impl in NOT_CAPTURABLE:
                         row[f"{label}_error"] = "not capturable"
                     else:
                         graph_jobs.append((row, label, flops, fn, impl_leaves, backward))
                 rows.append(row)
+                _speedups(rows)
                 progress(format_row(row))
         for entry in tuned_configs()[tuned_before:]:  # every candidate's time, per kernel tuned for this config
             consts = entry["constexprs"]
@@ -564,7 +592,8 @@ def run_benchmark(
     # calls after it, which must not cost any eager timing
     for row, label, flops, fn, impl_leaves, backward in graph_jobs:
         _record(row, label, flops, fn, impl_leaves, backward, graph=True)
-        if label == "graph fwd+bwd":
+        if label == ("graph fwd" if fwd_only else "graph fwd+bwd"):
+            _speedups(rows)
             progress(format_row(row))
     meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -574,6 +603,7 @@ def run_benchmark(
         "python": platform.python_version(),
         "checks": checks,
         "kernel_options": options.to_dict(),
+        "fp8_vs_bf16": fp8_vs_bf16,
     }
     import triton
 
@@ -585,6 +615,21 @@ def run_benchmark(
     return rows
 
 
+FP8_IMPL = "ours (triton, fp8 fwd)"
+
+
+def _speedups(rows: list[dict]) -> None:
+    """Each FP8 row's `<label>_vs_ours`: ours' time over its own, per timing both have."""
+    ours = {(r["config"], r["variant"]): r for r in rows if r["impl"] == "ours (triton)"}
+    for row in rows:
+        base = ours.get((row["config"], row["variant"]))
+        if row["impl"] != FP8_IMPL or base is None:
+            continue
+        for label in LABELS:
+            if f"{label}_ms" in row and f"{label}_ms" in base:
+                row[f"{label}_vs_ours"] = base[f"{label}_ms"] / row[f"{label}_ms"]
+
+
 LABELS = tuple(label for label, *_ in _timings(0, 0))  # the timing columns, in order
 
 
@@ -592,7 +637,8 @@ def format_row(row: dict) -> str:
     def cell(label):
         if f"{label}_tflops" in row:
             tbps = f" {row[f'{label}_tbps']:.2f} TB/s" if f"{label}_tbps" in row else ""
-            return f"{row[f'{label}_ms']:.3f} ms {row[f'{label}_tflops']:.0f} TF/s{tbps}"
+            vs = f" {row[f'{label}_vs_ours']:.2f}x" if f"{label}_vs_ours" in row else ""
+            return f"{row[f'{label}_ms']:.3f} ms {row[f'{label}_tflops']:.0f} TF/s{tbps}{vs}"
         return row.get(f"{label}_error", "-")
 
     return f"{row['config']:8s} {row['variant']:22s} {row['impl']:30s} " + " ".join(
@@ -624,7 +670,11 @@ def markdown(meta: dict, rows: list[dict]) -> str:
     def tf(r, label):
         if f"{label}_tflops" not in r:
             return "-"
-        return f"{r[f'{label}_tflops']:.0f}" + (f" ({r[f'{label}_tbps']:.2f} TB/s)" if f"{label}_tbps" in r else "")
+        return (
+            f"{r[f'{label}_tflops']:.0f}"
+            + (f" ({r[f'{label}_tbps']:.2f} TB/s)" if f"{label}_tbps" in r else "")
+            + (f" ({r[f'{label}_vs_ours']:.2f}x ours)" if f"{label}_vs_ours" in r else "")
+        )
 
     for r in rows:
         lines.append(

@@ -42,6 +42,8 @@ def _bench_kernels(args: argparse.Namespace) -> int:
         seed=args.seed,
         with_peers=not args.no_peers,
         progress=lambda line: print(line, flush=True),
+        fp8_vs_bf16=args.fp8_vs_bf16,
+        fwd_only=args.fwd_only,
     )
     print("\n".join(format_row(r) for r in rows))
     print(f"wrote {Path(args.out) / 'kernels_bench.json'} and kernels_bench.md")
@@ -64,6 +66,12 @@ def register(groups: dict) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", action="store_true", help="time only our kernels")
     p.add_argument("--profile", action="store_true", help="only print per-kernel device times of ours (fwd+bwd)")
+    p.add_argument(
+        "--fp8-vs-bf16",
+        action="store_true",
+        help="also time ours with the FP8 forward (KernelOptions.fp8) beside ours as the options say",
+    )
+    p.add_argument("--fwd-only", action="store_true", help="time the forward only (no fwd+bwd columns)")
     p.add_argument(
         "--static",
         action="store_true",

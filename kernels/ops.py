@@ -741,6 +741,10 @@ def _attention(
         options = DEFAULT_OPTIONS
     elif not isinstance(options, KernelOptions):
         raise ValueError(f"options must be a gemrec.kernels.KernelOptions, got {type(options).__name__}")
+    if options.fp8 and rope_base:
+        raise ValueError(
+            "options.fp8: the FP8 attention forward does not support rope_base (RoPE); run this call with fp8=False"
+        )
     if isinstance(rel_bias, torch.Tensor):
         rel_bias = RelativeBias(position=rel_bias)
     rel = rel_bias if rel_bias is not None else NO_BIAS
@@ -770,6 +774,7 @@ def _attention(
             window=window,
             block=block,
             rope_base=rope_base,
+            fp8=options.fp8,
         )
     contiguous = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, attn_bias)]
     params = (int(max_q_len), int(max_kv_len), ACTIVATIONS[activation], bool(causal), scale, NORMALIZE[normalize])

@@ -1,6 +1,7 @@
 """`KernelOptions`: how the Triton attention kernels run, chosen by argument (never by environment variables).
 
-Every option changes speed, not results (beyond rounding): they select tile candidates and kernel variants. The
+Every option but `fp8` changes speed, not results (beyond rounding): they select tile candidates and kernel variants;
+`fp8` rounds the forward's matrix-product operands to e4m3 (about 2-3% relative error against exact). The
 recipe's `[kernels]` table is `KernelOptions.from_dict` (a `gemrec.config.Section`: checked like every config
 section); `gemrec bench kernels` has a flag per field.
 """
@@ -22,7 +23,9 @@ class KernelOptions(Section):
     resident: the resident-side kernels where one side fits a tile (cross-attention to a few keys, PMA seeds: the
       short side stays loaded, one-kernel backward).
     gluon: the warp-specialized Gluon forward tiles on Hopper (sm_90), where they cover the call.
-    autotune: time every candidate tile on the first call of each tuning key; off: the first candidate."""
+    autotune: time every candidate tile on the first call of each tuning key; off: the first candidate.
+    fp8: the forward's QK^T and PV on e4m3 operands with per-block scales, softmax/activation in fp32
+      (`fp8_attention.py`; the reference backend runs its emulation); the backward stays bf16. No RoPE."""
 
     SECTION: ClassVar[str] = "kernels"
 
@@ -31,6 +34,7 @@ class KernelOptions(Section):
     resident: bool = True
     gluon: bool = True
     autotune: bool = True
+    fp8: bool = False
 
     @property
     def flags(self) -> int:

@@ -127,15 +127,26 @@ def attention_reference(
     block=None,
     rope_base=None,
     max_padding=None,
+    fp8=False,
 ):
     """out[i] = sum_j w(i, j) v[j] over each sequence's own keys; see `gemrec.kernels` for the semantics (masks:
     `window`, `block`; rotary: `rope_base`, q and k rotated in the compute dtype). `max_padding`: the grouping's
-    padding fraction, `MAX_PADDING` when None."""
+    padding fraction, `MAX_PADDING` when None. fp8: the FP8 forward's emulation (`fp8_attention`): q, k, v rounded
+    to e4m3 on 128-row tiles per sequence and head, the weights before PV too, fp32 compute; gradients pass
+    straight through the rounding."""
     heads, head_dim = q.shape[1], q.shape[2]
     scale = head_dim**-0.5 if scale is None else scale
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out_dtype = q.dtype
+    compute = torch.float64 if q.dtype == torch.float64 and not fp8 else torch.float32
     device = q.device
     q_start, q_len, kv_start, kv_len = sequences(q_offsets.tolist(), kv_offsets.tolist())
+    if fp8:
+        if rope_base:
+            raise ValueError("the FP8 attention forward does not support rope_base (RoPE)")
+        from gemrec.kernels.fp8_attention import quantize_tiles_reference
+
+        q = quantize_tiles_reference(q, q_offsets.tolist())
+        k, v = (quantize_tiles_reference(x, kv_offsets.tolist()) for x in (k, v))
     if max(q_len, default=0) > max_q_len or max(kv_len, default=0) > max_kv_len:
         raise ValueError(
             f"a sequence is longer than max_q_len={max_q_len} / max_kv_len={max_kv_len} "
@@ -190,6 +201,10 @@ def attention_reference(
                 weights = weights / (lkv if lens_kv is None else lens_kv.to(compute)[:, None, None, None])
             elif normalize == "max_len":
                 weights = weights / max(max_kv_len, 1)
+        if fp8:
+            from gemrec.kernels.fp8_attention import quantize_weights_reference
+
+            weights = quantize_weights_reference(weights, activation == "softmax")
         return torch.matmul(weights, vg).transpose(1, 2).reshape(b * lq, heads, -1)
 
     num_seqs = len(q_len)
@@ -211,7 +226,7 @@ def attention_reference(
         if time_table is not None:
             q_ts, kv_ts = q_timestamps.view(b, lq), side(kv_timestamps, kv_start[0], lkv, shared_kv)
         out = attend(side(q, q_start[0], lq, shared_q), kg, vg, None, None, ab, q_ts, kv_ts)
-        return out.to(q.dtype)
+        return out.to(out_dtype)
     # A shared side repeated once per sequence: a gather of distinct rows backpropagates faster than one of the
     # same rows many times.
     if shared_q:
@@ -254,4 +269,4 @@ def attention_reference(
         shape = (b, -1, heads, head_dim)
         outs.append(attend(qg.view(shape), kg.view(shape), vg.view(shape), lens_q, lens_kv, ab, q_ts, kv_ts))
     outs.append(q.new_zeros(1, heads, v.shape[2], dtype=compute))
-    return torch.cat(outs).to(q.dtype)[source_of_row.to(device)]
+    return torch.cat(outs).to(out_dtype)[source_of_row.to(device)]

@@ -3701,6 +3701,10 @@ def forward(p: Problem):
     lse = torch.empty((p.total_out, p.heads), dtype=torch.float32, device=q.device)
     if p.total_out == 0 or p.num_seqs == 0:
         return out.zero_(), lse.fill_(float("inf"))
+    if p.options.fp8:
+        from gemrec.kernels import fp8_attention
+
+        return fp8_attention.forward(p, out, lse)
     if p.block_kernel():
         from gemrec.kernels import block_attention
 

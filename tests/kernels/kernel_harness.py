@@ -186,11 +186,12 @@ def run(
     causal=False,
     normalize="kv_len",
     options=None,
+    backward=True,
     **masks,
 ) -> list:
     """[out, dq, dk, dv, (d_attn_bias, d_pos, d_time with biases)] of one call: `jagged_attention` for softmax, else
     `gdpa`; the inputs cast to `dtype`, through `round_to` first (a reference seeing bf16-rounded inputs, upcast).
-    `masks`: window, block, rope_base. Gradients of inputs the call does not use are None."""
+    `masks`: window, block, rope_base. Gradients of inputs the call does not use are None; [out] without `backward`."""
 
     def cast(t):
         return (t if round_to is None else t.to(round_to)).to(dtype).requires_grad_()
@@ -215,6 +216,8 @@ def run(
     else:
         out = gdpa(*args, activation=activation, normalize=normalize, **kw)
     inputs = leaves + list(tables.values())
+    if not backward:
+        return [out.detach()]
     if not out.numel():
         return [out.detach(), *(torch.zeros_like(t) for t in inputs)]
     grads = torch.autograd.grad(
@@ -232,3 +235,42 @@ def max_error(got: torch.Tensor, want: torch.Tensor) -> float:
 def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
     """||got - want|| / ||want||, in float64."""
     return float((got.double() - want.double()).norm() / want.double().norm().clamp(min=1e-12))
+
+
+# FP8 forward (`KernelOptions.fp8`) against exact fp64: e4m3 keeps 3 mantissa bits (relative rounding <= 2^-4, about
+# 2.5% RMS per operand); q, k (through the scores), the weights and v each add theirs, and the CPU emulation's output
+# and gradients measure 4-6% relative L2 on random inputs. A kernel must stay within 8% and within 1.25x (+1%) of the
+# emulation's error on the same inputs: a wrong scale or a lost tile costs tens of percent.
+FP8_TOL = 0.08
+FP8_GRAD_TOL = 0.12
+
+
+def fp8_errors(
+    case: Case, activation: str, *, backend: str, options, dtype=torch.float32, backward=True, **kw
+) -> tuple[list, list]:
+    """(errors of the FP8 call on `backend`, errors of the CPU-style emulation), each the relative L2 error of the
+    output and every gradient against the exact fp64 reference (None where a gradient does not apply; the output
+    only without `backward`)."""
+
+    def call(**args):
+        return run(case, activation, backward=backward, **args, **kw)
+
+    exact = call(backend="reference", dtype=torch.float64)
+    emulated = call(backend="reference", options=options)
+    got = call(backend=backend, options=options, dtype=dtype)
+
+    def errors(results):
+        return [None if g is None or not w.numel() else rel_l2(g, w) for g, w in zip(results, exact)]
+
+    return errors(got), errors(emulated)
+
+
+def check_fp8(got: list, emulated: list, tol: float = FP8_TOL, grad_tol: float = FP8_GRAD_TOL) -> None:
+    """The output within `tol` of exact and within 1.25x (+1%) of the emulation's error; the gradients (the bf16
+    backward reweighting with the FP8 forward's logsumexp, not the emulation's straight-through rounding) within
+    `grad_tol`."""
+    assert got[0] < tol and got[0] < 1.25 * emulated[0] + 0.01, (
+        f"out: fp8 error {got[0]:.3f}, emulation {emulated[0]:.3f}"
+    )
+    for name, g in zip(GRADIENTS[1:], got[1:]):
+        assert g is None or g < grad_tol, f"{name}: fp8 error {g:.3f} (emulation {emulated[GRADIENTS.index(name)]})"

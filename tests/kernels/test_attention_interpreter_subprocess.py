@@ -30,6 +30,7 @@ def test_interpreter_suite_in_subprocess():
             str(HERE.parent.parent),
             str(HERE / "test_attention_interpreter.py"),
             str(HERE / "test_fp8_interpreter.py"),
+            str(HERE / "test_fp8_attention_interpreter.py"),
         ],
         env=env,
         capture_output=True,

@@ -238,3 +238,31 @@ def test_only_tiles_that_fit_the_dtype_are_offered():
             }
             assert all(offered.values()), (kind, head_dim, {d: len(c) for d, c in offered.items()})
             assert all(c in offered[torch.bfloat16] for c in offered[torch.float32]), (kind, head_dim)
+
+
+def fp8_forward(op: str):
+    def call(options=DEFAULT):
+        q, k, v = tensors(1000, 2, 128, torch.bfloat16)
+        off = offsets_of([300, 0, 700])
+        fn = jagged_attention if op == "jfa" else gdpa
+        fn(q, k, v, off, off, 700, 700, causal=True, backend="triton", options=KernelOptions(fp8=True)).sum().backward()
+
+    return call
+
+
+@pytest.mark.parametrize("op", ["jfa", "gdpa"])
+def test_fp8_forward_compiles_for_sm90_on_fp8_tensor_cores(op):
+    """`KernelOptions.fp8`: the k/v quantization and every FP8 forward tile compile, the products on FP8 wgmma
+    (QGMMA); the backward is the bf16 kernels'."""
+    from gemrec.kernels.aot import _cuobjdump, compile_launch, record_launches, resource_usage
+
+    launches = record_launches(fp8_forward(op))
+    assert [launch.kind for launch in launches] == ["fp8_kv", "fwd_fp8", *(["delta"] if op == "jfa" else []), "dkdv"]
+    quantize, forward = launches[:2]
+    assert resource_usage(compile_launch(quantize))["stack_bytes"] == 0
+    for config in forward.candidates():
+        compiled = compile_launch(forward, config)
+        assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, config
+        if config["num_warps"] == 8:  # the 4-warp 128-row tiles spill: the autotuner weighs that
+            assert resource_usage(compiled)["stack_bytes"] == 0, config
+        assert _cuobjdump(compiled, "--dump-sass").count("QGMMA") >= 2, config

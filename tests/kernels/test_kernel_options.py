@@ -11,7 +11,9 @@ from kernel_harness import offsets_of
 
 
 def test_defaults_and_from_dict():
-    assert KernelOptions() == KernelOptions(tma=True, one_launch=False, resident=True, gluon=True, autotune=True)
+    assert KernelOptions() == KernelOptions(
+        tma=True, one_launch=False, resident=True, gluon=True, autotune=True, fp8=False
+    )
     assert KernelOptions.from_dict({}) == KernelOptions()
     assert KernelOptions.from_dict({"resident": False, "autotune": False}) == KernelOptions(
         resident=False, autotune=False
@@ -26,7 +28,7 @@ def test_defaults_and_from_dict():
     [
         (
             {"tmaa": True},
-            r"unknown setting kernels.tmaa = True; \[kernels\] takes autotune, gluon, one_launch, resident",
+            r"unknown setting kernels.tmaa = True; \[kernels\] takes autotune, fp8, gluon, one_launch, resident",
         ),
         ({"resident": "no"}, r"kernels.resident = 'no': must be true or false"),
         ({"autotune": 0}, r"kernels.autotune = 0: must be true or false"),
