@@ -111,6 +111,7 @@ for port in sys.argv[1:]:
   run services_synth python3 -m gemrec.cli data synth --profile h200-bench --out "$data" --overwrite
   serve features features --dataset "$data" --port 50061
   features_pid=$!
+  healthy 50061  # the data service refuses to start without a reachable feature service
   serve data data --dataset "$data" --features 127.0.0.1:50061 --port 50062 --workers 8
   data_pid=$!
   healthy 50061 50062 && nproc > "$out/services_cpus.txt"
