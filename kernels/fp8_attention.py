@@ -3,7 +3,8 @@ GDPA activation in fp32, fp32 accumulation. The backward stays the bf16 kernels'
 
 Scales (one fp32 per block, amax / 448; an all-zero block gets 1):
 - k and v: per 128-key tile of each sequence (`SCALE_ROWS`) and head, by `quantize_kv` (one launch, both tensors;
-  v written transposed, (heads, head_dim, tokens), so that PV's operand is K-major as the FP8 tensor cores want it).
+  v written transposed, (heads, head_dim, tiles x 128), so that PV's operand is K-major as the FP8 tensor cores want
+  it, each tile's columns 128-aligned for 16-byte loads).
 - q: per query block of the program (the tile's BLOCK_M rows: 64 or 128 on the GPU) and head, in the kernel's load.
   Scores = (q8 k8^T) * s_q * s_k, in fp32.
 - softmax weights: p = exp2(s - m + 8), in [0, 256] against the running row max (no scale to compute; the exponent
@@ -84,7 +85,8 @@ def _quantize_kv_kernel(
     BLOCK_D: tl.constexpr,
     EMULATE: tl.constexpr,
 ):
-    """One (128-key tile, head, sequence): k to K8 (rows, heads, head_dim), v to VT8 (heads, head_dim, rows)."""
+    """One (128-key tile, head, sequence): k to K8 (rows, heads, head_dim), v to VT8 (heads, head_dim, tile
+    columns): column (b * num_tiles + j) * 128 + r holds row r of sequence b's tile j (aligned 16-byte loads)."""
     j, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(kv_off + b).to(tl.int64)
     length = (tl.load(kv_off + b + 1) - start).to(tl.int32)
@@ -105,7 +107,11 @@ def _quantize_kv_kernel(
     amax = tl.max(tl.max(tl.abs(v), 1), 0)
     sv = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, FP8_MAX))
     v8 = _to_fp8(tl.div_rn(v, sv), EMULATE)
-    tl.store(VT8 + h * stride_th + offs_d[None, :] * stride_td + rows[:, None], v8, mask=mask)
+    columns = (b * num_tiles + j) * ROWS + tl.arange(0, ROWS)
+    # the whole tile: zeros past the sequence's end, so the forward reads its last tile unmasked
+    tl.store(
+        VT8 + h * stride_th + offs_d[None, :] * stride_td + columns[:, None], v8, mask=(offs_d < HEAD_DIM)[None, :]
+    )
     tl.store(VS + tile, sv)
 
 
@@ -170,13 +176,15 @@ def _fp8_tile(
     col_ok = cols < kv_len
     kv_rows = kv_start + cols
     k_ptrs = K8 + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
-    v_ptrs = VT8 + h * stride_th + offs_d[:, None] * stride_td + kv_rows[None, :]
+    v_ptrs = VT8 + h * stride_th + offs_d[:, None] * stride_td + (tile0 * ROWS + cols)[None, :]
     if MASKED or not EVEN_D:
         k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
-        vt = tl.load(v_ptrs, mask=d_ok[:, None] & col_ok[None, :], other=0.0)
     else:
         k = tl.load(k_ptrs)
+    if EVEN_D:  # v's tiles are whole (zeros past the end): 16-byte loads along the keys
         vt = tl.load(v_ptrs)
+    else:
+        vt = tl.load(v_ptrs, mask=d_ok[:, None], other=0.0)
     tile = (tile0 + n0 // ROWS) * num_heads + h
     sk = tl.load(KS + tile)
     sv = tl.load(VS + tile)
@@ -424,16 +432,16 @@ def carrier_dtype() -> torch.dtype:
 
 
 def quantize_kv(k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor, max_kv_len: int):
-    """(k8 (rows, heads, head_dim), vt8 (heads, head_dim, rows padded to 16), k scales, v scales, tiles per sequence):
-    k and v in e4m3 with one scale per 128-key tile of each sequence and head; scale i * heads + h of sequence b's
-    tile j sits at i = b * tiles + j."""
+    """(k8 (rows, heads, head_dim), vt8 (heads, head_dim, sequences * tiles * 128), k scales, v scales, tiles per
+    sequence): k and v in e4m3 with one scale per 128-key tile of each sequence and head; sequence b's tile j is
+    index i = b * tiles + j: its scales at i * heads + h, its v columns from i * 128 (zeros past its end)."""
     rows, heads, head_dim = k.shape
     num_seqs = kv_offsets.numel() - 1
     tiles = _cdiv(max_kv_len, SCALE_ROWS)
     carrier = carrier_dtype()
     k8 = torch.empty((rows, heads, head_dim), dtype=carrier, device=k.device)
-    vt8 = torch.empty((heads, head_dim, rows + -rows % 16), dtype=carrier, device=k.device)
     ks = torch.empty((max(num_seqs * tiles, 1), heads), dtype=torch.float32, device=k.device)
+    vt8 = torch.empty((heads, head_dim, ks.shape[0] * SCALE_ROWS), dtype=carrier, device=k.device)
     vs = torch.empty_like(ks)
     if tiles and num_seqs and rows:
         args = (k, v, k8, vt8, ks, vs, kv_offsets, *k.stride()[:2], *v.stride()[:2], *k8.stride()[:2])

@@ -23,12 +23,13 @@ def test_quantize_kv_matches_the_emulation():
     v[300:301] = 0.0  # an all-zero tile: scale 1
     off = offsets_of(lengths)
     k8, vt8, ks, vs, tiles = fp8_attention.quantize_kv(k, v, off, max(lengths))
-    assert tiles == 3 and vt8.shape == (2, 24, 432)
+    assert tiles == 3 and vt8.shape == (2, 24, 4 * 3 * 128)
     rows = torch.repeat_interleave(torch.arange(4), torch.tensor(lengths))
     pos = torch.arange(sum(lengths)) - off[:-1][rows]
     index = rows * tiles + pos // fp8_attention.SCALE_ROWS
     assert torch.equal(k8 * ks[index][:, :, None], fp8_attention.quantize_tiles_reference(k, off.tolist()))
-    v_got = vt8[:, :, : sum(lengths)].permute(2, 0, 1) * vs[index][:, :, None]
+    columns = index * fp8_attention.SCALE_ROWS + pos % fp8_attention.SCALE_ROWS
+    v_got = vt8[:, :, columns].permute(2, 0, 1) * vs[index][:, :, None]
     assert torch.equal(v_got, fp8_attention.quantize_tiles_reference(v, off.tolist()))
     assert vs[2 * tiles].eq(1.0).all()  # sequence 2, whose one row is zero
 
