@@ -142,6 +142,9 @@ class Fp8Config(Section):
     # the towers that feed the task heads (non-sequence, interaction: their MLPs and MoE experts) stay bf16: on the
     # synthetic set their FP8 cost most of the NE (docs/benchmarks.md); false converts them too
     top_layers_bf16: bool = True
+    # the attention layers' forward in FP8 (`KernelOptions.fp8`: QK^T and PV on e4m3, softmax in fp32, bf16
+    # backward), by the same overrides; off until its NE is measured (docs/benchmarks.md)
+    attention: bool = False
 
     def check(self) -> None:
         self.require(self.amax_history >= 1, "amax_history", "must be >= 1")

@@ -7,6 +7,8 @@ converts every `Mlp` (fc1 -> gelu -> fc2) and every `GroupedExperts` (the MoE's 
 subclass whose forward calls the block-scaled FP8 ops of `gemrec.kernels.fp8`; parameters, their names and the
 state dict stay the same, so checkpoints move freely between precisions. Embedding projections, the router,
 attention projections and the task heads are never converted (the stability recipe: first and last layers bf16).
+With `[fp8] attention = true` the attention layers' own products (QK^T, PV) run the FP8 forward too
+(`KernelOptions.fp8` on the layer), by the same overrides.
 
 On CUDA the ops run the Triton kernels; elsewhere the torch emulation (quantize -> dequantize -> fp32 matmul),
 so CPU runs and CI exercise the same conversion, scaling and counters.
@@ -14,13 +16,14 @@ so CPU runs and CI exercise the same conversion, scaling and counters.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Mapping
 
 import torch
 from gemrec.components.trainer.config import Fp8Config
-from gemrec.kernels import fp8
-from gemrec.model.layers import Mlp
+from gemrec.kernels import KernelOptions, fp8
+from gemrec.model.layers import JaggedAttention, Mlp
 from gemrec.model.moe import GroupedExperts
 from torch import nn
 
@@ -80,6 +83,15 @@ def convert_to_fp8(model: nn.Module, config: Fp8Config, device: torch.device) ->
     overrides = {**({p: "bf16" for p in TOP_LAYERS} if config.top_layers_bf16 else {}), **config.overrides}
     converted = []
     for name, module in model.named_modules():
+        if isinstance(module, JaggedAttention) and config.attention and module_precision(name, overrides) == "fp8":
+            if module.rope_base:
+                raise ValueError(
+                    f"fp8.attention: {name} fuses RoPE (rope_base), which the FP8 attention forward does not "
+                    f"support; keep it bf16 with fp8.overrides = {{'{name}' = 'bf16'}}"
+                )
+            module.kernel_options = dataclasses.replace(module.kernel_options or KernelOptions(), fp8=True)
+            converted.append(name)
+            continue
         target = _CONVERSIONS.get(type(module))
         if target is None or module_precision(name, overrides) != "fp8":
             continue

@@ -110,6 +110,31 @@ def test_emulated_fp8_model_tracks_fp32(setup, grad_format):
         assert rel < (0.15 if grad_format == "e4m3" else 0.25), (name, rel)
 
 
+def test_fp8_attention_converts_by_option_and_overrides_and_tracks_fp32(setup):
+    model, inp, labels = setup
+    ref_loss, ref_grads = grads_of(model, inp, labels)
+    fp8_model = copy.deepcopy(model)
+    names = precision.convert_to_fp8(fp8_model, Fp8Config(attention=True), CPU)
+    assert [n for n in names if n.endswith("attn")] == ["seq_tower.0.attn", "seq_tower.1.attn", "pma.attn"]
+    assert fp8_model.pma.attn.kernel_options.fp8 and model.pma.attn.kernel_options is None
+    assert fp8_model.interaction[0].self_attn.kernel_options is None  # the top layers stay bf16
+    loss, grads = grads_of(fp8_model, inp, labels)  # the CPU path: the reference's emulation of the FP8 forward
+    assert float(loss) == pytest.approx(float(ref_loss), rel=0.01) and float(loss) != float(ref_loss)
+    for name in ("seq_tower.0.attn.wq.weight", "pma.attn.wkv.weight", "heads.trunk.weight"):
+        rel = float((grads[name] - ref_grads[name]).norm() / ref_grads[name].norm())
+        assert rel < 0.15, (name, rel)
+    kept = precision.convert_to_fp8(
+        copy.deepcopy(model), Fp8Config(attention=True, overrides={"pma.attn": "bf16"}), CPU
+    )
+    assert "pma.attn" not in kept and "seq_tower.0.attn" in kept
+    rotary = copy.deepcopy(model)
+    rotary.seq_tower[0].attn.rope_base = 1e4
+    with pytest.raises(
+        ValueError, match=r"seq_tower.0.attn fuses RoPE .*fp8.overrides = \{'seq_tower.0.attn' = 'bf16'\}"
+    ):
+        precision.convert_to_fp8(rotary, Fp8Config(attention=True), CPU)
+
+
 def test_counters_and_delayed_scaling_over_steps(setup):
     model, inp, labels = setup
     fp8_model = copy.deepcopy(model)
