@@ -96,12 +96,13 @@ def dequantize_reference(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int
 
 @triton.jit
 def _round_fp8(y, MANT: tl.constexpr, EMIN: tl.constexpr):
-    """Round fp32 `y` (within the format's range) to the fp8 grid in fp32 arithmetic: the interpreter's float8
-    casts mis-round where rounding carries into the next exponent, so carriers there are fp32."""
+    """Round fp32 `y` (within the format's range) to the fp8 grid in exact fp32 arithmetic (power-of-two scalings,
+    ties to even), so the cast to a float8 carrier afterwards is exact and rounds the same on every backend."""
     bits = y.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
     step = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
-    r = y / step
+    inverse_step = ((MANT - e + 127) << 23).to(tl.float32, bitcast=True)
+    r = y * inverse_step
     r = (r + 12582912.0) - 12582912.0  # 1.5 * 2^23: round to nearest even integer
     return r * step
 
@@ -118,12 +119,8 @@ def _gelu_grad_tl(h):
 
 
 @triton.jit
-def _to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, q_ptr):
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
-    if q_ptr.dtype.element_ty == tl.float32:
-        return _round_fp8(y, MANT, EMIN)
-    else:
-        return y.to(q_ptr.dtype.element_ty).to(tl.float32)
+def _to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
+    return _round_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), MANT, EMIN)
 
 
 @triton.jit
@@ -214,7 +211,7 @@ def _quantize_kernel(
         if FIXED:
             scale_t = tl.where(fixed > 0, fixed, scale_t)
         y = tl.div_rn(x, scale_t)
-        q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
+        q = _to_fp8(y, FP8_MAX, MANT, EMIN)
         tl.store(q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc, q.to(q_ptr.dtype.element_ty), valid)
         tl.store(s_ptr + pid_b * ssb + pid_r * ssr + pid_c * ssc, scale_t)
         if COLS:
@@ -227,7 +224,7 @@ def _quantize_kernel(
             if FIXED:
                 scale_r = tl.where(fixed > 0, fixed, scale_r)
             y = tl.div_rn(x, scale_r[:, None])
-            q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
+            q = _to_fp8(y, FP8_MAX, MANT, EMIN)
             q_ptrs = q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc
             tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), valid)
             tl.store(s_ptr + pid_b * ssb + rows * ssr + pid_c * ssc, scale_r, rows < R)
@@ -237,7 +234,7 @@ def _quantize_kernel(
             if FIXED:
                 scale_c = tl.where(fixed > 0, fixed, scale_c)
             y_c = tl.div_rn(x, scale_c[None, :])
-            q_c = _to_fp8(y_c, FP8_MAX, MANT, EMIN, qt_ptr)
+            q_c = _to_fp8(y_c, FP8_MAX, MANT, EMIN)
             qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
             tl.store(qt_ptrs, q_c.to(qt_ptr.dtype.element_ty), valid)
             tl.store(st_ptr + pid_b * sstb + cols * sstc + pid_r * sstr, scale_c, cols < C)
