@@ -33,6 +33,7 @@ from gemrec.kernels.triton_attention import (
     _activation,
     _bias,
     _cdiv,
+    _cfg,
     _fwd_store,
     _Kernel,
     _key_tiles,
@@ -170,21 +171,29 @@ def _fp8_tile(
     WINDOW: tl.constexpr,
     MASK_BLOCK: tl.constexpr,
     EMULATE: tl.constexpr,
+    TMA: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
-    """One (queries x keys) tile: FP8 QK^T, fp32 softmax (MODE 0) or activation, FP8 PV into acc (scale c_i)."""
+    """One (queries x keys) tile: FP8 QK^T, fp32 softmax (MODE 0) or activation, FP8 PV into acc (scale c_i). With
+    TMA, K8 and VT8 are descriptors over all rows (`_fwd_fp8_kernel`): k rows past the sequence are the next one's,
+    which the masked tiles mask like any key past the end."""
     cols = n0 + offs_n
     col_ok = cols < kv_len
-    kv_rows = kv_start + cols
-    k_ptrs = K8 + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
-    v_ptrs = VT8 + h * stride_th + offs_d[:, None] * stride_td + (tile0 * ROWS + cols)[None, :]
-    if MASKED or not EVEN_D:
-        k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+    if TMA:
+        k = K8.load([(kv_start + n0).to(tl.int32), h * HEAD_DIM])
+        vt = VT8.load([h * HEAD_DIM, (tile0 * ROWS + n0).to(tl.int32)])
     else:
-        k = tl.load(k_ptrs)
-    if EVEN_D:  # v's tiles are whole (zeros past the end): 16-byte loads along the keys
-        vt = tl.load(v_ptrs)
-    else:
-        vt = tl.load(v_ptrs, mask=d_ok[:, None], other=0.0)
+        kv_rows = kv_start + cols
+        k_ptrs = K8 + kv_rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :]
+        v_ptrs = VT8 + h * stride_th + offs_d[:, None] * stride_td + (tile0 * ROWS + cols)[None, :]
+        if MASKED or not EVEN_D:
+            k = tl.load(k_ptrs, mask=col_ok[:, None] & d_ok[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        if EVEN_D:  # v's tiles are whole (zeros past the end): 16-byte loads along the keys
+            vt = tl.load(v_ptrs)
+        else:
+            vt = tl.load(v_ptrs, mask=d_ok[:, None], other=0.0)
     tile = (tile0 + n0 // ROWS) * num_heads + h
     sk = tl.load(KS + tile)
     sv = tl.load(VS + tile)
@@ -298,6 +307,8 @@ def _fwd_fp8_kernel(
     stride_td,
     num_heads,
     num_tiles,
+    num_k_rows,
+    num_vt_cols,
     HEAD_DIM: tl.constexpr,
     MODE: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -318,6 +329,7 @@ def _fwd_fp8_kernel(
     EMULATE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     tl.static_assert(not ROPE, "the FP8 forward has no RoPE")
     tl.static_assert(ROWS % BLOCK_N == 0, "key tiles must not straddle a scaling tile")
@@ -348,6 +360,14 @@ def _fwd_fp8_kernel(
     s_scale = qk_scale * sq
     score_scale = scale * sq
     tile0 = b * KV_STRIDE * num_tiles
+    if TMA:  # over every row (K8: rows x heads * head_dim; VT8: heads * head_dim x tile columns), contiguous
+        tl.static_assert(EVEN_D, "descriptor tiles cover whole heads")
+        K8 = tl.make_tensor_descriptor(
+            K8, shape=[num_k_rows, num_heads * HEAD_DIM], strides=[stride_kt, 1], block_shape=[BLOCK_N, BLOCK_D]
+        )
+        VT8 = tl.make_tensor_descriptor(
+            VT8, shape=[num_heads * HEAD_DIM, num_vt_cols], strides=[stride_td, 1], block_shape=[BLOCK_D, BLOCK_N]
+        )
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -365,6 +385,7 @@ def _fwd_fp8_kernel(
             offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_th, stride_td, num_heads, s_scale, score_scale, AB,
             stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL,
             True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, SCALE_POS, WINDOW, MASK_BLOCK, EMULATE,
+            TMA, HEAD_DIM,
         )  # fmt: skip
     for n0 in range(n_mid, n_full, BLOCK_N):
         acc, m_i, l_i, c_i = _fp8_tile(
@@ -372,6 +393,7 @@ def _fwd_fp8_kernel(
             offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_th, stride_td, num_heads, s_scale, score_scale, AB,
             stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL,
             False, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, SCALE_POS, WINDOW, MASK_BLOCK, EMULATE,
+            TMA, HEAD_DIM,
         )  # fmt: skip
     for n0 in range(n_full, n_end, BLOCK_N):
         acc, m_i, l_i, c_i = _fp8_tile(
@@ -379,6 +401,7 @@ def _fwd_fp8_kernel(
             offs_d, row_ok, d_ok, stride_kt, stride_kh, stride_th, stride_td, num_heads, s_scale, score_scale, AB,
             stride_abt, stride_abh, PT, stride_pth, TT, stride_tth, QTS, KTS, pos_log_inv, time_log_inv, MODE, CAUSAL,
             True, HAS_AB, HAS_POS, HAS_TIME, NUM_POS, NUM_TIME, EVEN_D, FAST, SCALE_POS, WINDOW, MASK_BLOCK, EMULATE,
+            TMA, HEAD_DIM,
         )  # fmt: skip
     if MODE == 0:
         acc = acc * (c_i * P_UNIT)
@@ -405,20 +428,21 @@ def _fwd_fp8_kernel(
     )
 
 
-def _fp8_cfg(bm: int, bn: int, warps: int, stages: int) -> dict:
-    return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
-
-
-# Key tiles of 64 or 128 rows (within a 128-row scaling tile); the bf16 forward's best tiles first.
+# Key tiles of 64 or 128 rows (within a 128-row scaling tile), through pointers or descriptors (TMA); 128 x 128
+# first (A's best bf16 tile).
 CONFIGS["fwd_fp8"] = [
-    _fp8_cfg(128, 128, 8, 3),
-    _fp8_cfg(128, 64, 8, 3),
-    _fp8_cfg(128, 128, 8, 2),
-    _fp8_cfg(128, 128, 8, 4),
-    _fp8_cfg(128, 64, 4, 3),
-    _fp8_cfg(128, 64, 8, 4),
-    _fp8_cfg(64, 128, 4, 3),
-    _fp8_cfg(64, 64, 4, 3),
+    _cfg(128, 128, 8, 3),
+    _cfg(128, 64, 8, 3),
+    _cfg(128, 128, 8, 2),
+    _cfg(128, 64, 8, 4),
+    _cfg(64, 128, 4, 3),
+    _cfg(64, 64, 4, 3),
+    _cfg(128, 128, 8, 3, True),
+    _cfg(128, 128, 8, 2, True),
+    _cfg(128, 128, 8, 4, True),
+    _cfg(128, 64, 8, 3, True),
+    _cfg(64, 128, 4, 3, True),
+    _cfg(64, 64, 4, 3, True),
 ]
 _KERNELS["fwd_fp8"] = _Kernel(_fwd_fp8_kernel, "fwd_fp8")
 CONFIGS["fp8_kv"] = [{"num_warps": 8, "num_stages": 1}]
@@ -455,15 +479,16 @@ def forward(p, out: torch.Tensor, lse: torch.Tensor):
     """The FP8 forward of a `triton_attention.Problem` into out (its dtype) and lse (log2-domain, as the bf16
     forward's: the backward's input)."""
     k8, vt8, ks, vs, tiles = quantize_kv(p.k, p.v, p.kv_off, p.max_kv_len)
-    args = p.kernel_args(
-        (p.q, k8, vt8, ks, vs, out, lse), (p.q, k8, out), qk_scale=True, tail=(*vt8.stride()[:2], p.heads, tiles)
-    )
-    consts = {**p.consts, "BLOCK_D": max(32, p.block_d), "SCALE_POS": p.scale > 0, "EMULATE": INTERPRET}
+    tail = (*vt8.stride()[:2], p.heads, tiles, k8.shape[0], vt8.shape[2])
+    args = p.kernel_args((p.q, k8, vt8, ks, vs, out, lse), (p.q, k8, out), qk_scale=True, tail=tail)
+    block_d = max(32, p.block_d)
+    consts = {**p.consts, "BLOCK_D": block_d, "SCALE_POS": p.scale > 0, "EMULATE": INTERPRET}
 
     def grid(meta):
         return (_cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-    _KERNELS["fwd_fp8"](grid, args, consts, p.bucket, p.options)
+    # descriptors need whole heads (head_dim a power of two >= 32) and 16-byte row strides; k8 and vt8 are contiguous
+    _KERNELS["fwd_fp8"](grid, args, consts, p.bucket, p.options, tma=block_d == p.head_dim)
     return out, lse
 
 

@@ -263,6 +263,5 @@ def test_fp8_forward_compiles_for_sm90_on_fp8_tensor_cores(op):
     for config in forward.candidates():
         compiled = compile_launch(forward, config)
         assert compiled.metadata.shared <= SHARED_MEMORY_LIMIT, config
-        if config["num_warps"] == 8:  # the 4-warp 128-row tiles spill: the autotuner weighs that
-            assert resource_usage(compiled)["stack_bytes"] == 0, config
+        assert resource_usage(compiled)["stack_bytes"] <= 64, config  # a few registers' spill at most
         assert _cuobjdump(compiled, "--dump-sass").count("QGMMA") >= 2, config

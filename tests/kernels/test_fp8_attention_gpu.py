@@ -1,7 +1,8 @@
 """The FP8 attention forward (`KernelOptions.fp8`) on the GPU: real e4m3 operands on the tensor cores, bf16 inputs,
 against exact fp64 within FP8's error (`kernel_harness.FP8_TOL`, justified there) and within 1.25x (+1%) of the
 emulation's error on the same inputs; the bf16 backward through it; the k/v quantization against the emulation's.
-Untuned (the first tile that fits: one compile per variant), forward only but where a test says otherwise."""
+Untuned (the first tile that fits, pointer or descriptor: one compile per variant), forward only but where a test
+says otherwise."""
 
 import pytest
 import torch
@@ -15,31 +16,44 @@ pytestmark = [
     ),
 ]
 LENGTHS = [0, 1, 37, 300, 129, 1000, 64]
-FP8 = KernelOptions(fp8=True, autotune=False)
+POINTERS = KernelOptions(fp8=True, autotune=False, tma=False)
+TMA = KernelOptions(fp8=True, autotune=False)
 
 
-def check(case, activation, backward=False, grad_tol=0.12, **kw):
+@pytest.fixture(autouse=True)
+def descriptor_tiles_first(monkeypatch):
+    """Untuned calls run the first tile that fits: with `tma` on, a descriptor (TMA) tile; off, a pointer tile."""
+    from gemrec.kernels import triton_attention as kernels
+
+    tiles = sorted(kernels.CONFIGS["fwd_fp8"], key=lambda c: not c.get("TMA"))
+    monkeypatch.setitem(kernels.CONFIGS, "fwd_fp8", tiles)
+    for kernel in kernels._KERNELS.values():
+        monkeypatch.setattr(kernel, "best", {})
+        monkeypatch.setattr(kernel, "compiled", {})
+
+
+def check(case, activation, options=POINTERS, backward=False, grad_tol=0.12, **kw):
     got, emulated = fp8_errors(
-        case, activation, backend="triton", options=FP8, dtype=torch.bfloat16, backward=backward, **kw
+        case, activation, backend="triton", options=options, dtype=torch.bfloat16, backward=backward, **kw
     )
     check_fp8(got, emulated, grad_tol=grad_tol)
 
 
 @pytest.mark.parametrize(
-    "activation,kw",
+    "activation,kw,options",
     [
-        ("softmax", {}),
-        ("silu", {"causal": True}),
-        ("silu", {}),
-        ("relu2", {"normalize": "max_len"}),
+        ("softmax", {}, POINTERS),
+        ("softmax", {}, TMA),
+        ("silu", {"causal": True}, POINTERS),
+        ("silu", {"causal": True}, TMA),
+        ("relu2", {"normalize": "max_len"}, POINTERS),
     ],
-    ids=["jfa", "gdpa-causal", "gdpa", "gdpa-relu2"],
+    ids=["jfa", "jfa-tma", "gdpa-causal", "gdpa-causal-tma", "gdpa-relu2"],
 )
-def test_forward(activation, kw):
-    check(make_case(LENGTHS, LENGTHS, heads=4, dim=128, seed=0, device="cuda"), activation, **kw)
+def test_forward(activation, kw, options):
+    check(make_case(LENGTHS, LENGTHS, heads=4, dim=128, seed=0, device="cuda"), activation, options, **kw)
 
 
-@pytest.mark.parametrize("head_dim", [128, 64])
 def test_causal_forward_and_bf16_backward(head_dim):
     case = make_case(LENGTHS, LENGTHS, heads=4, dim=head_dim, seed=1, device="cuda")
     check(case, "softmax", backward=True, causal=True)

@@ -62,6 +62,15 @@ def test_tiles_of_very_different_scales(activation):
     check_fp8(*fp8_errors(case, activation, backend="triton", options=FP8), tol=0.12, grad_tol=0.2)
 
 
+@pytest.mark.parametrize("tma", [True, False])
+def test_descriptor_and_pointer_tiles(tma):
+    """Head dim 32 (whole heads): the descriptor tiles read k past a sequence's end from the next one, masked."""
+    case = make_case([150, 0, 1, 70], [150, 3, 1, 90], heads=2, dim=32, seed=6)
+    options = KernelOptions(fp8=True, tma=tma)
+    check_fp8(*fp8_errors(case, "softmax", backend="triton", options=options, causal=True, backward=False))
+    check_fp8(*fp8_errors(case, "silu", backend="triton", options=options, backward=False))
+
+
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_biases_shared_sides_and_odd_head_dims(activation):
     case = make_case([40, 33, 70], [50, 17, 90], heads=2, dim=24, bias=True, seed=3)
