@@ -1,4 +1,4 @@
-"""`gemrec train`, `gemrec bench quality`, `gemrec bench seqrec` and `gemrec bench train`."""
+"""`gemrec train`, `gemrec bench quality`, `gemrec bench seqrec`, `gemrec bench import` and `gemrec bench train`."""
 
 from __future__ import annotations
 
@@ -74,6 +74,18 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
         s.add_argument("--no-tracking", action="store_true", help="no MLflow run (for machines without mlflow)")
         s.set_defaults(func=cmd_bench_seqrec)
 
+        i = groups["bench"].add_parser(
+            "import",
+            help="log results written with --no-tracking (a machine without MLflow) into MLflow, with their plots",
+            description="One MLflow run per file: `gemrec bench seqrec --metrics-out` results and gpu_bench.json "
+            "files (metrics, the loss of every step, the per-layer MFU or ranking-metrics PNG, the JSON itself).",
+        )
+        i.add_argument("files", nargs="+", type=Path, metavar="RESULT_JSON")
+        i.add_argument("--tracking-uri", help="MLflow store (default $MLFLOW_TRACKING_URI or sqlite:///mlruns.db)")
+        i.add_argument("--experiment", default="gemrec", help="MLflow experiment name (default gemrec)")
+        i.add_argument("--commit", help="git_commit tag for files that do not name their commit")
+        i.set_defaults(func=cmd_bench_import)
+
         g = groups["bench"].add_parser(
             "train",
             help="training QPS/MFU per layer + profiler table on synthetic production-shaped batches",
@@ -147,6 +159,20 @@ def cmd_bench_train(args: argparse.Namespace) -> int:
         run(argv)
     except ConfigError as err:
         raise CLIError(str(err)) from err
+    return 0
+
+
+def cmd_bench_import(args: argparse.Namespace) -> int:
+    from gemrec.components.trainer.result_import import ResultError, import_results
+    from gemrec.components.trainer.tracking import resolve_tracking_uri
+
+    uri = resolve_tracking_uri(args.tracking_uri)
+    try:
+        imported = import_results(args.files, uri, args.experiment, args.commit)
+    except ResultError as err:
+        raise CLIError(str(err)) from err
+    for path, kind, run_id in imported:
+        print(f"{path}: {kind} result -> MLflow run {run_id} ({uri}, experiment {args.experiment!r})")
     return 0
 
 

@@ -40,6 +40,7 @@ from gemrec.components.trainer.training import peak_memory_gib, set_determinism,
 from gemrec.model import FeatureSchema, ModelInput, model_flops, train_step
 from gemrec.model.bench import count_host_syncs
 from gemrec.model.synthetic import bench_schema, lognormal_lengths, random_input, random_labels
+from gemrec.provenance import git_commit
 
 
 def synthetic_schema(bench: BenchConfig) -> FeatureSchema:
@@ -296,6 +297,7 @@ def run(argv: list[str] | None = None) -> dict:
         "host_sync_sites": sync_sites,
         "compiled_graphs_per_step": graphs_per_step,
         "datasheet_peak_h200": H200_BF16_DENSE_PEAK_FLOPS,
+        "git_commit": git_commit(),
     }
     (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
     (args.out / "profile.txt").write_text(table)

@@ -142,7 +142,7 @@ class Tracker:
         self.set_tags(tags)
         self.log_dict(config, "config/config.json")
         if seq_lengths is not None and self.enabled:
-            self._log_plot(plot_seq_lengths(seq_lengths, max_seq_len), "plots/seq_length_hist.png")
+            self.log_plot(plot_seq_lengths(seq_lengths, max_seq_len), "plots/seq_length_hist.png")
 
     def log_train(self, record: dict) -> None:
         """One training window's numbers (`step` plus loss, qps, mfu, ...) as `train/*`."""
@@ -202,11 +202,11 @@ class Tracker:
             )
         if not self.enabled:
             return
-        self._log_plot(plot_curves(self.history, self.eval_history), "plots/loss_ne_curves.png")
+        self.log_plot(plot_curves(self.history, self.eval_history), "plots/loss_ne_curves.png")
         if seq_lengths is not None:  # the data service gives no length table: plot what training saw
-            self._log_plot(plot_seq_lengths(seq_lengths, max_seq_len), "plots/seq_length_hist.png")
+            self.log_plot(plot_seq_lengths(seq_lengths, max_seq_len), "plots/seq_length_hist.png")
         if layer_rows:
-            self._log_plot(plot_layer_mfu(layer_rows, mfu["local"], mfu["e2e"]), "plots/layer_mfu.png")
+            self.log_plot(plot_layer_mfu(layer_rows, mfu["local"], mfu["e2e"]), "plots/layer_mfu.png")
         self.log_dict(
             {"layers": layer_rows, "local_mfu": mfu["local"], "e2e_mfu": mfu["e2e"], "peak": peak}, "mfu/layers.json"
         )
@@ -214,7 +214,8 @@ class Tracker:
         if model is not None:
             self.log_model(model)
 
-    def _log_plot(self, figure, name: str) -> None:
+    def log_plot(self, figure, name: str) -> None:
+        """Log a matplotlib figure and close it."""
         import matplotlib.pyplot as plt
 
         self.log_figure(figure, name)
