@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU number of docs/benchmarks.md on a 2-GPU H200 host (device kind nvidia-h200-x2), in parts:
-#   tests    GPU tests of the kernels and the model dispatch
+#   tests    GPU tests of the kernels (attention, FP8 GEMMs and attention) and the model dispatch
 #   kernels  `gemrec bench kernels` on GPU 1; on GPU 0 at the same time (or after the trainer when `trainer` runs)
 #            the per-kernel device times of ours on B and C (--profile), then C with the resident-side kernels off
 #            (--no-resident, ours only: their before/after)
@@ -57,7 +57,8 @@ want() { [[ $parts == *",$1,"* ]]; }
 
 if want tests; then
   run gpu_tests python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/kernels/test_attention_gpu.py \
-    tests/model/test_model_attention.py tests/model/test_model_masks.py tests/components/trainer/test_memory_plan.py
+    tests/kernels/test_fp8_gpu.py tests/kernels/test_fp8_attention_gpu.py tests/model/test_model_attention.py \
+    tests/model/test_model_masks.py tests/components/trainer/test_memory_plan.py
 fi
 if want kernels; then
   kernel_extras() {
