@@ -574,6 +574,9 @@ def run_benchmark(
                 rows.append(row)
                 _speedups(rows)
                 progress(format_row(row))
+        if fp8_vs_bf16:
+            rows.append(_quantization_row(name, case, graph_jobs))
+            progress(format_row(rows[-1]))
         for entry in tuned_configs()[tuned_before:]:  # every candidate's time, per kernel tuned for this config
             consts = entry["constexprs"]
             progress(
@@ -616,6 +619,32 @@ def run_benchmark(
 
 
 FP8_IMPL = "ours (triton, fp8 fwd)"
+
+
+FP8_QUANTIZE = "fp8 k/v quantization (part of fp8 fwd)"
+
+
+def _quantization_row(name: str, case: Case, graph_jobs: list) -> dict:
+    """The FP8 forward's k/v quantization alone (`fp8_attention.quantize_kv`), forward timings only, in TB/s of the
+    bytes it moves (reads k and v, writes them in e4m3); CUDA-graph timings go to `graph_jobs`."""
+    from gemrec.kernels.fp8_attention import quantize_kv
+
+    row: dict[str, Any] = {"config": name, "variant": "-", "impl": FP8_QUANTIZE, "fwd_gflop": 0.0, "bwd_gflop": 0.0}
+    moved = (2 * case.k.element_size() + 2) * case.k.numel()
+    row["bytes"] = {"fwd": moved, "graph fwd": moved}
+
+    def fn(q, k, v):
+        return quantize_kv(k, v, case.kv_offsets, case.max_kv)[0]
+
+    leaves = [case.q, case.k, case.v]
+    for label, backward, graph, _ in _timings(0, 0):
+        if backward:
+            row[f"{label}_error"] = "forward only"
+        elif not graph:
+            _record(row, label, 0, fn, leaves, False, False)
+        else:
+            graph_jobs.append((row, label, 0, fn, leaves, False))
+    return row
 
 
 def _speedups(rows: list[dict]) -> None:

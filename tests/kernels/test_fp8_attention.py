@@ -100,3 +100,15 @@ def test_bench_rows_report_the_fp8_speedup():
     assert "1.000 ms 750 TF/s 1.50x" in bench.format_row(fp8)
     meta = {"date": "d", "commit": "c", "device": "H200", "torch": "t", "checks": {}}
     assert "| A | jfa | ours (triton, fp8 fwd) | 1.000 | 750 (1.50x ours) |" in bench.markdown(meta, rows)
+
+
+def test_bench_times_the_quantization_alone(monkeypatch):
+    from gemrec.kernels import bench
+
+    monkeypatch.setattr(bench, "_time", lambda fn, leaves, backward, graph=False: 0.5)
+    case = bench.make_case(bench.CONFIGS["B"], 0, "cpu", num_seqs=4)
+    jobs: list = []
+    row = bench._quantization_row("B", case, jobs)
+    assert row["fwd_ms"] == 0.5 and row["fwd_tbps"] == 6 * case.k.numel() / 0.5e-3 / 1e12
+    assert row["fwd+bwd_error"] == "forward only" and [job[1] for job in jobs] == ["graph fwd"]
+
