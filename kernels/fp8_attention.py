@@ -8,9 +8,12 @@ Scales (one fp32 per block, amax / 448; an all-zero block gets 1):
 - q: per query block of the program (the tile's BLOCK_M rows: 64 or 128 on the GPU) and head, in the kernel's load.
   Scores = (q8 k8^T) * s_q * s_k, in fp32.
 - softmax weights: p = exp2(s - m + 8), in [0, 256] against the running row max (no scale to compute; the exponent
-  offset keeps probabilities down to 2^-17 instead of e4m3's 2^-9); a key tile whose v scale is below the largest
-  seen so far folds the ratio into that exponent, so the accumulator has one scale per row.
-- GDPA activations: per row and key tile, amax / 448, folded into a per-row running accumulator scale the same way.
+  offset keeps probabilities down to 2^-17 instead of e4m3's 2^-9); the accumulator's scale is the largest v scale
+  so far, and a key tile with a smaller one folds the ratio into that exponent (no per-tile product to rescale).
+- GDPA activations: per row and key tile, amax / 448, folded the same way into a per-row accumulator scale.
+
+k and v tiles come through pointers (16-byte cp.async loads) or tensor descriptors (TMA; `KernelOptions.tma`), the
+autotuner choosing among 64/128-row tiles of both (`CONFIGS["fwd_fp8"]`).
 
 The CPU emulation (`reference.attention_reference(fp8=True)`, what `backend="reference"` runs with the option) rounds
 q, k, v on 128-row tiles, the softmax weights (unnormalized, times 256) and the activations (per row and 128-key block)
