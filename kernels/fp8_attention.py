@@ -58,12 +58,24 @@ TINY = tl.constexpr(1e-30)  # floor of a GDPA row's accumulator scale (an all-ze
 
 
 @triton.jit
-def _to_fp8(x, EMULATE: tl.constexpr):
-    """x (within +-448) as the dot's fp8 operand: e4m3, or fp32 on the e4m3 grid under the interpreter."""
+def _fp8_operand(x, EMULATE: tl.constexpr):
+    """x (within +-448) as a dot's fp8 operand: the hardware's cast to e4m3 (fp32 on the e4m3 grid under the
+    interpreter)."""
     if EMULATE:
         return _round_fp8(x, 3, -6)
     else:
         return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _fp8_exact(x, EMULATE: tl.constexpr):
+    """x (within +-448) rounded to e4m3 in exact fp32 arithmetic, then cast (exactly): the same values as torch's
+    cast, which the hardware's differs from in some elements (`fp8._round_fp8`)."""
+    r = _round_fp8(x, 3, -6)
+    if EMULATE:
+        return r
+    else:
+        return r.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -104,13 +116,13 @@ def _quantize_kv_kernel(
     k = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(k), 1), 0)
     sk = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, FP8_MAX))
-    k8 = _to_fp8(tl.div_rn(k, sk), EMULATE)
+    k8 = _fp8_exact(tl.div_rn(k, sk), EMULATE)
     tl.store(K8 + rows[:, None] * stride_8t + h * stride_8h + offs_d[None, :], k8, mask=mask)
     tl.store(KS + tile, sk)
     v = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(v), 1), 0)
     sv = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, FP8_MAX))
-    v8 = _to_fp8(tl.div_rn(v, sv), EMULATE)
+    v8 = _fp8_exact(tl.div_rn(v, sv), EMULATE)
     columns = (b * num_tiles + j) * ROWS + tl.arange(0, ROWS)
     # the whole tile: zeros past the sequence's end, so the forward reads its last tile unmasked
     tl.store(
@@ -255,7 +267,7 @@ def _fp8_tile(
         p = tl.math.exp2(s * ss - (m_safe - off)[:, None])
         alpha = tl.math.exp2(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1) * tl.math.exp2(-off)
-        acc = tl.dot(_to_fp8(p, EMULATE), tl.trans(vt), acc * (alpha * (c_i / c_new))[:, None])
+        acc = tl.dot(_fp8_operand(p, EMULATE), tl.trans(vt), acc * (alpha * (c_i / c_new))[:, None])
         m_i = m_new
     else:
         if MODE == 1 and FAST and not HAS_BIAS:  # silu(s) = u + u * tanh(u), u = s / 2
@@ -269,7 +281,7 @@ def _fp8_tile(
             a = tl.where(valid, a, 0.0)
         # this tile's row amax against the row's accumulator scale: a * sv / c_new <= 448
         c_new = tl.maximum(tl.maximum(c_i, tl.max(tl.abs(a), 1) * (sv / FP8_MAX)), TINY)
-        a8 = _to_fp8(a * (sv / c_new)[:, None], EMULATE)
+        a8 = _fp8_operand(a * (sv / c_new)[:, None], EMULATE)
         acc = tl.dot(a8, tl.trans(vt), acc * (c_i / c_new)[:, None])
     return acc, m_i, l_i, c_new
 
@@ -359,7 +371,7 @@ def _fwd_fp8_kernel(
     ).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(q), 1), 0)
     sq = tl.where(amax == 0.0, 1.0, amax / FP8_MAX)
-    q8 = _to_fp8(q / sq, EMULATE)
+    q8 = _fp8_operand(q / sq, EMULATE)
     s_scale = qk_scale * sq
     score_scale = scale * sq
     tile0 = b * KV_STRIDE * num_tiles
