@@ -208,6 +208,9 @@ class SeqRecConfig(Section):
     max_seq_len: int = 50  # most recent history items the models see
     ranker_negatives: int = 4  # sampled negatives per positive for the pointwise GEM ranker (sampled99)
     ranker_loss: RankerLoss = "bce"  # bce (each candidate alone) | softmax (each positive against its negatives)
+    # Weight of the ranker's auxiliary next-item loss: a full softmax over the catalogue at every history token of
+    # its sequence tower (the retrieval head's objective), added to the pointwise loss. 0: off.
+    ranker_next_item_weight: float = 0.0
     # The ranker's epochs are 1 + ranker_negatives times longer (every candidate is an example): its own cadence.
     ranker_eval_every: float = 0.25  # epochs between the ranker's validations
     ranker_patience: int = 3  # the ranker's validations without a better NDCG@10 before stopping
@@ -225,6 +228,7 @@ class SeqRecConfig(Section):
         for key in ("ranker_negatives", "sampled_negatives"):
             self.require(getattr(self, key) > 0, key, "must be > 0")
         self.require(self.valid_users >= 0, "valid_users", "must be >= 0 (0 = all)")
+        self.require(self.ranker_next_item_weight >= 0, "ranker_next_item_weight", "must be >= 0 (0 = off)")
 
 
 # Recipe table -> its section type, in the order they are logged.

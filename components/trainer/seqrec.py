@@ -4,7 +4,9 @@ Protocols (definitions in `ranking.py`):
 - `sampled99`: the target among 99 sampled unseen items. Arm `gem` is the pointwise GEM ranker (the model's
   CTR forward: user, candidate item and its attributes, the history with target-aware tokens), trained on the
   observed next items as positives and `seqrec.ranker_negatives` sampled negatives each (`seqrec.ranker_loss`:
-  binary cross-entropy per candidate, or the softmax cross-entropy of each positive against its negatives).
+  binary cross-entropy per candidate, or the softmax cross-entropy of each positive against its negatives), plus,
+  weighted by `seqrec.ranker_next_item_weight`, the retrieval head's next-item softmax over the catalogue at every
+  history token of the same sequence tower (multi-task: the tower and the item embeddings also learn what follows).
 - `full`: the target among all items, history items removed. Arm `gem` is GEM's retrieval head: the causal
   sequence tower's output at the last history token, dot product with the item vectors
   (`GEMModel.sequence_vectors` / `item_vectors`), trained on next-item prediction at every position with
@@ -83,8 +85,7 @@ class RetrievalArm:
     def __init__(self, name: str, model, data: SeqRecData, loss: str, config: TrainConfig, device: torch.device):
         self.name, self.model, self.data, self.loss_kind = name, model, data, loss
         self.config, self.device = config.seqrec, device
-        ids, features = data.catalog()
-        self.catalog = (ids.to(device), features.to(device) if features is not None else None)
+        self.catalog = data.catalog(device)
         lengths = data.train_sequences.lengths
         self.users = np.flatnonzero(lengths >= 2)  # a single train event predicts nothing
 
@@ -147,6 +148,7 @@ class RankerArm:
 
     def __init__(self, name: str, model, data: SeqRecData, config: TrainConfig, device: torch.device):
         self.name, self.model, self.data, self.config, self.device = name, model, data, config.seqrec, device
+        self.catalog = data.catalog(device) if self.config.ranker_next_item_weight else None
 
     @property
     def steps_per_epoch(self) -> int:
@@ -161,7 +163,8 @@ class RankerArm:
         return self.data.model_input(targets.history, targets.users[rows], candidates.reshape(-1), history_index=rows)
 
     def batches(self, rng: np.random.Generator):
-        """(input, labels) per batch of positives, each followed by its sampled negatives."""
+        """(input, labels, next-item targets) per batch of positives, each followed by its sampled negatives; the
+        targets (with `ranker_next_item_weight`, else None): the histories alone and the item after every token."""
         train = self.data.splits["train"]
         order = rng.permutation(len(train))
         k = self.config.ranker_negatives
@@ -171,21 +174,39 @@ class RankerArm:
             candidates = np.concatenate([positives.items[:, None], negatives], axis=1)
             labels = np.zeros(candidates.shape, dtype=np.float32)
             labels[:, 0] = 1.0
-            yield self._input(positives, candidates), torch.from_numpy(labels.reshape(-1, 1))
+            next_items = None
+            if self.catalog is not None and len(positives.history.values):
+                next_items = (self.data.model_input(positives.history), torch.from_numpy(positives.next_items()))
+            yield self._input(positives, candidates), torch.from_numpy(labels.reshape(-1, 1)), next_items
 
     def step_args(self, batch, rng: np.random.Generator):
         """(input, labels, objective) of `train_step`: the model's own multi-task BCE, or (ranker_loss softmax)
-        each positive (column 0 of its group) against its own negatives, on the same pointwise scores."""
-        inp, labels = batch
-        if self.config.ranker_loss == "bce":
+        each positive (column 0 of its group) against its own negatives, on the same pointwise scores; plus the
+        weighted next-item softmax of the sequence tower (`ranker_next_item_weight`)."""
+        from gemrec.model.gem import loss
+        from gemrec.model.retrieval import softmax_loss
+
+        inp, labels, next_items = batch
+        cfg = self.config
+        if cfg.ranker_loss == "bce" and next_items is None:
             return inp.to(self.device), labels.to(self.device), None
-        group = self.config.ranker_negatives + 1
+        labels, group = labels.to(self.device), cfg.ranker_negatives + 1
+        if next_items is not None:
+            history, targets = next_items[0].to(self.device), next_items[1].to(self.device)
 
         def objective(model, inp) -> torch.Tensor:
             out = model(inp)
-            groups = out.logits[:, 0].float().view(-1, group)
-            first = torch.zeros(len(groups), dtype=torch.long, device=groups.device)
-            return F.cross_entropy(groups, first) + out.aux_loss
+            if cfg.ranker_loss == "bce":
+                total = loss(out, labels)
+            else:
+                groups = out.logits[:, 0].float().view(-1, group)
+                first = torch.zeros(len(groups), dtype=torch.long, device=groups.device)
+                total = F.cross_entropy(groups, first) + out.aux_loss
+            if next_items is not None:
+                hidden = model.sequence_vectors(history).float()
+                items = model.item_vectors(*self.catalog).float()
+                total = total + cfg.ranker_next_item_weight * softmax_loss(hidden, items, targets)
+            return total
 
         return inp.to(self.device), None, objective
 

@@ -69,6 +69,14 @@ class Targets:
     def take(self, rows: np.ndarray) -> Targets:
         return Targets(self.users[rows], self.items[rows], self.history.take(rows), self.before.take(rows))
 
+    def next_items(self) -> np.ndarray:
+        """The item that follows every history token: the next history token, or the target after the last."""
+        out = np.empty_like(self.history.values)
+        out[:-1] = self.history.values[1:]
+        lengths = self.history.lengths
+        out[self.history.offsets[1:][lengths > 0] - 1] = self.items[lengths > 0]
+        return out
+
 
 def pair_keys(users: np.ndarray, items: np.ndarray, num_items: int) -> np.ndarray:
     return np.asarray(users, dtype=np.int64) * num_items + np.asarray(items, dtype=np.int64)
@@ -149,13 +157,15 @@ class SeqRecData:
             out[name] = (torch.from_numpy(values), torch.from_numpy(lengths))
         return out
 
-    def catalog(self) -> tuple[torch.Tensor, JaggedFeatures | None]:
-        """Every item as `item_vectors` takes it: (embedding ids, item features), in dense item order."""
+    def catalog(self, device: torch.device | str = "cpu") -> tuple[torch.Tensor, JaggedFeatures | None]:
+        """Every item as `item_vectors` takes it: (embedding ids, item features), in dense item order, on `device`."""
         items = np.arange(self.num_items)
         features = (
-            JaggedFeatures.from_dict(self._item_features(items), stride=len(items)) if self.feature_names else None
+            JaggedFeatures.from_dict(self._item_features(items), stride=len(items)).to(device)
+            if self.feature_names
+            else None
         )
-        return torch.from_numpy(self.item_embedding), features
+        return torch.from_numpy(self.item_embedding).to(device), features
 
     def model_input(
         self,

@@ -68,3 +68,47 @@ def test_bench_seqrec_refuses_bad_input(toy_dataset, tmp_path, capsys):
         ["bench", "seqrec", "--dataset", str(toy_dataset), "--protocol", "full", "--set", "seqrec.gem_loss=hinge"]
     )
     assert code == 2 and "seqrec.gem_loss" in capsys.readouterr().err
+
+
+def test_ranker_next_item_loss_is_added_to_the_pointwise_loss(toy_dataset):
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from gemrec.components.data_service.dataset import Dataset
+    from gemrec.components.trainer.config import load_recipe
+    from gemrec.components.trainer.seqrec import build_arm
+    from gemrec.components.trainer.seqrec_data import SeqRecData
+    from gemrec.model.gem import loss
+
+    for ranker_loss in ("bce", "softmax"):
+        config = load_recipe(
+            "s3rec", [*TINY, "seqrec.ranker_next_item_weight=0.5", f"seqrec.ranker_loss={ranker_loss}"]
+        )
+        data = SeqRecData(Dataset.open(toy_dataset), config.seqrec.max_seq_len)
+        arm = build_arm("gem", "sampled99", config, data, torch.device("cpu"))
+        arm.model.eval()  # no dropout: every term below from the same function
+        batch = next(arm.batches(np.random.default_rng(0)))
+        inp, labels, objective = arm.step_args(batch, np.random.default_rng(1))
+        history, targets = batch[2]
+        assert labels is None and len(targets) == len(history.seq_item_ids) > 0
+        with torch.no_grad():
+            out = arm.model(inp)
+            if ranker_loss == "bce":
+                pointwise = loss(out, batch[1])
+            else:
+                pointwise = F.cross_entropy(out.logits.view(-1, 4), torch.zeros(len(out.logits) // 4, dtype=torch.long))
+            catalog = arm.model.item_vectors(*data.catalog())
+            next_item = F.cross_entropy(arm.model.sequence_vectors(history) @ catalog.t(), targets)
+            assert torch.allclose(objective(arm.model, inp), pointwise + 0.5 * next_item)
+    off = build_arm("gem", "sampled99", load_recipe("s3rec", TINY), data, torch.device("cpu"))
+    assert next(off.batches(np.random.default_rng(0)))[2] is None
+
+
+def test_bench_seqrec_ranker_with_next_item_loss_learns(toy_dataset, tmp_path):
+    out = tmp_path / "metrics.json"
+    argv = ["bench", "seqrec", "--dataset", str(toy_dataset), "--protocol", "sampled99", "--arms", "gem"]
+    argv += ["--no-tracking", "--metrics-out", str(out)]
+    settings = [*TINY, "seqrec.ranker_next_item_weight=1.0"]
+    assert main(argv + [a for item in settings for a in ("--set", item)]) == 0
+    results = json.loads(out.read_text())
+    assert results["hr@10"] > 0.5, results["arms"]["gem"]["history"]

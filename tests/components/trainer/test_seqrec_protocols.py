@@ -93,9 +93,15 @@ def test_leave_one_out_data_has_no_leak(toy):
         negatives = items[data.train_negatives(np.full(200, u), 1, rng)[:, 0]]
         assert not set(negatives.tolist()) & set(train)
     train = data.splits["train"]
+    following = train.next_items()  # the ranker's next-item targets: the item after every history token
     for row in range(len(train)):
         seq = sequences[users[train.users[row]]]
-        assert set(items[train.history.row(row)].tolist()) <= set(seq[:-2])
+        history = items[train.history.row(row)].tolist()
+        assert set(history) <= set(seq[:-2])
+        at = seq.index(items[train.items[row]])  # toy sequences repeat no item
+        assert history == seq[:at][-6:]
+        after = following[train.history.offsets[row] : train.history.offsets[row + 1]]
+        assert items[after].tolist() == seq[at - len(history) + 1 : at + 1]
 
 
 def test_sampled99_candidates_are_never_seen(toy):
