@@ -172,7 +172,8 @@ class JaggedAttention(nn.Module):
 
 
 class SeqLayer(nn.Module):
-    """Pre-norm self-attention + MLP over the jagged history tokens; `dropout` on both residual branches; `window`,
+    """Self-attention + MLP over the jagged history tokens, pre-norm (or `post_norm`: each residual sum normalised,
+    as BERT and the SASRec baselines of the published tables); `dropout` on both residual branches; `window`,
     `block`, `rope_base`: the attention's mask and fused rotary (`JaggedAttention`)."""
 
     def __init__(
@@ -187,14 +188,19 @@ class SeqLayer(nn.Module):
         window: int | None = None,
         block: int | None = None,
         rope_base: float | None = None,
+        post_norm: bool = False,
     ):
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.attn = JaggedAttention(dim, heads, kind, causal, window=window, block=block, rope_base=rope_base)
         self.mlp = Mlp(dim, hidden)
         self.dropout = nn.Dropout(dropout)
+        self.post_norm = post_norm
 
     def forward(self, x, offsets, max_len, rope=None):
+        if self.post_norm:
+            x = self.norm1(x + self.dropout(self.attn(x, x, offsets, offsets, max_len, max_len, rope)))
+            return self.norm2(x + self.dropout(self.mlp(x)))
         y = self.norm1(x)
         x = x + self.dropout(self.attn(y, y, offsets, offsets, max_len, max_len, rope))
         return x + self.dropout(self.mlp(self.norm2(x)))

@@ -3,7 +3,8 @@
 As S3-Rec's and ICLRec's implementation of it: item embedding plus a learned position embedding (counted
 from the end of the history, as their left-padded windows do), LayerNorm and dropout, causal transformer
 layers, and items scored by the dot product with the same item table. The layers are the model's own
-`SeqLayer` (pre-norm; attention through the one dispatch point, so no attention-probability dropout).
+`SeqLayer`, post-norm as theirs (attention through the one dispatch point, so no attention-probability dropout);
+every weight starts from N(0, init_std) as theirs.
 It has the retrieval interface of `GEMModel`: `sequence_vectors(inp)` and `item_vectors(item_ids)`.
 """
 
@@ -33,7 +34,8 @@ class SASRecConfig(Section):
     mlp_ratio: float = 4.0
     dropout: float = 0.5
     max_positions: int = 50  # longest history; longer ones must be cut before the model
-    init_std: float = 0.02
+    init_std: float = 0.02  # normal init of the tables and every linear weight (biases zero), as the published code
+    post_norm: bool = True  # each residual sum normalised (the published code's BERT layers); false: pre-norm
     attention_backend: Literal["auto", "reference"] = "auto"  # auto: Triton kernels on CUDA
 
     def check(self) -> None:
@@ -50,16 +52,21 @@ class SASRec(nn.Module):
         d = config.d_model
         self.items = nn.Embedding(schema.feature("item_id").num_embeddings, d)
         self.positions = nn.Embedding(config.max_positions, d)
-        self.norm_in, self.norm_out = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.norm_in = nn.LayerNorm(d)
+        self.norm_out = nn.Identity() if config.post_norm else nn.LayerNorm(d)  # post-norm layers end normalised
         self.dropout = nn.Dropout(config.dropout)
         hidden = int(config.mlp_ratio * d)
         self.layers = nn.ModuleList(
-            SeqLayer(d, config.num_heads, hidden, "softmax", causal=True, dropout=config.dropout)
+            SeqLayer(
+                d, config.num_heads, hidden, "softmax", causal=True, dropout=config.dropout, post_norm=config.post_norm
+            )
             for _ in range(config.layers)
         )
-        for table in (self.items, self.positions):
-            nn.init.normal_(table.weight, std=config.init_std)
         for module in self.modules():
+            if isinstance(module, (nn.Embedding, nn.Linear)):
+                nn.init.normal_(module.weight, std=config.init_std)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
             if isinstance(module, JaggedAttention):
                 module.backend = config.attention_backend
 

@@ -145,3 +145,18 @@ def test_shared_histories_score_like_copies():
     shared.history_index = torch.tensor([0, 0, 0, 1, 1, 2])
     with pytest.raises(ValueError, match=r"history_index must be in \[0, 2\)"):
         model(shared)
+
+
+def test_sasrec_layers_are_post_norm_with_small_normal_init():
+    model, pre = sasrec(), sasrec(post_norm=False)
+    assert isinstance(pre.norm_out, torch.nn.LayerNorm) and isinstance(model.norm_out, torch.nn.Identity)
+    inp = random_input(SCHEMA, 2, 6, lengths=[6, 3], seed=6)
+    x = torch.randn(9, 16)
+    layer = model.layers[0]
+    attended = layer.norm1(x + layer.attn(x, x, inp.seq_offsets, inp.seq_offsets, 6, 6))
+    torch.testing.assert_close(layer(x, inp.seq_offsets, 6), layer.norm2(attended + layer.mlp(attended)))
+    assert not torch.allclose(pre.layers[0](x, inp.seq_offsets, 6), layer(x, inp.seq_offsets, 6))
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.bias.abs().max() == 0 for m in linears)
+    weights = torch.cat([m.weight.flatten() for m in linears])
+    assert abs(float(weights.std()) - 0.02) < 0.002
