@@ -111,4 +111,3 @@ def test_bench_times_the_quantization_alone(monkeypatch):
     row = bench._quantization_row("B", case, jobs)
     assert row["fwd_ms"] == 0.5 and row["fwd_tbps"] == 6 * case.k.numel() / 0.5e-3 / 1e12
     assert row["fwd+bwd_error"] == "forward only" and [job[1] for job in jobs] == ["graph fwd"]
-
