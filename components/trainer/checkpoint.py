@@ -33,6 +33,9 @@ LATEST = "latest"
 HEALTHY = "healthy"
 BEST = "best"
 DIVERGED = "diverged.json"
+# Model entries newer than some checkpoints whose initial value is their meaning: a checkpoint without them loads
+# and they keep it (the task heads' logit offset, 0 = none, came with the valid-split calibration).
+DEFAULTED_MODEL_KEYS = ("heads.logit_offset",)
 
 
 class CheckpointError(RuntimeError):
@@ -186,7 +189,19 @@ class CheckpointManager:
         path = path or self.latest()
         if path is None:
             raise FileNotFoundError(f"no complete checkpoint in {self.dir}")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path))
+        model = state.get("model", {})
+        saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        absent = [key for key in model if f"model.{key}" not in saved]
+        foreign = [key for key in absent if not key.endswith(DEFAULTED_MODEL_KEYS)]
+        if foreign:
+            raise CheckpointError(f"checkpoint {path} lacks model entries {foreign}: it was written for another model")
+        kept = {key: model.pop(key) for key in absent}
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                dcp.load(state, checkpoint_id=str(path))
+        finally:
+            model.update(kept)
+        if kept:
+            log.info("checkpoint %s predates %s: they keep their initial values", path, sorted(kept))
         return json.loads((path / "meta.json").read_text())

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gemrec.components.data_service.balance import DEFAULT_LINEAR_WEIGHT
 from gemrec.components.trainer import metrics as qm
-from gemrec.components.trainer.checkpoint import CheckpointManager
+from gemrec.components.trainer.checkpoint import CheckpointError, CheckpointManager
 from gemrec.components.trainer.config import (
     RecipeError,
     available_recipes,
@@ -168,6 +168,24 @@ def test_checkpoint_is_atomic_and_restores_state(tmp_path):
     )
     manager.save(15, state)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000010", "step_00000015"]
+
+
+def test_checkpoint_before_the_logit_offset_loads_and_another_model_is_refused(tmp_path):
+    """A checkpoint written before `heads.logit_offset` existed resumes with the offset at 0; a checkpoint missing any
+    other model entry is refused by name."""
+    manager = CheckpointManager(tmp_path / "ckpt", keep=2)
+    manager.save(5, {"model": {"heads.trunk.weight": torch.ones(2, 2)}, "progress": {"step": 5}})
+    template = {
+        "model": {"heads.trunk.weight": torch.zeros(2, 2), "heads.logit_offset": torch.zeros(2)},
+        "progress": {"step": 0},
+    }
+    assert manager.load(template)["step"] == 5
+    assert torch.equal(template["model"]["heads.trunk.weight"], torch.ones(2, 2))
+    assert torch.equal(template["model"]["heads.logit_offset"], torch.zeros(2))
+    template["model"]["seq_tower.0.weight"] = torch.zeros(3)
+    with pytest.raises(CheckpointError, match=r"lacks model entries \['seq_tower.0.weight'\]"):
+        manager.load(template)
+    assert set(template["model"]) == {"heads.trunk.weight", "heads.logit_offset", "seq_tower.0.weight"}
 
 
 def test_eval_chunks_cover_rows_once_with_equal_batch_counts():
