@@ -190,7 +190,7 @@ class RankerArm:
         cfg = self.config
         if cfg.ranker_loss == "bce" and next_items is None:
             return inp.to(self.device), labels.to(self.device), None
-        labels, group = labels.to(self.device), cfg.ranker_negatives + 1
+        labels, group, catalog = labels.to(self.device), cfg.ranker_negatives + 1, self.catalog
         if next_items is not None:
             history, targets = next_items[0].to(self.device), next_items[1].to(self.device)
 
@@ -202,9 +202,9 @@ class RankerArm:
                 groups = out.logits[:, 0].float().view(-1, group)
                 first = torch.zeros(len(groups), dtype=torch.long, device=groups.device)
                 total = F.cross_entropy(groups, first) + out.aux_loss
-            if next_items is not None:
+            if next_items is not None and catalog is not None:
                 hidden = model.sequence_vectors(history).float()
-                items = model.item_vectors(*self.catalog).float()
+                items = model.item_vectors(*catalog).float()
                 total = total + cfg.ranker_next_item_weight * softmax_loss(hidden, items, targets)
             return total
 
