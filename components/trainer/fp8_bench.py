@@ -309,9 +309,7 @@ def compare(bf16_json: Path, fp8_json: Path, out: Path, tracking_uri: str | None
         ax.plot(range(1, len(run["losses"]) + 1), run["losses"], label=f"{name} ({run['precision']})")
     ax.set(xlabel="step", ylabel="training loss", title=f"{runs['bf16']['recipe']}: bf16 vs fp8")
     ax.legend()
-    png = out / "loss_bf16_vs_fp8.png"
-    fig.savefig(png, dpi=120, bbox_inches="tight")
-    plt.close(fig)
+    fig.savefig(out / "loss_bf16_vs_fp8.png", dpi=120, bbox_inches="tight")
     summary = {
         "qps_bf16": runs["bf16"]["qps"],
         "qps_fp8": runs["fp8"]["qps"],
@@ -323,12 +321,14 @@ def compare(bf16_json: Path, fp8_json: Path, out: Path, tracking_uri: str | None
     }
     (out / "compare.json").write_text(json.dumps(summary, indent=2))
     if tracking_uri:
-        import mlflow
+        from gemrec.components.trainer.tracking import Tracker, resolve_tracking_uri
 
-        mlflow.set_tracking_uri(tracking_uri)
-        with mlflow.start_run(run_name=f"{runs['bf16']['recipe']}-bf16-vs-fp8"):
-            mlflow.log_metrics({k: v for k, v in summary.items() if isinstance(v, float)})
-            mlflow.log_artifact(str(png), "plots")
+        name = f"{runs['bf16']['recipe']}-bf16-vs-fp8"
+        tracker = Tracker(True, resolve_tracking_uri(tracking_uri), "gemrec", run_name=name)
+        tracker.log_metrics({k: v for k, v in summary.items() if isinstance(v, float)}, step=0)
+        tracker.log_figure(fig, "plots/loss_bf16_vs_fp8.png")
+        tracker.finish()
+    plt.close(fig)
     print(json.dumps(summary, indent=2))
     return summary
 

@@ -6,6 +6,8 @@ A new experiment on a SQLite store keeps its artifacts in `mlartifacts/` beside 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import math
@@ -47,6 +49,23 @@ def artifact_root(uri: str) -> Path | None:
     return db.resolve().parent / "mlartifacts" if db is not None else None
 
 
+@contextlib.contextmanager
+def store_lock(uri: str):
+    """Hold an exclusive lock beside a SQLite store while it is created or migrated and the experiment made: two
+    processes opening a new store at once otherwise race on MLflow's schema migration (one of them fails)."""
+    db = sqlite_path(uri)
+    if db is None:
+        yield
+        return
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with open(db.parent / f".{db.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 class Tracker:
     """Logs to MLflow when `enabled` (rank 0); every method is a no-op on the other ranks. Keeps the run's train
     and eval records for the curves and the summary."""
@@ -66,10 +85,11 @@ class Tracker:
 
         self.mlflow = mlflow
         mlflow.set_tracking_uri(tracking_uri)
-        if mlflow.get_experiment_by_name(experiment) is None:
-            root = artifact_root(tracking_uri)
-            mlflow.create_experiment(experiment, artifact_location=root.as_uri() if root else None)
-        mlflow.set_experiment(experiment)
+        with store_lock(tracking_uri):
+            if mlflow.get_experiment_by_name(experiment) is None:
+                root = artifact_root(tracking_uri)
+                mlflow.create_experiment(experiment, artifact_location=root.as_uri() if root else None)
+            mlflow.set_experiment(experiment)
         if resume_run_id is not None:
             try:
                 mlflow.get_run(resume_run_id)

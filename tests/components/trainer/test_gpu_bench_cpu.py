@@ -207,9 +207,15 @@ def test_gpu_bench_fp8_on_cpu_and_the_bf16_vs_fp8_overlay(tmp_path):
     assert runs["fp8"]["losses"][0] == pytest.approx(runs["fp32"]["losses"][0], rel=0.02)
     summary = fp8_bench.run(
         ["--compare", str(tmp_path / "fp32" / "gpu_bench.json"), str(tmp_path / "fp8" / "gpu_bench.json")]
-        + ["--out", str(tmp_path / "cmp")]
+        + ["--out", str(tmp_path / "cmp"), "--tracking-uri", f"sqlite:///{tmp_path / 'mlruns.db'}"]
     )
     assert summary["qps_ratio"] > 0 and (tmp_path / "cmp" / "loss_bf16_vs_fp8.png").stat().st_size > 1000
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlruns.db'}")
+    (logged,) = client.search_runs([client.get_experiment_by_name("gemrec").experiment_id])
+    assert logged.data.metrics["qps_ratio"] == pytest.approx(summary["qps_ratio"])
+    assert "plots/loss_bf16_vs_fp8.png" in {a.path for a in client.list_artifacts(logged.info.run_id, "plots")}
 
 
 def test_h200_long_is_the_h200_bench_model_on_long_histories():
