@@ -100,7 +100,8 @@ def test_ranker_next_item_loss_is_added_to_the_pointwise_loss(toy_dataset):
             catalog = arm.model.item_vectors(*data.catalog())
             next_item = F.cross_entropy(arm.model.sequence_vectors(history) @ catalog.t(), targets)
             assert torch.allclose(objective(arm.model, inp), pointwise + 0.5 * next_item)
-    off = build_arm("gem", "sampled99", load_recipe("s3rec", TINY), data, torch.device("cpu"))
+    off_config = load_recipe("s3rec", [*TINY, "seqrec.ranker_next_item_weight=0"])
+    off = build_arm("gem", "sampled99", off_config, data, torch.device("cpu"))
     assert next(off.batches(np.random.default_rng(0)))[2] is None
 
 
