@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from gemrec.components.trainer.tracking import Tracker, metric_key, plot_layer_mfu
+from gemrec.components.trainer.tracking import Tracker, plot_layer_mfu
 
 KINDS = {
     "seqrec": ("protocol", "dataset", "arms"),
@@ -80,15 +80,16 @@ def import_results(
 
 
 def _log_seqrec(tracker: Tracker, result: dict) -> None:
-    from gemrec.components.trainer.seqrec import plot_results
+    from gemrec.components.trainer.seqrec import arm_metrics, plot_results
 
     params = ("protocol", "dataset", "recipe", "seed", "device", "threads", "machine", "wall_seconds")
     tracker.log_params({key: result[key] for key in params if key in result} | {"arms": ",".join(result["arms"])})
     for arm, r in result["arms"].items():
         for record in r["history"]:
-            metrics = {f"{arm}/valid_{metric_key(k)}": v for k, v in record.items() if k not in ("step", "epoch")}
-            tracker.log_metrics(metrics | {f"{arm}/train_loss": record["train_loss"]}, step=record["step"])
-        test = {f"{arm}/test_{metric_key(k)}": v for k, v in r["test"].items() if k != "users"}
+            ranking = {k: v for k, v in record.items() if k not in ("step", "epoch", "train_loss")}
+            train_loss = {f"{arm}/train_loss": record["train_loss"]}
+            tracker.log_metrics(arm_metrics(arm, "valid", ranking) | train_loss, step=record["step"])
+        test = arm_metrics(arm, "test", r["test"])
         tracker.log_metrics(test | {f"{arm}/best_epoch": r["best_epoch"]}, step=r["steps"])
     tracker.log_plot(plot_results(result, result.get("published", {})), "plots/seqrec_metrics.png")
 

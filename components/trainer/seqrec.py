@@ -283,6 +283,11 @@ class RankingEvaluator:
         return np.concatenate(out)
 
 
+def arm_metrics(arm: str, split: str, metrics: dict) -> dict[str, float]:
+    """MLflow names of an arm's ranking metrics on a split (`gem/valid_ndcg_at_10`), the user count left out."""
+    return {f"{arm}/{split}_{metric_key(k)}": v for k, v in metrics.items() if k != "users"}
+
+
 def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tracker, device: torch.device) -> dict:
     """Train with early stopping on validation NDCG@10, then test the best weights; the arm's results."""
     from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
@@ -338,11 +343,7 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
         eval_seconds += evaluator.seconds
         record = {"step": step, "epoch": step / steps_per_epoch, "train_loss": mean_loss, **metrics}
         history.append(record)
-        tracker.log_metrics(
-            {f"{arm.name}/valid_{metric_key(k)}": v for k, v in metrics.items() if k != "users"}
-            | {f"{arm.name}/train_loss": mean_loss},
-            step=step,
-        )
+        tracker.log_metrics(arm_metrics(arm.name, "valid", metrics) | {f"{arm.name}/train_loss": mean_loss}, step=step)
         if early.update(step, metrics["ndcg@10"]):
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         bar.set_postfix(loss=f"{mean_loss:.4f}", ndcg10=f"{metrics['ndcg@10']:.4f}", best=f"{early.best:.4f}")
@@ -365,7 +366,7 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
     model.load_state_dict(best_state)
     with autocast():
         test = evaluator.metrics(arm, "test")
-    tracker.log_metrics({f"{arm.name}/test_{metric_key(k)}": v for k, v in test.items() if k != "users"}, step=step)
+    tracker.log_metrics(arm_metrics(arm.name, "test", test), step=step)
     log.info("%s test: %s", arm.name, ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != "users"))
     return {
         "test": test,
