@@ -237,10 +237,10 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
     synth.add_argument("--out", type=Path, required=True, help="output dataset folder")
     synth.add_argument(
         "--profile",
-        choices=("full", "h200-bench"),
+        choices=("full", "h200-bench", "h200-long"),
         default="full",
-        help="full: every feature, every event an example; h200-bench: the schema and history lengths of the "
-        "trainer's GPU benchmark, one example per user (docs/data.md)",
+        help="full: every feature, every event an example; h200-bench / h200-long: the schema and history lengths "
+        "of the trainer's GPU benchmark with that recipe, one example per user (docs/data.md)",
     )
     for flag, kind, text in SYNTH_OPTIONS:
         synth.add_argument(flag, type=kind, default=None, help=f"{text} (default: the profile's)")

@@ -21,11 +21,12 @@ The manifest records the generator config and the NE of the true probabilities o
 best NE any model can reach), next to the NE of the true static terms alone (intercept refitted): a
 reference for what a history-blind model gets.
 
-Profiles: "full" (every feature below, every event an example) and "h200-bench", the shape of the trainer's
+Profiles: "full" (every feature below, every event an example), "h200-bench", the shape of the trainer's
 GPU benchmark (`gpu_bench`, recipe `h200-bench` `[bench]`): its sparse features with their table sizes,
 `item_category` and `item_brand` on history tokens, 16 dense features, and one example per user (its last
 event, `SplitConfig(by="last_event")`) whose history length is lognormal with mean `mean_length` and sigma
-`length_sigma`, capped at `max_length`, as the benchmark draws them.
+`length_sigma`, capped at `max_length`, as the benchmark draws them; and "h200-long", the same at recipe
+`h200-long`'s history lengths (up to 16,384 events).
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class SynthConfig:
     segments: int = 1_000  # user_segment values
     surfaces: int = 8  # ctx_surface table rows (the generator uses the first 8)
     positions: int = 20  # ctx_position table rows (slots 0..positions-1)
-    profile: str = "full"  # "full" | "h200-bench" (module docstring)
+    profile: str = "full"  # "full" | "h200-bench" | "h200-long" (module docstring)
 
     @classmethod
     def for_profile(cls, profile: str, **overrides) -> SynthConfig:
@@ -104,6 +105,9 @@ PROFILES = {
         positions=64,
     ),
 }
+# recipe h200-long's [bench]: the same schema, histories up to 16,384 events averaging ~4,100 after the cap
+PROFILES["h200-long"] = {**PROFILES["h200-bench"], "events": 8_000_000, "mean_length": 4250.0, "max_length": 16384}
+BENCH_PROFILES = ("h200-bench", "h200-long")
 BENCH_SEQ_FEATURES = ["item_category", "item_brand"]
 BENCH_DENSE = 16  # the benchmark's dense features: the time ones, user_tenure, item_quality, item_price, noise
 
@@ -124,9 +128,9 @@ def _unique_ids(rng: np.random.Generator, n: int) -> np.ndarray:
 
 
 def _lengths(rng: np.random.Generator, cfg: SynthConfig) -> np.ndarray:
-    """Per-user event counts summing to exactly cfg.events (h200-bench: 1 + the last event's history length)."""
+    """Per-user event counts summing to exactly cfg.events (bench profiles: 1 + the last event's history length)."""
     mu = np.log(cfg.mean_length) - cfg.length_sigma**2 / 2
-    extra = 1 if cfg.profile == "h200-bench" else 0
+    extra = 1 if cfg.profile in BENCH_PROFILES else 0
     lengths = np.zeros(0, dtype=np.int64)
     while lengths.sum() < cfg.events:
         draw = rng.lognormal(mu, cfg.length_sigma, size=int(cfg.events / cfg.mean_length * 1.3) + 16)
@@ -301,7 +305,7 @@ def generate(
     steps.update()
     steps.close()
 
-    bench = cfg.profile == "h200-bench"
+    bench = cfg.profile in BENCH_PROFILES
     surface_names = SURFACES + [f"surface_{i}" for i in range(len(SURFACES), cfg.surfaces)]
     context = [
         Categorical.single("ctx_surface", surface, cfg.surfaces, value_names=surface_names),
@@ -361,9 +365,9 @@ def generate(
 def synthesize(
     out: Path, cfg: SynthConfig, split: SplitConfig | None = None, overwrite: bool = False, progress: bool = True
 ) -> Path:
-    """Generate and write the dataset. The h200-bench profile always splits by `last_event` (its `eval_fraction`
+    """Generate and write the dataset. The bench profiles always split by `last_event` (its `eval_fraction`
     or `cutoff` still apply) and has no aggregate features (its dense features are the benchmark's)."""
-    bench = cfg.profile == "h200-bench"
+    bench = cfg.profile in BENCH_PROFILES
     if bench:
         split = replace(split or SplitConfig(), by="last_event")
     events, items, users, report = generate(cfg, split, progress=progress)

@@ -14,6 +14,8 @@
 #            services_report.json: E2E MFU through the services vs staged, the wait for data (share, p50/p99),
 #            batches read ahead, data-service CPU per batch, local MFU (compiled layers), the FLOP-count check.
 #            One nvidia-h200 call: `bash infra/bench/h200_session.sh OUT 420 services` (about 8 minutes)
+#   services-long  the same with recipe h200-long (`data synth --profile h200-long`: histories up to 16,384 events,
+#            about 4,100 on average): services_long_report.json
 #   long     recipe h200-long on GPU 0 (one GPU is enough): full attention at the issue's baseline shape (batch 64,
 #            lognormal mean 2,048, max 16,384, compiled), then the window (1,024) and block (64) variants on the same
 #            batch, each its own process within STEP_LIMIT_SECONDS, then their comparison (OUT/long/compare.md:
@@ -24,7 +26,7 @@
 # Results land in OUT (JSON, logs, traces) and OUT/all.tgz.
 #
 #   bash infra/bench/h200_session.sh OUT [STEP_LIMIT_SECONDS] [PARTS [GPU_BENCH_ARGS...]]
-# PARTS default: tests,kernels,trainer,scaling (long and services only when named); GPU_BENCH_ARGS go to part long's
+# PARTS default: tests,kernels,trainer,scaling (long, services and services-long only when named); GPU_BENCH_ARGS go to part long's
 # gpu_bench runs after their own.
 # The repo root must be importable as `gemrec` (the device image has no install): this script links it.
 # Name the copy's folder so it cannot be imported as another module: a copy in `.../tree` was found as the
@@ -101,37 +103,40 @@ if want scaling; then
   python3 -m $S report "$out"/scaling/*.json > "$out/scaling_report.md" 2>&1
   cat "$out/scaling_report.md"
 fi
-if want services; then
+# The real path (parts services, services-long): RECIPE's synth dataset served by `gemrec serve features` and
+# `gemrec serve data` on this machine's CPUs, the compiled step trained through --data-addr, then gpu_bench on
+# batches of the same dataset staged on the GPU; outputs prefixed TAG, TAG_report.json compares the two.
+real_path() {
+  local tag=$1 recipe=$2 port=$3
+  local data=/tmp/gemrec-$recipe-data
   export CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_CACHE_DIR=/tmp/gemrec-inductor  # the staged run reuses the kernels
-  data=/tmp/gemrec-h200-bench-data
-  serve() { local name=$1; shift; python3 -m gemrec.cli serve "$@" > "$out/services_$name.log" 2>&1 & }
+  serve() { local name=$1; shift; python3 -m gemrec.cli serve "$@" > "$out/${tag}_$name.log" 2>&1 & }
   healthy() { python3 -c "import sys; from gemrec.components.common.grpc_channel import open_channel, wait_healthy
 for port in sys.argv[1:]:
     with open_channel(f'127.0.0.1:{port}') as channel: wait_healthy(channel, timeout_s=120)" "$@"; }
-  run services_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/components/trainer/test_trainer_data.py
-  run services_synth python3 -m gemrec.cli data synth --profile h200-bench --out "$data" --overwrite
-  serve features features --dataset "$data" --port 50061
-  features_pid=$!
-  healthy 50061  # the data service refuses to start without a reachable feature service
-  serve data data --dataset "$data" --features 127.0.0.1:50061 --port 50062 --workers 8
-  data_pid=$!
-  healthy 50061 50062 && nproc > "$out/services_cpus.txt"
+  run ${tag}_synth python3 -m gemrec.cli data synth --profile "$recipe" --out "$data" --overwrite
+  serve features features --dataset "$data" --port "$port"
+  local features_pid=$!
+  healthy "$port"  # the data service refuses to start without a reachable feature service
+  serve data data --dataset "$data" --features "127.0.0.1:$port" --port $((port + 1)) --workers 8
+  local data_pid=$!
+  healthy "$port" $((port + 1)) && nproc > "$out/${tag}_cpus.txt"
   # 8 untimed steps (compilation), then 32 timed ones in windows of 8, as gpu_bench's 8 warm-up and 32 timed steps
-  steps="--set train.steps=40 --set train.log_every=8 --set train.untimed_steps=8"
-  run services_train python3 -m gemrec.cli train --recipe h200-bench --data-addr 127.0.0.1:50062 --device cuda \
-    --no-tracking --no-progress --run-dir /tmp/gemrec-services-run --metrics-out "$out/services_train.json" $steps \
+  local steps="--set train.steps=40 --set train.log_every=8 --set train.untimed_steps=8"
+  run ${tag}_train python3 -m gemrec.cli train --recipe "$recipe" --data-addr "127.0.0.1:$((port + 1))" --device cuda \
+    --no-tracking --no-progress --run-dir "/tmp/gemrec-$tag-run" --metrics-out "$out/${tag}_train.json" $steps \
     --set train.compile=true --set train.local_mfu=false --set checkpoint.every=0 --set data.eval_max_examples=1024
-  ps -o pid,rss,cputime,args -p "$data_pid,$features_pid" > "$out/services_ps.txt"
+  ps -o pid,rss,cputime,args -p "$data_pid,$features_pid" > "$out/${tag}_ps.txt"
   kill "$data_pid" "$features_pid"
   wait "$data_pid" "$features_pid"
-  run services_staged python3 -m $T.gpu_bench --dataset "$data" --out "$out/services_staged" \
+  run ${tag}_staged python3 -m $T.gpu_bench --recipe "$recipe" --dataset "$data" --out "$out/${tag}_staged" \
     --set train.compile=true --set bench.warmup_steps=8 --set bench.steps=32
-  python3 - "$out" <<'PY' 2>&1 | tee "$out/services_report.txt"
+  python3 - "$out" "$tag" <<'PY' 2>&1 | tee "$out/${tag}_report.txt"
 import json, sys
 from pathlib import Path
-out = Path(sys.argv[1])
-train = json.loads((out / "services_train.json").read_text())
-staged = json.loads((out / "services_staged" / "gpu_bench.json").read_text())
+out, tag = Path(sys.argv[1]), sys.argv[2]
+train = json.loads((out / f"{tag}_train.json").read_text())
+staged = json.loads((out / f"{tag}_staged" / "gpu_bench.json").read_text())
 report = {
     "mfu_e2e_services": train["mfu"]["e2e"],
     "mfu_e2e_staged": staged["mfu_e2e"],
@@ -151,10 +156,16 @@ report = {
     "mean_tokens_per_batch_staged": staged["mean_tokens_per_batch"],
     "device": staged["device"],
 }
-(out / "services_report.json").write_text(json.dumps(report, indent=2))
+(out / f"{tag}_report.json").write_text(json.dumps(report, indent=2))
 print(json.dumps(report, indent=2))
 PY
   unset CUDA_VISIBLE_DEVICES
+}
+if want services; then
+  run services_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/components/trainer/test_trainer_data.py
+  real_path services h200-bench 50061
 fi
+if want services-long; then real_path services_long h200-long 50071; fi
+
 cat "$out/status.txt"
 (cd "$out" && tar czf all.tgz --exclude=all.tgz .)

@@ -135,8 +135,9 @@ def test_h200_bench_flop_count_matches_flop_counter_per_layer(monkeypatch):
         assert want_backward == pytest.approx(counter.get_total_flops() - forward, rel=0.01), name
 
 
-def test_synth_h200_bench_profile_has_the_benchmark_schema(tmp_path):
-    """`gemrec data synth --profile h200-bench` gives the features gpu_bench builds its batches with (names,
+@pytest.mark.parametrize("recipe", ["h200-bench", "h200-long"])
+def test_synth_bench_profiles_have_the_benchmark_schema(tmp_path, recipe):
+    """`gemrec data synth --profile RECIPE` gives the features gpu_bench builds its batches with (names,
     table sizes, multi-valuedness, sources, history features, 16 dense, labels, actions); only the id tables
     follow the data."""
     from gemrec.components.data_service.dataset import Dataset
@@ -145,9 +146,13 @@ def test_synth_h200_bench_profile_has_the_benchmark_schema(tmp_path):
     from gemrec.components.trainer.gpu_bench import synthetic_schema
     from gemrec.model import FeatureSchema
 
-    dataset = synthesize(tmp_path / "bench", SynthConfig.for_profile("h200-bench", events=50_000), progress=False)
+    config = load_recipe(recipe)
+    synth = SynthConfig.for_profile(recipe, events=50_000)
+    assert (synth.mean_length, synth.length_sigma) == (config.bench.mean_seq_len, config.bench.length_sigma)
+    assert synth.max_length == config.data.max_seq_len
+    dataset = synthesize(tmp_path / "bench", synth, progress=False)
     got = FeatureSchema.from_manifest(Dataset.open(dataset).manifest)
-    want = synthetic_schema(load_recipe("h200-bench").bench)
+    want = synthetic_schema(config.bench)
 
     def shape(schema, ids):
         return {f.name: (ids.get(f.name, f.num_embeddings), f.multi_valued, f.source) for f in schema.sparse_features}
