@@ -151,6 +151,7 @@ class SparseEmbeddings(nn.Module):
             "id_dropout", torch.tensor([dropout.get(name, 0.0) for name in self.features]), persistent=False
         )
         self.token_id_dropout = config.item_id_dropout
+        self.hides_ids = any(p > 0 for name, p in dropout.items() if name in self.features)  # no host sync per step
         with torch.no_grad():
             for name, p in dropout.items():
                 if p > 0:
@@ -158,7 +159,7 @@ class SparseEmbeddings(nn.Module):
 
     def _hide_ids(self, example_emb: torch.Tensor, token_emb: torch.Tensor | None):
         """Training only: each example's id embeddings (and each token's item id) dropped to zero at random."""
-        if not self.training or not bool(self.id_dropout.any()):
+        if not self.training or not self.hides_ids:
             return example_emb, token_emb
         keep = torch.rand(example_emb.shape[:2], device=example_emb.device) >= self.id_dropout
         example_emb = example_emb * keep.unsqueeze(-1).to(example_emb.dtype)

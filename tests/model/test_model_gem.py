@@ -257,6 +257,15 @@ def test_no_id_dropout_leaves_training_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(first, second))
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.5])
+def test_embeddings_compile_to_one_graph_in_training(dropout):
+    """Whether ids are hidden is known when the model is built: no host sync, no graph break per step."""
+    model = build(seed=4, embedding_backend="torch", user_id_dropout=dropout, item_id_dropout=dropout).train()
+    inp = random_input(SCHEMA, 8, 20, seed=5)
+    explained = torch._dynamo.explain(model.embeddings)(inp.sparse_features, inp.seq_item_ids, inp.seq_item_features)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 def test_piecewise_linear_encoding_on_hand_computed_edges():
     # Feature 0: bins [0, 1), [1, 3); feature 1: the one bin [-1, 1). The first bin is open below, the last above.
     tokens = PiecewiseLinearTokens(((0.0, 1.0, 3.0), (-1.0, 1.0)), dim=3)
