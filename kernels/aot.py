@@ -94,10 +94,12 @@ def compile_launch(launch: Launch, config: dict | None = None, target=HOPPER):
             fixed[name] = value
         elif isinstance(spec, str):
             attrs[(fn.arg_names.index(name),)] = backend.parse_attr(spec)
-    constexprs = {**launch.consts, **{k: v for k, v in tiles.items() if k not in ("num_warps", "num_stages")}}
+    constexprs = {**launch.consts, **{k: v for k, v in tiles.items() if k not in kernels.COMPILE_OPTIONS}}
     signature.update({name: "constexpr" for name in const_names})
     fixed.update({name: constexprs[name] for name in const_names})
     options = {"num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 2)}
+    if "maxnreg" in config:
+        options["maxnreg"] = config["maxnreg"]
     source = GluonASTSource if config.get("GLUON") else triton.compiler.ASTSource
     return triton.compile(source(fn, signature, fixed, attrs), target=target, options=options)
 

@@ -5,8 +5,11 @@ A program owns one block of positions of one (sequence, head): the keys at those
 is a plain softmax (no online rescaling) and the backward recomputes it from the scores: no logsumexp read, no delta
 pass (delta_i = sum_j p_ij dp_ij, in registers). K and V (and in the backward the dK, dV accumulators) stay loaded
 while the program walks its queries in SUB_M-row slices. With RoPE, q and k are rotated as they load and dq, dk
-rotated back in fp32 registers before their stores (`triton_attention._rope_load` / `_rope_store`); causal and window
-masks, score biases, activations and norms as in `triton_attention`, whose `Problem` drives these launches.
+rotated back in fp32 registers before their stores (`triton_attention._rope_load_cs` / `_rope_store_cs`); a query
+sits at the position of its row's key, so one cos/sin of the block serves K, a whole-block slice of queries and dQ.
+The backward has a program for every key block (zero dK, dV where no query sees them): its buffers need no fill.
+Causal and window masks, score biases, activations and norms as in `triton_attention`, whose `Problem` drives these
+launches.
 """
 
 import torch
@@ -16,13 +19,24 @@ from gemrec.kernels import triton_attention as ta
 
 
 @triton.jit
-def _block_rows(q_off, kv_off, b, Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexpr, MASK_BLOCK: tl.constexpr):
+def _block_rows(
+    q_off,
+    kv_off,
+    b,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    MASK_BLOCK: tl.constexpr,
+    EVERY_KEY: tl.constexpr,
+):
     """Program i of axis 0 takes the i-th block of positions from the one of the sequence's first query (at Lkv - Lq,
-    rounded down to a block): the sequence's starts and lengths, the block's first query row r0 (negative where the
-    block starts before the first query) and its keys."""
+    rounded down to a block), with EVERY_KEY from block 0 where that comes first (keys no query sees get a program):
+    the sequence's starts and lengths, the block's first query row r0 (negative where the block starts before the
+    first query) and its keys."""
     q_start, q_len, kv_start, kv_len, o_start, dkv_start = ta._seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     shift = kv_len - q_len
     first = tl.where(shift >= 0, shift // MASK_BLOCK, -((MASK_BLOCK - 1 - shift) // MASK_BLOCK))
+    if EVERY_KEY:
+        first = tl.minimum(first, 0)
     p0 = (first + tl.program_id(0)) * MASK_BLOCK
     keys = p0 + tl.arange(0, MASK_BLOCK)
     return q_start, q_len, kv_start, kv_len, o_start, dkv_start, shift, p0 - shift, keys
@@ -32,7 +46,8 @@ def _block_rows(q_off, kv_off, b, Q_STRIDE: tl.constexpr, KV_STRIDE: tl.constexp
 def _block_kv(
     K,
     V,
-    RF,
+    c,
+    s,
     kv_start,
     kv_len,
     keys,
@@ -42,20 +57,33 @@ def _block_kv(
     stride_vh,
     h,
     HEAD_DIM: tl.constexpr,
-    FAST: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROPE: tl.constexpr,
 ):
-    """The block's K (with ROPE rotated by the key positions) and V tiles, which keys exist and the tiles' mask."""
+    """The block's K (with ROPE rotated by the key positions, whose cos and sin are `c`, `s`) and V tiles, which keys
+    exist and the tiles' mask."""
     offs_d = tl.arange(0, BLOCK_D)
     key_ok = (keys >= 0) & (keys < kv_len)
     kmask = key_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
     if ROPE:
-        k = ta._rope_load(K, kv_start + keys, stride_kt, stride_kh, h, keys, key_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+        k = ta._rope_load_cs(K, kv_start + keys, stride_kt, stride_kh, h, key_ok, c, s, HEAD_DIM, BLOCK_D)
     else:
         k = ta._load_tile(K, kv_start + keys, stride_kt, stride_kh, h, offs_d, kmask, True)
     v = ta._load_tile(V, kv_start + keys, stride_vt, stride_vh, h, offs_d, kmask, True)
     return k, v, key_ok, kmask
+
+
+@triton.jit
+def _slice_cos_sin(
+    c, s, pos, RF, SUB_M: tl.constexpr, MASK_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr
+):
+    """cos and sin of a slice of queries at positions `pos`: a query's position is that of the key in its row of the
+    block, so a slice of the whole block shares the keys' `c`, `s`; a smaller one computes its own."""
+    if SUB_M == MASK_BLOCK:
+        cq, sq = c, s
+    else:
+        cq, sq = ta._rope_cos_sin(pos, RF, BLOCK_D, FAST)
+    return cq, sq
 
 
 @triton.jit
@@ -196,12 +224,15 @@ def _block_fwd_kernel(
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, _, shift, r0, keys = _block_rows(
-        q_off, kv_off, b, Q_STRIDE, KV_STRIDE, MASK_BLOCK
+        q_off, kv_off, b, Q_STRIDE, KV_STRIDE, MASK_BLOCK, False
     )
     if (r0 >= q_len) | (q_len == 0):
         return
+    c, s = 0.0, 0.0
+    if ROPE:
+        c, s = ta._rope_cos_sin(keys, RF, BLOCK_D, FAST)
     k, v, key_ok, _ = _block_kv(
-        K, V, RF, kv_start, kv_len, keys, stride_kt, stride_kh, stride_vt, stride_vh, h, HEAD_DIM, FAST, BLOCK_D, ROPE
+        K, V, c, s, kv_start, kv_len, keys, stride_kt, stride_kh, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_D, ROPE
     )
     offs_d = tl.arange(0, BLOCK_D)
     ns = ta._norm_scale(kv_len, inv_max_len, NORM)
@@ -210,9 +241,8 @@ def _block_fwd_kernel(
         row_ok = (rows >= 0) & (rows < q_len)
         qmask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
         if ROPE:
-            q = ta._rope_load(
-                Q, q_start + rows, stride_qt, stride_qh, h, rows + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
-            )
+            cq, sq = _slice_cos_sin(c, s, rows + shift, RF, SUB_M, MASK_BLOCK, BLOCK_D, FAST)
+            q = ta._rope_load_cs(Q, q_start + rows, stride_qt, stride_qh, h, row_ok, cq, sq, HEAD_DIM, BLOCK_D)
         else:
             q = ta._load_tile(Q, q_start + rows, stride_qt, stride_qh, h, offs_d, qmask, True)
         p, _, lse, _ = _block_scores(
@@ -322,30 +352,44 @@ def _block_bwd_kernel(
     SUB_M: tl.constexpr,
 ):
     """dQ of the block's queries and dK, dV of its keys (every query that sees them is here: plain stores), the
-    score-bias gradients; softmax recomputed whole per row, its delta sum_j p dp in registers."""
+    score-bias gradients; softmax recomputed whole per row, its delta sum_j p dp in registers. Each gradient is stored
+    as soon as its last slice adds to it (registers: two programs per SM). Blocks without queries store zero dK, dV.
+    With ROPE, one cos/sin of the block's positions rotates K, a whole-block slice of queries and dQ; dK's is computed
+    again at its store rather than held."""
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, dkv_start, shift, r0, keys = _block_rows(
-        q_off, kv_off, b, Q_STRIDE, KV_STRIDE, MASK_BLOCK
+        q_off, kv_off, b, Q_STRIDE, KV_STRIDE, MASK_BLOCK, True
     )
-    if (r0 >= q_len) | (q_len == 0):
+    if r0 >= q_len:  # past the last key (the last query's position is kv_len - 1)
         return
-    k, v, key_ok, kmask = _block_kv(
-        K, V, RF, kv_start, kv_len, keys, stride_kt, stride_kh, stride_vt, stride_vh, h, HEAD_DIM, FAST, BLOCK_D, ROPE
-    )
     offs_d = tl.arange(0, BLOCK_D)
+    dkv_rows = dkv_start + keys
+    if (r0 + MASK_BLOCK <= 0) | (q_len == 0):  # keys before the first query's block: no query sees them
+        kmask = ((keys >= 0) & (keys < kv_len))[:, None] & (offs_d < HEAD_DIM)[None, :]
+        zero = tl.zeros((MASK_BLOCK, BLOCK_D), dtype=DK.dtype.element_ty)
+        tl.store(DK + dkv_rows[:, None] * stride_dkt + h * stride_dkh + offs_d[None, :], zero, mask=kmask)
+        tl.store(DV + dkv_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], zero, mask=kmask)
+        return
+    c, s = 0.0, 0.0
+    if ROPE:
+        c, s = ta._rope_cos_sin(keys, RF, BLOCK_D, FAST)
+    k, v, key_ok, kmask = _block_kv(
+        K, V, c, s, kv_start, kv_len, keys, stride_kt, stride_kh, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_D, ROPE
+    )
     ns = ta._norm_scale(kv_len, inv_max_len, NORM)
+    LAST: tl.constexpr = MASK_BLOCK // SUB_M - 1
     dk = tl.zeros((MASK_BLOCK, BLOCK_D), dtype=tl.float32)
     dv = tl.zeros((MASK_BLOCK, BLOCK_D), dtype=tl.float32)
-    for sub in tl.static_range(MASK_BLOCK // SUB_M):
+    for sub in tl.static_range(LAST + 1):
         rows = r0 + sub * SUB_M + tl.arange(0, SUB_M)
         row_ok = (rows >= 0) & (rows < q_len)
         o_rows = o_start + rows
         qmask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        cq, sq = c, s
         if ROPE:
-            q = ta._rope_load(
-                Q, q_start + rows, stride_qt, stride_qh, h, rows + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
-            )
+            cq, sq = _slice_cos_sin(c, s, rows + shift, RF, SUB_M, MASK_BLOCK, BLOCK_D, FAST)
+            q = ta._rope_load_cs(Q, q_start + rows, stride_qt, stride_qh, h, row_ok, cq, sq, HEAD_DIM, BLOCK_D)
         else:
             q = ta._load_tile(Q, q_start + rows, stride_qt, stride_qh, h, offs_d, qmask, True)
         do = ta._load_tile(DO, o_rows, stride_dot, stride_doh, h, offs_d, qmask, True)
@@ -382,26 +426,32 @@ def _block_bwd_kernel(
             FAST,
             WINDOW,
         )
+        if MODE != 0:
+            da = da * ns
+            p = p * ns
+        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+        if sub == LAST:
+            tl.store(
+                DV + dkv_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :],
+                dv.to(DV.dtype.element_ty),
+                mask=kmask,
+            )
         dp = tl.dot(do, tl.trans(v))
         if MODE == 0:
             ds = p * (dp - tl.sum(p * dp, 1)[:, None])
         else:
-            p = p * ns
-            ds = dp * da * ns
-        dv += tl.dot(tl.trans(p.to(do.dtype)), do)
+            ds = dp * da
         ds_lo = ds.to(q.dtype)
-        dk += tl.dot(tl.trans(ds_lo), q)
         dq = tl.dot(ds_lo, k) * scale
         if ROPE:
-            ta._rope_store(
-                DQ, o_rows, stride_dqt, stride_dqh, h, dq, rows + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST, False
-            )
+            ta._rope_store_cs(DQ, o_rows, stride_dqt, stride_dqh, h, dq, row_ok, cq, sq, HEAD_DIM, BLOCK_D, False)
         else:
             tl.store(
                 DQ + o_rows[:, None] * stride_dqt + h * stride_dqh + offs_d[None, :],
                 dq.to(DQ.dtype.element_ty),
                 mask=qmask,
             )
+        dk += tl.dot(tl.trans(ds_lo), q)
         ta._bias_grads(
             ds,
             rows[:, None],
@@ -428,7 +478,6 @@ def _block_bwd_kernel(
             NUM_POS,
             NUM_TIME,
         )
-    dkv_rows = dkv_start + keys
     if ROPE:
         ta._rope_store(
             DK, dkv_rows, stride_dkt, stride_dkh, h, dk * scale, keys, key_ok, RF, HEAD_DIM, BLOCK_D, FAST, False
@@ -439,14 +488,15 @@ def _block_bwd_kernel(
             (dk * scale).to(DK.dtype.element_ty),
             mask=kmask,
         )
-    tl.store(
-        DV + dkv_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask
-    )
 
 
-def _grid(p):
-    def grid(meta):  # one more block than the rows need: a query sequence's first position may sit inside a block
-        return (ta._cdiv(max(p.max_q_len, 1), p.mask_block) + 1, p.heads, p.num_seqs)
+def _grid(p, every_key: bool):
+    """Blocks from the first query's (`every_key`: or from key 0) to the last key's: one more than the rows need, as a
+    first position may sit inside a block."""
+    length = max(p.max_q_len, p.max_kv_len if every_key else 0, 1)
+
+    def grid(meta):
+        return (ta._cdiv(length, p.mask_block) + 1, p.heads, p.num_seqs)
 
     return grid
 
@@ -455,21 +505,19 @@ def forward(p, out, lse):
     """Fills `out` and, for softmax, the log2-domain logsumexp `lse` of a `Problem` with `block_kernel()`."""
     q, k, v = p.q, p.k, p.v
     args = p.kernel_args((q, k, v, out, lse), (q, k, v, out), tail=(p.heads,))
-    KERNELS["block_fwd"](_grid(p), args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket, p.options)
+    KERNELS["block_fwd"](_grid(p, False), args, {**p.consts, "BLOCK_D": p.block_d}, p.bucket, p.options)
     return out, lse
 
 
 def backward(p, go, num_kv_rows, dab, dpt, dtt):
-    """(dq, dk, dv) in the rows of the output and of the (shared: expanded) keys; bias gradients in place. Keys
-    before a sequence's first query block have no program: zeros, except in self-attention (every block has one)."""
+    """(dq, dk, dv) in the rows of the output and of the (shared: expanded) keys; bias gradients in place."""
     q, k, v = p.q, p.k, p.v
     dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
-    alloc = torch.empty if p.q_off is p.kv_off else torch.zeros
-    dk = alloc((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
-    dv = alloc((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
+    dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
+    dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
     args = p.kernel_args((q, k, v, go, dq, dk, dv), (q, k, v, go, dq, dk, dv), ta._bias_grad_args(p, dab, dpt, dtt))
     KERNELS["block_bwd"](
-        _grid(p),
+        _grid(p, True),
         args,
         {**p.consts, "BLOCK_D": p.block_d},
         p.bucket,

@@ -272,14 +272,20 @@ def _rope_load(
 ):
     """A (rows, head_dim) tile of head h rotated by its positions (rotate-half RoPE, in fp32, rounded to X's dtype),
     its halves interleaved: column 2m holds rotated column m, column 2m + 1 rotated column m + D/2. q and k get the
-    same order, so q.k is that of the rotated vectors; gradients come back through `_rope_grad`."""
+    same order, so q.k is that of the rotated vectors; gradients come back through `_rope_store`."""
+    c, s = _rope_cos_sin(pos, RF, BLOCK_D, FAST)
+    return _rope_load_cs(X, rows, stride_t, stride_h, h, row_ok, c, s, HEAD_DIM, BLOCK_D)
+
+
+@triton.jit
+def _rope_load_cs(X, rows, stride_t, stride_h, h, row_ok, c, s, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """`_rope_load` with the rows' cos and sin given (`_rope_cos_sin`)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     offs = tl.arange(0, BLOCK_D // 2)
     ptrs = X + rows[:, None] * stride_t + h * stride_h + offs[None, :]
     mask = row_ok[:, None] & (offs < HALF)[None, :]
     x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    c, s = _rope_cos_sin(pos, RF, BLOCK_D, FAST)
     r = tl.join(x1 * c - x2 * s, x1 * s + x2 * c)
     return tl.reshape(r, (rows.shape[0], BLOCK_D)).to(X.dtype.element_ty)
 
@@ -302,9 +308,17 @@ def _rope_store(
 ):
     """Stores (or with ATOMIC adds, fp32) the gradient w.r.t. the unrotated rows from `g`, the fp32 gradient w.r.t.
     a rotated, interleaved tile of `_rope_load`: the RoPE backward, in registers."""
+    c, s = _rope_cos_sin(pos, RF, BLOCK_D, FAST)
+    _rope_store_cs(X, rows, stride_t, stride_h, h, g, row_ok, c, s, HEAD_DIM, BLOCK_D, ATOMIC)
+
+
+@triton.jit
+def _rope_store_cs(
+    X, rows, stride_t, stride_h, h, g, row_ok, c, s, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ATOMIC: tl.constexpr
+):
+    """`_rope_store` with the rows' cos and sin given (`_rope_cos_sin`)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     g1, g2 = tl.split(tl.reshape(g, (rows.shape[0], BLOCK_D // 2, 2)))
-    c, s = _rope_cos_sin(pos, RF, BLOCK_D, FAST)
     offs = tl.arange(0, BLOCK_D // 2)
     ptrs = X + rows[:, None] * stride_t + h * stride_h + offs[None, :]
     mask = row_ok[:, None] & (offs < HALF)[None, :]
@@ -3017,6 +3031,9 @@ def _delta_kernel(
         )
 
 
+COMPILE_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # config keys that are triton's options, not constexprs
+
+
 def _cfg(bm, bn, warps, stages, tma=False):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": tma}
 
@@ -3027,9 +3044,10 @@ def _rcfg(block, chunk, warps, stages, tma=False, streamed="BLOCK_M"):
     return {streamed: block, "CHUNK": chunk, "num_warps": warps, "num_stages": stages, "TMA": tma}
 
 
-def _bcfg(sub, warps, stages=1):
-    """A block kernel's tile: the queries of its block in slices of `sub` rows."""
-    return {"SUB_M": sub, "num_warps": warps, "num_stages": stages}
+def _bcfg(sub, warps, stages=1, maxnreg=None):
+    """A block kernel's tile: the queries of its block in slices of `sub` rows; `maxnreg` caps the registers per thread
+    (two programs of 8 warps per SM need 128 or fewer)."""
+    return {"SUB_M": sub, "num_warps": warps, "num_stages": stages} | ({"maxnreg": maxnreg} if maxnreg else {})
 
 
 def _rq(block, chunk, warps, stages, tma=False):
@@ -3105,8 +3123,16 @@ CONFIGS = {
     ],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
     # block attention (`block_attention`): the queries of a block of keys in slices of SUB_M rows
-    "block_fwd": [_bcfg(64, 4), _bcfg(64, 8), _bcfg(32, 4), _bcfg(128, 8), _bcfg(16, 4)],
-    "block_bwd": [_bcfg(64, 8), _bcfg(64, 4), _bcfg(32, 4), _bcfg(32, 8), _bcfg(128, 8), _bcfg(16, 4)],
+    "block_fwd": [_bcfg(64, 4), _bcfg(64, 8), _bcfg(64, 8, maxnreg=80), _bcfg(32, 4), _bcfg(128, 8), _bcfg(16, 4)],
+    "block_bwd": [
+        _bcfg(64, 8),
+        _bcfg(64, 4),
+        _bcfg(64, 8, maxnreg=128),
+        _bcfg(32, 4),
+        _bcfg(32, 8),
+        _bcfg(128, 8),
+        _bcfg(16, 4),
+    ],
     # resident K/V (forward, backward: query blocks streamed) and resident queries (backward: key blocks streamed)
     "fwd_rkv": [
         _rcfg(128, 1024, 8, 3),

@@ -340,6 +340,30 @@ def test_block_kernel_with_longer_queries_or_keys_and_fp16():
     compare([70], [70], causal=True, dtype=torch.float16, tol=1e-2, seed=42, block=64, rope_base=10000.0)
 
 
+@pytest.mark.parametrize("sub", [32, 64], ids=["half_block_slices", "whole_block_slices"])
+def test_block_kernel_writes_every_gradient_row(sub, monkeypatch):
+    """Keys before the first query's block and sequences without queries or without keys: their dK, dV (and dQ) rows
+    come from the kernel, not from the allocation (its buffers are filled with NaN here). Slices of the whole block
+    (RoPE: one cos/sin for K, the queries and dQ) or of half of it."""
+    from gemrec.kernels import block_attention
+
+    for kernel in block_attention.KERNELS.values():
+        monkeypatch.setattr(kernel, "interpret_tiles", {"SUB_M": sub})
+    empty, backward = torch.empty, block_attention.backward
+
+    def nan_filled(*args, **kwargs):
+        return empty(*args, **kwargs).fill_(float("nan"))
+
+    def backward_into_nan(*args, **kwargs):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch, "empty", nan_filled)
+            return backward(*args, **kwargs)
+
+    monkeypatch.setattr(block_attention, "backward", backward_into_nan)
+    compare([5, 0, 70, 64, 3], [200, 130, 0, 64, 3], causal=True, seed=43, block=64, rope_base=10.0)
+    compare([100, 1], [70, 1], op="silu", seed=44, block=64, rope_base=10.0)
+
+
 BASELINE = "f932c8c"  # main before window/block/rope_base existed: "today's" kernels
 
 
