@@ -1277,9 +1277,9 @@ def _bwd_kv_tile(
     ROPE: tl.constexpr,
 ):
     """One query block's contribution to dK, dV (transposed tiles) and its dQ: FUSE_DQ 1 adds its share into an fp32
-    buffer (atomics); FUSE_DQ 2, where this key block holds every key of the sequence, stores the block's whole dQ
-    and the score-bias gradients. With TMA, Q, DO (and Out, read for the softmax delta with DELTA_INLINE) are the
-    sequence's tensor descriptors."""
+    buffer (atomics; with ROPE still rotated); FUSE_DQ 2, where this key block holds every key of the sequence, stores
+    the block's whole dQ and the score-bias gradients. With TMA, Q, DO (and Out, read for the softmax delta with
+    DELTA_INLINE) are the sequence's tensor descriptors."""
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     offs_m = m0 + offs_m0
     row_ok = offs_m < q_len
@@ -1377,16 +1377,11 @@ def _bwd_kv_tile(
     dv += tl.dot(pT.to(do.dtype), do)
     dsT_lo = dsT.to(q.dtype)
     dk += tl.dot(dsT_lo, q)
-    if FUSE_DQ == 1:
+    if FUSE_DQ == 1:  # with ROPE w.r.t. the rotated, interleaved q: `_rope_dq_kernel` rotates the sum back
         dq = tl.dot(tl.trans(dsT_lo), k) * scale
-        if ROPE:
-            _rope_store(
-                DQA, o_rows, stride_dqat, stride_dqah, h, dq, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST, True
-            )
-        else:
-            tl.atomic_add(
-                DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq, mask=qmask, sem="relaxed"
-            )
+        tl.atomic_add(
+            DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :], dq, mask=qmask, sem="relaxed"
+        )
     elif FUSE_DQ == 2:
         dq = tl.dot(tl.trans(dsT_lo), k) * scale
         if ROPE:
@@ -3031,6 +3026,39 @@ def _delta_kernel(
         )
 
 
+@triton.jit
+def _rope_dq_kernel(
+    DQA,
+    DQ,
+    RF,
+    q_off,
+    kv_off,
+    stride_dqat,
+    stride_dqah,
+    stride_dqt,
+    stride_dqh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    Q_STRIDE: tl.constexpr,
+    KV_STRIDE: tl.constexpr,
+    FAST: tl.constexpr,
+):
+    """dQ w.r.t. the unrotated queries into DQ (any float dtype; DQ may be DQA itself) from DQA, the fp32 sum of the
+    dK/dV kernel's partials w.r.t. the rotated, interleaved ones: RoPE's backward once per row, not per partial."""
+    h = tl.program_id(1)
+    q_start, q_len, kv_start, kv_len, o_start, _ = _seq_info(q_off, kv_off, tl.program_id(2), Q_STRIDE, KV_STRIDE)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    if tl.program_id(0) * BLOCK_R >= q_len:
+        return
+    row_ok = rows < q_len
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = row_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    g = _load_tile(DQA, o_start + rows, stride_dqat, stride_dqah, h, offs_d, mask, True)
+    c, s = _rope_cos_sin(rows + kv_len - q_len, RF, BLOCK_D, FAST)
+    _rope_store_cs(DQ, o_start + rows, stride_dqt, stride_dqh, h, g, row_ok, c, s, HEAD_DIM, BLOCK_D, False)
+
+
 COMPILE_OPTIONS = ("num_warps", "num_stages", "maxnreg")  # config keys that are triton's options, not constexprs
 
 
@@ -3122,6 +3150,7 @@ CONFIGS = {
         _cfg(32, 64, 4, 2, True),
     ],
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
+    "rope_dq": [{"BLOCK_R": 32, "num_warps": 4, "num_stages": 1}],
     # block attention (`block_attention`): the queries of a block of keys in slices of SUB_M rows
     "block_fwd": [_bcfg(64, 4), _bcfg(64, 8), _bcfg(64, 8, maxnreg=80), _bcfg(32, 4), _bcfg(128, 8), _bcfg(16, 4)],
     "block_bwd": [
@@ -3481,6 +3510,7 @@ _KERNELS = {
     # unequal tiles in the interpreter: its dQ programs swap them
     "bwd1": _Kernel(_bwd_one_launch_kernel, "bwd1", interpret_tiles={"BLOCK_N": 32}),
     "delta": _Kernel(_delta_kernel, "delta"),
+    "rope_dq": _Kernel(_rope_dq_kernel, "rope_dq"),
     # two streamed blocks per program in the interpreter: the loop and the cross-program atomics both run
     "fwd_rkv": _Kernel(_fwd_kv_resident_kernel, "fwd_rkv", interpret_tiles={"CHUNK": 32}),
     "bwd_rkv": _Kernel(_bwd_kv_resident_kernel, "bwd_rkv", interpret_tiles={"CHUNK": 32}),
@@ -3779,6 +3809,21 @@ def _delta(p: Problem, out, grad_out, dq=None):
     return delta
 
 
+def _rope_dq(p: Problem, dqa):
+    """dQ w.r.t. the unrotated queries from the dK/dV kernel's fp32 sum w.r.t. the rotated ones (`_rope_dq_kernel`),
+    cast to q's dtype on the way, or in place where shared queries are summed over their sequences after."""
+    dq = dqa if p.q_shared else torch.empty(dqa.shape, dtype=p.q.dtype, device=dqa.device)
+
+    def grid(meta):
+        return (_cdiv(max(p.max_q_len, 1), meta["BLOCK_R"]), p.heads, p.num_seqs)
+
+    args = (dqa, dq, p.rope, p.q_off, p.kv_off, dqa.stride(0), dqa.stride(1), dq.stride(0), dq.stride(1))
+    names = ("HEAD_DIM", "Q_STRIDE", "KV_STRIDE", "FAST")
+    consts = {**{n: p.consts[n] for n in names}, "BLOCK_D": p.block_d}
+    _KERNELS["rope_dq"](grid, args, consts, 0, p.options)
+    return dq
+
+
 def _bias_grad_args(p: Problem, dab, dpt, dtt) -> tuple:
     """The dQ-side kernels' DAB, DPT, DTT arguments: the autotuner zeroes DPT/DTT between trials, so absent tables
     get a scratch, never a live input."""
@@ -3934,7 +3979,7 @@ def backward(p: Problem, grad_out, out, lse):
             tma=p.tma_ok(q, go),
         )
         if fused:
-            dq = dqa
+            dq = _rope_dq(p, dqa) if p.rope_base else dqa
         else:
             dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
 

@@ -326,9 +326,12 @@ def test_masks_and_rope_on_every_kernel_path(kernel_path):
 
 
 def test_masks_and_rope_with_dq_fused_into_the_key_block_kernel(monkeypatch):
+    """dQ added up w.r.t. the rotated queries by the dK/dV kernel, rotated back once per row after."""
     monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # dq by atomics from the dK/dV kernel everywhere
     compare([50, 20, 0], [50, 20, 0], causal=True, seed=35, window=20, rope_base=100.0, options=SEPARATE)
     compare([40, 20], [50, 20], op="silu", seed=36, window=30, block=32, rope_base=1000.0, options=SEPARATE)
+    # shared seeds: each sequence's dQ rotated back at its own positions before the sum over sequences
+    compare([4], [20, 0, 37], causal=True, seed=37, window=3, rope_base=10.0, options=SEPARATE)
 
 
 def test_block_kernel_with_longer_queries_or_keys_and_fp16():

@@ -184,6 +184,14 @@ def gdpa_block64_rope_with_position_bias(options=DEFAULT):  # the block kernels,
     gdpa(q, k, v, off, off, 700, 700, block=64, rope_base=1e4, rel_bias=table, backend="triton").sum().backward()
 
 
+def jfa_window_rope_fused_dq(options=DEFAULT):  # dQ added up rotated by the dK/dV kernel, rotated back after
+    q, k, v = tensors(1000, 2, 128, torch.bfloat16)
+    off = offsets_of([300, 0, 700])
+    jagged_attention(
+        q, k, v, off, off, 700, 700, causal=True, window=256, rope_base=1e4, backend="triton", options=options
+    ).sum().backward()
+
+
 def jfa_causal_fp32(options=DEFAULT):  # the local-MFU pass's dtype: every tile twice the bytes of bf16's
     q, k, v = tensors(1000, 2, 128, torch.float32)
     off = offsets_of([300, 0, 700])
@@ -194,6 +202,7 @@ def jfa_causal_fp32(options=DEFAULT):  # the local-MFU pass's dtype: every tile 
     "call,kinds",
     [
         (gdpa_block64_rope_with_position_bias, ["block_fwd", "block_bwd"]),
+        (jfa_window_rope_fused_dq, ["fwd", "delta", "dkdv", "rope_dq"]),
         (jfa_causal_fp32, ["fwd", "delta", "dkdv"]),
     ],
     ids=lambda x: x.__name__ if callable(x) else None,
@@ -216,6 +225,26 @@ def test_masks_rope_and_fp32_run_on_a_tile_that_fits(call, kinds):
 
         config = kernels.first_fitting(launch.kind, candidates, shared, SHARED_MEMORY_LIMIT, "sm_90")
         assert compiled[kernels._config_name(config)].asm["cubin"], launch.kind
+
+
+def jfa_block64_rope(options=DEFAULT):
+    q, k, v = tensors(1000, 2, 128, torch.bfloat16)
+    off = offsets_of([300, 0, 700])
+    jagged_attention(
+        q, k, v, off, off, 700, 700, causal=True, block=64, rope_base=1e4, backend="triton"
+    ).sum().backward()
+
+
+def test_block_backward_offers_a_tile_of_two_programs_per_sm():
+    # a memory-bound kernel that loads, computes, then stores: a second program per SM overlaps one's loads with the
+    # other's math; 8 warps of at most 128 registers (and the shared memory of two) allow it, without spills
+    from gemrec.kernels.aot import compile_launch, record_launches, resource_usage
+
+    launch = record_launches(jfa_block64_rope)[1]
+    capped = [c for c in launch.candidates() if c.get("maxnreg") == 128 and c["num_warps"] == 8]
+    assert launch.kind == "block_bwd" and capped
+    usage = resource_usage(compile_launch(launch, capped[0]))
+    assert usage["registers"] <= 128 and usage["stack_bytes"] == 0 and 2 * usage["shared_bytes"] <= SHARED_MEMORY_LIMIT
 
 
 def test_only_tiles_that_fit_the_dtype_are_offered():
