@@ -60,6 +60,13 @@ def fp8_format(name: str) -> Fp8Format:
 # -- reference (pure torch): the CPU emulation and what the kernels are tested against ------------------------
 
 
+def block_scale(amax: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
+    """Scales of blocks with these amaxes: amax / fmt.max correctly rounded in fp32, as the kernels' `tl.div_rn`; 1
+    for an all-zero block (a NaN/inf amax stays non-finite). The divisor is a tensor: torch on CUDA divides by a
+    Python number as a multiplication by its reciprocal, one ulp off in some elements (and then some fp8 values)."""
+    return torch.where(amax == 0, torch.ones_like(amax), amax / torch.full_like(amax, fmt.max))
+
+
 def round_to_format(y: torch.Tensor, fmt: Fp8Format) -> torch.Tensor:
     """fp32 values of `y` (already within +-fmt.max) rounded to the nearest fp8 value, ties to even."""
     return y.clamp(-fmt.max, fmt.max).to(fmt.dtype).float()
@@ -77,7 +84,7 @@ def quantize_reference(
     xp = F.pad(x.float(), (0, pc, 0, pr))
     blocks = xp.reshape(*x.shape[:-2], (rows + pr) // br, br, (cols + pc) // bc, bc)
     amax = blocks.abs().amax(dim=(-3, -1))
-    s = torch.where(amax == 0, torch.ones_like(amax), amax / fmt.max)  # NaN/inf amax stays non-finite
+    s = block_scale(amax, fmt)
     if scale is not None:
         s = torch.where(scale > 0, scale.float(), s)
     q = round_to_format(blocks / s[..., :, None, :, None], fmt)
@@ -96,8 +103,9 @@ def dequantize_reference(q: torch.Tensor, s: torch.Tensor, block: tuple[int, int
 
 @triton.jit
 def _round_fp8(y, MANT: tl.constexpr, EMIN: tl.constexpr):
-    """Round fp32 `y` (within the format's range) to the fp8 grid in exact fp32 arithmetic (power-of-two scalings,
-    ties to even), so the cast to a float8 carrier afterwards is exact and rounds the same on every backend."""
+    """Round fp32 `y` (within the format's range) to the fp8 grid, ties to even, in exact fp32 arithmetic
+    (power-of-two scalings): the fp32 carriers' rounding under the interpreter, whose float8 casts mis-round where
+    rounding carries into the next exponent. On the H200 the hardware's cast gives the same values as torch's."""
     bits = y.to(tl.int32, bitcast=True)
     e = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
     step = ((e - MANT + 127) << 23).to(tl.float32, bitcast=True)
@@ -119,8 +127,15 @@ def _gelu_grad_tl(h):
 
 
 @triton.jit
-def _to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr):
-    return _round_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), MANT, EMIN)
+def _to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, q_ptr):
+    """y saturated to +-FP8_MAX and rounded to the fp8 grid, in fp32: by the cast to `q_ptr`'s float8 carrier (on
+    sm_90 the same values as torch's cast; rounding in fp32 arithmetic before it gave the 128x128-tile kernel's
+    transposed copy corrupt bytes, NaN among them), or by `_round_fp8` where the carrier is fp32."""
+    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    if q_ptr.dtype.element_ty == tl.float32:
+        return _round_fp8(y, MANT, EMIN)
+    else:
+        return y.to(q_ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -211,7 +226,7 @@ def _quantize_kernel(
         if FIXED:
             scale_t = tl.where(fixed > 0, fixed, scale_t)
         y = tl.div_rn(x, scale_t)
-        q = _to_fp8(y, FP8_MAX, MANT, EMIN)
+        q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
         tl.store(q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc, q.to(q_ptr.dtype.element_ty), valid)
         tl.store(s_ptr + pid_b * ssb + pid_r * ssr + pid_c * ssc, scale_t)
         if COLS:
@@ -224,7 +239,7 @@ def _quantize_kernel(
             if FIXED:
                 scale_r = tl.where(fixed > 0, fixed, scale_r)
             y = tl.div_rn(x, scale_r[:, None])
-            q = _to_fp8(y, FP8_MAX, MANT, EMIN)
+            q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
             q_ptrs = q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc
             tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), valid)
             tl.store(s_ptr + pid_b * ssb + rows * ssr + pid_c * ssc, scale_r, rows < R)
@@ -234,7 +249,7 @@ def _quantize_kernel(
             if FIXED:
                 scale_c = tl.where(fixed > 0, fixed, scale_c)
             y_c = tl.div_rn(x, scale_c[None, :])
-            q_c = _to_fp8(y_c, FP8_MAX, MANT, EMIN)
+            q_c = _to_fp8(y_c, FP8_MAX, MANT, EMIN, qt_ptr)
             qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
             tl.store(qt_ptrs, q_c.to(qt_ptr.dtype.element_ty), valid)
             tl.store(st_ptr + pid_b * sstb + cols * sstc + pid_r * sstr, scale_c, cols < C)

@@ -27,7 +27,7 @@ window and block masks (as masks of the tiled kernel), score biases, shared quer
 import torch
 import triton
 import triton.language as tl
-from gemrec.kernels.fp8 import E4M3, _round_fp8, quantize_reference
+from gemrec.kernels.fp8 import E4M3, _round_fp8, block_scale, quantize_reference
 from gemrec.kernels.options import KernelOptions
 from gemrec.kernels.triton_attention import (
     _KERNELS,
@@ -59,23 +59,12 @@ TINY = tl.constexpr(1e-30)  # floor of a GDPA row's accumulator scale (an all-ze
 
 @triton.jit
 def _fp8_operand(x, EMULATE: tl.constexpr):
-    """x (within +-448) as a dot's fp8 operand: the hardware's cast to e4m3 (fp32 on the e4m3 grid under the
-    interpreter)."""
+    """x (within +-448) as a dot's fp8 operand: the hardware's cast to e4m3, the same values as torch's (fp32 on the
+    e4m3 grid under the interpreter)."""
     if EMULATE:
         return _round_fp8(x, 3, -6)
     else:
         return x.to(tl.float8e4nv)
-
-
-@triton.jit
-def _fp8_exact(x, EMULATE: tl.constexpr):
-    """x (within +-448) rounded to e4m3 in exact fp32 arithmetic, then cast (exactly): the same values as torch's
-    cast, which the hardware's differs from in some elements (`fp8._round_fp8`)."""
-    r = _round_fp8(x, 3, -6)
-    if EMULATE:
-        return r
-    else:
-        return r.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -116,13 +105,13 @@ def _quantize_kv_kernel(
     k = tl.load(K + rows[:, None] * stride_kt + h * stride_kh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(k), 1), 0)
     sk = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, FP8_MAX))
-    k8 = _fp8_exact(tl.div_rn(k, sk), EMULATE)
+    k8 = _fp8_operand(tl.div_rn(k, sk), EMULATE)
     tl.store(K8 + rows[:, None] * stride_8t + h * stride_8h + offs_d[None, :], k8, mask=mask)
     tl.store(KS + tile, sk)
     v = tl.load(V + rows[:, None] * stride_vt + h * stride_vh + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(v), 1), 0)
     sv = tl.where(amax == 0.0, 1.0, tl.div_rn(amax, FP8_MAX))
-    v8 = _fp8_exact(tl.div_rn(v, sv), EMULATE)
+    v8 = _fp8_operand(tl.div_rn(v, sv), EMULATE)
     columns = (b * num_tiles + j) * ROWS + tl.arange(0, ROWS)
     # the whole tile: zeros past the sequence's end, so the forward reads its last tile unmasked
     tl.store(
@@ -530,7 +519,7 @@ def quantize_tiles_reference(x: torch.Tensor, offsets: list[int], rows: int = SC
     xf = x.float()
     amax = torch.zeros(int(tile.max()) + 1, x.shape[1], device=x.device)
     amax = amax.scatter_reduce(0, tile[:, None].expand(-1, x.shape[1]), xf.detach().abs().amax(-1), "amax")
-    scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3.max)[tile][:, :, None]
+    scale = block_scale(amax, E4M3)[tile][:, :, None]
     return round_e4m3(xf / scale) * scale
 
 

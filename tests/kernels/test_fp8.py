@@ -34,6 +34,17 @@ def test_round_trip_error_and_scale_shapes(block, fmt):
     assert float(amax_q) == fmt.max
 
 
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=lambda f: f.name)
+def test_block_scale_is_the_correctly_rounded_quotient(fmt):
+    # the kernels divide with IEEE rounding (tl.div_rn); amax times the rounded reciprocal (what torch on CUDA does
+    # for `tensor / python_number`) is one ulp off for about half of these, and the fp8 values then differ
+    amax = torch.rand(4096, generator=torch.Generator().manual_seed(0)) * 100
+    exact = (amax.double() / fmt.max).float()  # double rounding is harmless for a quotient of fp32 numbers
+    assert (amax * (1 / fmt.max) != exact).float().mean() > 0.2
+    assert torch.equal(fp8.block_scale(amax, fmt), exact)
+    assert torch.equal(fp8.block_scale(torch.zeros(3), fmt), torch.ones(3))
+
+
 def test_zero_blocks_get_unit_scale_and_zero_values():
     x = torch.zeros(4, 256)
     x[0, :128] = 3.0

@@ -54,6 +54,7 @@ def test_forward(activation, kw, options):
     check(make_case(LENGTHS, LENGTHS, heads=4, dim=128, seed=0, device="cuda"), activation, options, **kw)
 
 
+@pytest.mark.parametrize("head_dim", [128, 64])
 def test_causal_forward_and_bf16_backward(head_dim):
     case = make_case(LENGTHS, LENGTHS, heads=4, dim=head_dim, seed=1, device="cuda")
     check(case, "softmax", backward=True, causal=True)
