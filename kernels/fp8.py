@@ -675,7 +675,7 @@ class Fp8Recipe:
 
     grad_format: Fp8Format = E4M3
     backend: str = "triton"
-    gemm: str = "triton"  # dense GEMMs of fp8_mlp: triton (ours) | cublas (torch's block-scaled scaled_mm)
+    gemm: str = "triton"  # dense GEMMs of fp8_mlp on CUDA: triton (ours) | cublas (torch's block-scaled scaled_mm)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -689,7 +689,9 @@ GEMMS = ("triton", "cublas")
 
 def _cublas_fits(a: torch.Tensor, n: int, recipe: Fp8Recipe) -> bool:
     m, k = a.shape
-    return recipe.gemm == "cublas" and a.is_cuda and k % BLOCK == 0 and n % BLOCK == 0 and m % 16 == 0
+    # the reference backend's operands are fp32 carriers: its GEMMs are the emulation's fp32 matmuls
+    cublas = recipe.gemm == "cublas" and recipe.backend == "triton" and a.is_cuda
+    return cublas and k % BLOCK == 0 and n % BLOCK == 0 and m % 16 == 0
 
 
 def _weight_gemm(a, sa, w, w_tiles, out_dtype, recipe: Fp8Recipe, bias=None) -> torch.Tensor:
