@@ -3152,7 +3152,7 @@ CONFIGS = {
     "delta": [{"BLOCK_R": 64, "num_warps": 4, "num_stages": 1}],
     "rope_dq": [{"BLOCK_R": 32, "num_warps": 4, "num_stages": 1}],
     # block attention (`block_attention`): the queries of a block of keys in slices of SUB_M rows
-    "block_fwd": [_bcfg(64, 4), _bcfg(64, 8), _bcfg(64, 8, maxnreg=80), _bcfg(32, 4), _bcfg(128, 8), _bcfg(16, 4)],
+    "block_fwd": [_bcfg(64, 4), _bcfg(64, 8), _bcfg(32, 4), _bcfg(128, 8), _bcfg(16, 4)],
     "block_bwd": [
         _bcfg(64, 8),
         _bcfg(64, 4),

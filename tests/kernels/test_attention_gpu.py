@@ -214,6 +214,29 @@ def test_masks_and_rope_bf16(op, causal, masks):
     check(op, [300, 2000, 5], [700, 2100, 1], UNTUNED, causal=causal, seed=52, **masks)  # longer keys than queries
 
 
+def _block_tiles() -> list[dict]:
+    from gemrec.kernels import triton_attention as kernels
+
+    return kernels.CONFIGS["block_bwd"]
+
+
+@pytest.mark.parametrize("tile", _block_tiles(), ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_block_kernels_on_every_tile(tile, monkeypatch):
+    """Each block-kernel tile the tuner may pick (register-capped ones included) in both directions, with RoPE:
+    self-attention with empty and short sequences, longer keys (blocks no query sees) and longer queries."""
+    from gemrec.kernels import block_attention
+    from gemrec.kernels import triton_attention as kernels
+
+    for kind in block_attention.KERNELS:
+        monkeypatch.setitem(kernels.CONFIGS, kind, [tile])
+        monkeypatch.setattr(kernels._KERNELS[kind], "best", {})
+        monkeypatch.setattr(kernels._KERNELS[kind], "compiled", {})
+    block = max(64, tile["SUB_M"])
+    check("jfa", [*LENGTHS, 4100], [*LENGTHS, 4100], UNTUNED, causal=True, seed=56, block=block, rope_base=1e4)
+    check("gdpa", [300, 2000, 5], [700, 2100, 1], UNTUNED, seed=57, block=block, rope_base=1e4)
+    check("jfa", [700, 2100, 1], [300, 2000, 5], UNTUNED, causal=True, seed=58, block=block, rope_base=1e4)
+
+
 def test_masks_and_rope_with_biases_bf16():
     check("jfa", LENGTHS, LENGTHS, UNTUNED, causal=True, bias=True, seed=53, window=128, rope_base=10000.0)
     check("gdpa", LENGTHS, LENGTHS, UNTUNED, causal=True, bias=True, seed=54, block=64, rope_base=10000.0)
