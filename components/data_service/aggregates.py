@@ -14,6 +14,13 @@ events.parquet (u's events strictly before t):
     item_past_count_log          log1p(events of item i strictly before t, by any user) / log1p(most events of an item)
     item_past_mean_<a>           mean of action a over those events
 
+With a category feature (the manifest's `aggregates.category`, an item feature such as `item_genres`), the user's
+earlier events on items sharing a category with i, pooled over i's categories (an event counts once per shared one):
+
+    user_category_count_log      log1p(that count) / log1p(longest timeline)
+    user_category_mean_<a>       mean of action a over them, shrunk towards user_past_mean_<a> (not the global prior)
+    user_category_resid_<a>      mean over them of the event's residual (as user_past_resid_<a>)
+
 Means are shrunk towards the action's train-period mean (the manifest's `aggregates.priors`), residual means
 towards 0, with `smoothing` pseudo-events, so few events give a value near the prior and no events give the prior. Only
 events strictly before t enter: never the target event, its label, or anything later.
@@ -24,6 +31,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+from gemrec.components.common import jagged
 
 from .errors import DataError
 
@@ -39,19 +47,25 @@ USER_SOURCE = "history"  # dense feature sources in the manifest
 ITEM_SOURCE = "item_history"
 
 
-def aggregate_feature_sources(actions: list[str]) -> dict[str, str]:
-    """Dense feature name -> source, for a dataset whose history tokens carry `actions`."""
+def aggregate_feature_sources(actions: list[str], category: str | None = None) -> dict[str, str]:
+    """Dense feature name -> source, for a dataset whose history tokens carry `actions` (and whose items have the
+    categorical feature `category`, if given)."""
     kinds = ["past", "recent"] + [f"last{n}" for n in WINDOWS]
     user = USER_FEATURES + [f"user_{kind}_mean_{a}" for kind in kinds for a in actions]
     user += [f"user_{kind}_resid_{a}" for kind in ("past", "recent") for a in actions]
+    if category is not None:
+        user += ["user_category_count_log"] + [
+            f"user_category_{kind}_{a}" for kind in ("mean", "resid") for a in actions
+        ]
     item = ITEM_FEATURES + [f"item_past_mean_{a}" for a in actions]
     return {**{n: USER_SOURCE for n in user}, **{n: ITEM_SOURCE for n in item}}
 
 
-def aggregate_spec(actions: dict[str, np.ndarray], train: np.ndarray) -> dict:
-    """The manifest's `aggregates` block: window, smoothing and the train-period mean of each action."""
+def aggregate_spec(actions: dict[str, np.ndarray], train: np.ndarray, category: str | None = None) -> dict:
+    """The manifest's `aggregates` block: window, smoothing, the train-period mean of each action and the item
+    category feature (None: no category features)."""
     priors = {a: float(np.mean(v[train])) if np.any(train) else 0.0 for a, v in actions.items()}
-    return {"recent_events": RECENT_EVENTS, "smoothing": SMOOTHING, "priors": priors}
+    return {"recent_events": RECENT_EVENTS, "smoothing": SMOOTHING, "priors": priors, "category": category}
 
 
 def _segment_cumsum(values: np.ndarray, segment_start: np.ndarray) -> np.ndarray:
@@ -75,8 +89,10 @@ class HistoryAggregates:
         actions: np.ndarray,
         action_names: list[str],
         spec: dict,
+        item_categories: tuple[np.ndarray, np.ndarray] | None = None,
     ):
-        """Events sorted by (user, timestamp), as in events.parquet; `actions` (n, len(action_names))."""
+        """Events sorted by (user, timestamp), as in events.parquet; `actions` (n, len(action_names));
+        `item_categories`: (values, offsets) of the spec's category feature by dense item index."""
         self.action_names = list(action_names)
         self.recent = int(spec["recent_events"])
         self.smoothing = float(spec["smoothing"])
@@ -114,6 +130,11 @@ class HistoryAggregates:
         # Each event's actions less its item's mean before it: the user-side residual sums.
         self._resid = (actions - self._item_past(event_item, event_ts)[1]).astype(np.float32)
         self._resid_cum = _segment_cumsum(self._resid, user_start)
+        self._categories = None
+        if spec.get("category") is not None:
+            if item_categories is None:
+                raise DataError(f"aggregates.category {spec['category']!r}: the item feature's values are missing")
+            self._categories = _CategoryTimelines(event_item, item_categories, actions, self._resid)
 
     def _shrunk(self, sums: np.ndarray, counts: np.ndarray) -> np.ndarray:
         return (sums + self.smoothing * self.priors) / (counts[:, None] + self.smoothing)
@@ -170,6 +191,16 @@ class HistoryAggregates:
                 resid = self._window_sums(begin, hist_end, resid=True) / (hist_end - begin + self.smoothing)[:, None]
                 for j, a in enumerate(self.action_names):
                     out[f"user_{kind}_resid_{a}"] = resid[:, j]
+        if self._categories is not None and any(n.startswith("user_category_") for n in names):
+            user_mean = self._shrunk(self._window_sums(hist_start, hist_end), count)
+            sums = self._categories.sums(items, hist_start, hist_end)
+            shared, actions = sums[:, 0], len(self.action_names)
+            out["user_category_count_log"] = np.log1p(shared) / self._user_count_norm
+            mean = (sums[:, 1 : 1 + actions] + self.smoothing * user_mean) / (shared + self.smoothing)[:, None]
+            resid = sums[:, 1 + actions :] / (shared + self.smoothing)[:, None]
+            for j, a in enumerate(self.action_names):
+                out[f"user_category_mean_{a}"] = mean[:, j]
+                out[f"user_category_resid_{a}"] = resid[:, j]
         if any(n.startswith("item_") for n in names):
             item_count, past = self._item_past(items, timestamps)
             out["item_past_count_log"] = np.log1p(item_count) / self._item_count_norm
@@ -179,3 +210,36 @@ class HistoryAggregates:
         if unknown:
             raise DataError(f"unknown aggregate feature(s) {unknown}")
         return {n: out[n].astype(np.float32) for n in names}
+
+
+class _CategoryTimelines:
+    """Every (category, event) pair of the event table, keyed category-major by event row, with running sums of
+    (1, actions, residuals): two searchsorted give a user's sums over a row range [begin, end) in one category."""
+
+    def __init__(self, event_item: np.ndarray, item_categories, actions: np.ndarray, resid: np.ndarray):
+        values, offsets = (np.asarray(a, dtype=np.int64) for a in item_categories)
+        self._values, self._offsets = values, offsets
+        if len(event_item) and int(event_item.max()) + 1 >= len(offsets):
+            raise DataError(f"item index {int(event_item.max())} has no category values")
+        n = len(event_item)
+        self._stride = n + 1
+        per_event = np.diff(offsets)[event_item]
+        rows = np.repeat(np.arange(n, dtype=np.int64), per_event)
+        keys = values[jagged.ranges(offsets[event_item], per_event)] * self._stride + rows
+        order = np.argsort(keys, kind="stable")
+        self._keys = keys[order]
+        pairs = np.concatenate([np.ones((n, 1)), actions, resid], axis=1)[rows[order]]
+        self._cum = np.zeros((len(order) + 1, pairs.shape[1]))
+        np.cumsum(pairs, axis=0, out=self._cum[1:])
+
+    def sums(self, items: np.ndarray, begin: np.ndarray, end: np.ndarray) -> np.ndarray:
+        """(B, 1 + 2 * actions): per example, the sums of (1, actions, residuals) over its user's rows
+        [begin, end) on items sharing a category with its item, pooled over the item's categories."""
+        per_item = np.diff(self._offsets)[items]
+        example = np.repeat(np.arange(len(items)), per_item)
+        base = self._values[jagged.ranges(self._offsets[items], per_item)] * self._stride
+        lo = np.searchsorted(self._keys, base + begin[example])
+        hi = np.searchsorted(self._keys, base + end[example])
+        out = np.zeros((len(items), self._cum.shape[1]))
+        np.add.at(out, example, self._cum[hi] - self._cum[lo])
+        return out

@@ -318,6 +318,7 @@ def build_dataset(
     hash_buckets: dict[str, int] | None = None,
     max_history: int | None = None,
     aggregates: bool = True,
+    aggregate_category: str | None = None,
     input_checksums: dict[str, str] | None = None,
     extra: dict | None = None,
     overwrite: bool = False,
@@ -326,7 +327,8 @@ def build_dataset(
     """Write the dataset directory `out` and return it. See the module docstring.
 
     `max_history`: keep only the most recent `max_history` events of every example's history (None: all).
-    `aggregates`: add the point-in-time aggregate dense features (aggregates.py)."""
+    `aggregates`: add the point-in-time aggregate dense features (aggregates.py); `aggregate_category`: an item
+    categorical feature (e.g. `item_genres`) that adds the user's earlier means on the target item's categories."""
     out = Path(out)
     occupied = out.exists() and (not out.is_dir() or any(out.iterdir()))
     if occupied and not overwrite:
@@ -345,7 +347,18 @@ def build_dataset(
         (tmp / "examples").mkdir(parents=True)
         (tmp / "vocab").mkdir()
         manifest = _build(
-            tmp, name, events, items, users, split, seq_item_features, hash_buckets, max_history, aggregates, steps
+            tmp,
+            name,
+            events,
+            items,
+            users,
+            split,
+            seq_item_features,
+            hash_buckets,
+            max_history,
+            aggregates,
+            aggregate_category,
+            steps,
         )
         if manifest["dense_features"]:
             manifest["dense_bins"] = _dense_bins(tmp, manifest)
@@ -387,6 +400,7 @@ def _build(
     hash_buckets: dict[str, int],
     max_history: int | None,
     aggregates: bool,
+    aggregate_category: str | None,
     steps: tqdm,
 ) -> dict:
     num_input = len(events.timestamps)
@@ -549,7 +563,7 @@ def _build(
     names = [f["name"] for f in sparse]
     dense_sources = {
         **{n: "time" for n in TIME_FEATURES},
-        **(aggregate_feature_sources(list(actions)) if aggregates else {}),
+        **(aggregate_feature_sources(list(actions), aggregate_category) if aggregates else {}),
         **{n: "user" for n in user_dense},
         **{n: "item" for n in item_dense},
     }
@@ -558,6 +572,11 @@ def _build(
     if clashes:
         raise DataError(f"feature names used twice: {clashes}")
     item_feature_names = [f.name for f in item_features]
+    if aggregate_category is not None and (not aggregates or aggregate_category not in item_feature_names):
+        raise DataError(
+            f"aggregate category {aggregate_category!r} needs the aggregates and an item feature of that name "
+            f"(item features: {item_feature_names})"
+        )
     if seq_item_features is None:
         seq_item_features = item_feature_names
     unknown = sorted(set(seq_item_features) - set(item_feature_names))
@@ -580,7 +599,7 @@ def _build(
         "split": split_info,
         "max_history": max_history,
         "label_rates": label_rates,
-        **({"aggregates": aggregate_spec(actions, split_masks["train"])} if aggregates else {}),
+        **({"aggregates": aggregate_spec(actions, split_masks["train"], aggregate_category)} if aggregates else {}),
         "max_seq_len": _length_stats(all_lengths),
         "timeline_length": _length_stats(timeline_lengths),
         "time_range": [int(timestamps.min()), int(timestamps.max())],

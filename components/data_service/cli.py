@@ -98,6 +98,7 @@ def _prepare_events(args) -> int:
         hash_over=args.hash_ids_over or None,
         name=args.name,
         split=_split_config(args),
+        aggregate_category=args.aggregate_category,
         overwrite=args.overwrite,
     )
     _print_summary(out)
@@ -212,6 +213,13 @@ def register(groups: dict[str, argparse._SubParsersAction]) -> None:
         default=5_000_000,
         metavar="N",
         help="hash id and value spaces with more than N distinct values into N buckets (0: never)",
+    )
+    events.add_argument(
+        "--aggregate-category",
+        default=None,
+        metavar="FEATURE",
+        help="an item feature (e.g. item_genres from the items file's genres column) whose values group items: "
+        "adds the user's earlier means on the target item's categories as dense features",
     )
     events.add_argument("--name", default=None, help="dataset name (default: the events file name)")
     events.add_argument("--out", type=Path, required=True, help="output dataset folder")

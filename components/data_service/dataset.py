@@ -136,7 +136,17 @@ class Dataset:
                 self._event_actions,
                 list(self.action_names),
                 manifest["aggregates"],
+                self._item_categories(manifest["aggregates"].get("category")),
             )
+
+    def _item_categories(self, name: str | None) -> tuple[np.ndarray, np.ndarray] | None:
+        """(values, offsets) by dense item index of the aggregates' category feature (None: none)."""
+        if name is None:
+            return None
+        if name not in self._side["item"].categorical:
+            raise DataError(f"{self.path}: aggregates.category {name!r} is not an item feature of this dataset")
+        feature = self._side["item"].categorical[name]
+        return feature.values, feature.offsets
 
     def _seq_feature(self, name: str, seq_items: np.ndarray, begin: np.ndarray, end: np.ndarray):
         """(values, lengths) of an item feature for the history tokens, events [begin, end) per example.

@@ -372,6 +372,7 @@ def prepare_events(
     hash_over: int | None = 5_000_000,
     name: str | None = None,
     split: SplitConfig | None = None,
+    aggregate_category: str | None = None,
     overwrite: bool = False,
     progress: bool = True,
 ) -> Path:
@@ -402,6 +403,7 @@ def prepare_events(
         users=user_table,
         split=split,
         hash_buckets=buckets,
+        aggregate_category=aggregate_category,
         input_checksums=checksums,
         extra={
             "source": {

@@ -5,9 +5,10 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 from gemrec.components.data_service.aggregates import HistoryAggregates, aggregate_feature_sources
-from gemrec.components.data_service.builder import EventLog, SplitConfig, build_dataset
+from gemrec.components.data_service.builder import Categorical, EventLog, SideTable, SplitConfig, build_dataset
 from gemrec.components.data_service.dataset import Dataset
 from gemrec.components.data_service.dense_bins import quantile_edges
+from gemrec.components.data_service.errors import DataError
 
 # (user, item, timestamp, like); A's y and B's x share second 20.
 LOG = [
@@ -187,3 +188,47 @@ def test_quantile_edges_merge_duplicates_and_handle_constants():
     ]  # quantiles 0, 0, 0, 1, 2 merged
     assert quantile_edges(np.array([3.0, 3.0, np.nan]), bins=4) == [3.0, 4.0]  # one bin of width 1
     assert quantile_edges(np.array([]), bins=4) == [0.0, 1.0]
+
+
+def test_category_means_over_the_targets_categories(tmp_path):
+    # Items: x in genre 0, y in genres 0 and 1, z in genre 1. B's event counts for item means, never for A's.
+    log = [("A", "x", 10, 1), ("B", "x", 15, 1), ("A", "y", 20, 0), ("A", "z", 30, 1), ("A", "y", 40, 1)]
+    users, items, ts, like = (np.array(c) for c in zip(*log))
+    genres = Categorical("item_genres", np.array([0, 0, 1, 1]), np.array([0, 1, 3, 4]), num_embeddings=2)
+    events = EventLog(
+        users=users,
+        items=items,
+        timestamps=ts.astype(np.int64),
+        labels={"like": like.astype(np.int8)},
+        actions={"like": like.astype(np.float32)},
+    )
+    path = build_dataset(
+        tmp_path / "cat",
+        name="cat",
+        events=events,
+        items=SideTable("test", np.array(["x", "y", "z"]), categorical=[genres]),
+        split=SplitConfig(cutoff=100, valid_fraction=0.0),
+        aggregate_category="item_genres",
+        progress=False,
+    )
+    ds = Dataset.open(path)
+    assert ds.manifest["aggregates"]["category"] == "item_genres"
+    k, p = ds.manifest["aggregates"]["smoothing"], ds.manifest["aggregates"]["priors"]["like"]
+    got = features(ds)
+
+    def user_mean(total, count):
+        return (total + k * p) / (count + k)
+
+    # A@40, target y (genres 0, 1): genre 0 has x (1) and y (0), genre 1 has y (0) and z (1): 4 pooled, 2 likes.
+    a40 = got[("A", 40)]
+    assert a40["user_category_mean_like"] == pytest.approx((2 + k * user_mean(2, 3)) / (4 + k), abs=1e-6)
+    assert a40["user_category_count_log"] == pytest.approx(np.log1p(4) / np.log1p(4), abs=1e-6)
+    # A@30, target z (genre 1): only y (0) shares it; y had no earlier event, so its residual is 0 - p.
+    a30 = got[("A", 30)]
+    assert a30["user_category_mean_like"] == pytest.approx((0 + k * user_mean(1, 2)) / (1 + k), abs=1e-6)
+    assert a30["user_category_resid_like"] == pytest.approx((0 - p) / (1 + k), abs=1e-6)
+    for first in (("A", 10), ("B", 15)):  # no earlier event of the user: the prior, no count
+        assert got[first]["user_category_mean_like"] == pytest.approx(p, abs=1e-6)
+        assert got[first]["user_category_count_log"] == 0.0
+    with pytest.raises(DataError, match="aggregate category 'item_tags'"):
+        build_dataset(tmp_path / "bad", name="bad", events=events, aggregate_category="item_tags", progress=False)
