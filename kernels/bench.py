@@ -15,6 +15,7 @@ import dataclasses
 import json
 import math
 import platform
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -385,8 +386,22 @@ def peers(variant: Variant, case: Case, device, options: KernelOptions, plain: b
 NOT_CAPTURABLE = {"sdpa nested"}
 
 
-def _time(fn, leaves, backward: bool, graph: bool = False) -> float:
-    """Median ms of one call `fn(*leaves)` (with backward: forward and input gradients). graph: replayed from a
+def _call(fn, leaves, backward: bool):
+    """One timed call: `fn(*leaves)`, with backward also the input gradients of a fixed random output gradient."""
+    if not backward:
+        return lambda: fn(*leaves)
+    grad = torch.randn_like(fn(*leaves))
+
+    def call():
+        torch.autograd.grad(fn(*leaves), leaves, grad)
+
+    return call
+
+
+def _time(fn, leaves, backward: bool, graph: bool = False, calling_thread: bool = False) -> float:
+    """Median ms of one call `fn(*leaves)` (with backward: forward and input gradients). calling_thread: the
+    backward runs on the calling thread (`torch.autograd.set_multithreading_enabled(False)`), not handed to
+    autograd's device thread. graph: replayed from a
     CUDA graph, i.e. device time without the host's launch and Python costs (how a graph-captured training step
     runs), on fresh copies of the leaves: an older autograd graph still holding a leaf's gradient accumulator made
     on the default stream makes the capture fail ("operation would make the legacy stream depend on a capturing
@@ -395,17 +410,8 @@ def _time(fn, leaves, backward: bool, graph: bool = False) -> float:
 
     if graph:
         leaves = [t.detach().clone().requires_grad_() for t in leaves]
-    if backward:
-        grad = torch.randn_like(fn(*leaves))
-
-        def call():
-            torch.autograd.grad(fn(*leaves), leaves, grad)
-    else:
-
-        def call():
-            return fn(*leaves)
-
-    with torch.set_grad_enabled(backward):
+    call = _call(fn, leaves, backward)
+    with torch.set_grad_enabled(backward), torch.autograd.set_multithreading_enabled(not calling_thread):
         call()
         if not graph:
             return triton.testing.do_bench(call, warmup=25, rep=100, return_mode="median")
@@ -424,8 +430,51 @@ def _time(fn, leaves, backward: bool, graph: bool = False) -> float:
             cuda_graph.reset()  # its memory pool goes back, captured or not
 
 
-def profile_ours(config_names: list[str], options: KernelOptions, seed: int = 0, progress=print) -> None:
-    """Per-kernel device time of one fwd+bwd of our kernels, for each config and variant."""
+HOST_CALLS = 40  # calls per host-time sample: a few launches each, far below the device's launch queue (1024)
+
+
+def host_us(fn, leaves, backward: bool, calling_thread: bool = False, calls: int = HOST_CALLS) -> float:
+    """Host microseconds per eager call (with backward: forward and input gradients), the median of 5 samples of
+    `calls` calls launched back to back without synchronizing: the launch queue never fills, so the host never
+    waits for the GPU and wall time is host time. calling_thread: as `_time`."""
+    call = _call(fn, leaves, backward)
+    cuda = leaves[0].is_cuda
+    samples = []
+    with torch.set_grad_enabled(backward), torch.autograd.set_multithreading_enabled(not calling_thread):
+        for _ in range(5):
+            call()
+        for _ in range(5):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            samples.append((time.perf_counter() - start) / calls * 1e6)
+    if cuda:
+        torch.cuda.synchronize()
+    return statistics.median(samples)
+
+
+def _record_host(row: dict, fn, leaves, fwd_only: bool) -> None:
+    """Host time of our eager calls (`host_us`): row["host_fwd_us"], and unless fwd_only row["host_fwd+bwd_us"],
+    row["host_fwd+bwd_calling_thread_us"] and the eager fwd+bwd with the backward on the calling thread
+    (row["fwd+bwd_calling_thread_ms"])."""
+    try:
+        row["host_fwd_us"] = host_us(fn, leaves, False)
+        if not fwd_only:
+            row["host_fwd+bwd_us"] = host_us(fn, leaves, True)
+            row["host_fwd+bwd_calling_thread_us"] = host_us(fn, leaves, True, calling_thread=True)
+            row["fwd+bwd_calling_thread_ms"] = _time(fn, leaves, True, calling_thread=True)
+    except Exception as err:
+        row["host_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    torch.cuda.empty_cache()
+
+
+def profile_ours(
+    config_names: list[str], options: KernelOptions, seed: int = 0, progress=print, out_dir: Path | None = None
+) -> None:
+    """Per-kernel device time of one fwd+bwd of our kernels, for each config and variant, then its host timeline
+    (`host_timeline`); with out_dir, each profile's Chrome trace (Python frames included) goes there."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda")
@@ -436,14 +485,44 @@ def profile_ours(config_names: list[str], options: KernelOptions, seed: int = 0,
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
             for _ in range(3):  # autotune and warm up outside the profile
                 out = run_ours(variant, case, "auto", leaves[0], leaves[1], leaves[2], options=options)
-                torch.autograd.grad(out, leaves, torch.ones_like(out))
+                grad = torch.ones_like(out)
+                torch.autograd.grad(out, leaves, grad)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            with profile(activities=activities, with_stack=out_dir is not None) as prof:
                 out = run_ours(variant, case, "auto", leaves[0], leaves[1], leaves[2], options=options)
-                torch.autograd.grad(out, leaves, torch.ones_like(out))
+                torch.autograd.grad(out, leaves, grad)
                 torch.cuda.synchronize()
             progress(f"profile {name}/{variant.name}")
             progress(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))
+            progress(host_timeline(prof.events()))
+            if out_dir is not None:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                prof.export_chrome_trace(str(out_dir / f"trace_{name}_{variant.name}.json"))
+
+
+def host_timeline(events) -> str:
+    """The host side of one profiled call: its CPU events up to two levels deep (the op, its allocations and kernel
+    launches; autograd's backward on its own thread), in start order, each with its start in us after the first
+    event, its duration and its thread."""
+    cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    if not cpu:
+        return "(no host events)"
+    t0 = min(e.time_range.start for e in cpu)
+
+    def depth(e) -> int:
+        d = 0
+        while e.cpu_parent is not None:
+            e, d = e.cpu_parent, d + 1
+        return d
+
+    lines = ["   start us      us  thread  event"]
+    for e in sorted(cpu, key=lambda e: e.time_range.start):
+        d = depth(e)
+        if d <= 2:
+            start, took = e.time_range.start - t0, e.time_range.elapsed_us()
+            lines.append(f"{start:11.1f} {took:7.1f} {e.thread:7d}  {'  ' * d}{e.name[:80]}")
+    return "\n".join(lines)
 
 
 def least_bytes(case: Case) -> dict[str, int]:
@@ -571,6 +650,8 @@ def run_benchmark(
                         row[f"{label}_error"] = "not capturable"
                     else:
                         graph_jobs.append((row, label, flops, fn, impl_leaves, backward))
+                if impl in ours(variant):
+                    _record_host(row, fn, impl_leaves, fwd_only)
                 rows.append(row)
                 _speedups(rows)
                 progress(format_row(row))
@@ -670,9 +751,52 @@ def format_row(row: dict) -> str:
             return f"{row[f'{label}_ms']:.3f} ms {row[f'{label}_tflops']:.0f} TF/s{tbps}{vs}"
         return row.get(f"{label}_error", "-")
 
-    return f"{row['config']:8s} {row['variant']:22s} {row['impl']:30s} " + " ".join(
-        f"{label} {cell(label):22s}" for label in LABELS
+    host = ""
+    if "host_fwd_us" in row:
+        host = f" host fwd {row['host_fwd_us']:.0f} us"
+        if "host_fwd+bwd_us" in row:
+            host += (
+                f", fwd+bwd {row['host_fwd+bwd_us']:.0f} us (calling thread {row['host_fwd+bwd_calling_thread_us']:.0f}"
+                f" us, eager {row['fwd+bwd_calling_thread_ms']:.3f} ms)"
+            )
+    elif "host_error" in row:
+        host = f" host {row['host_error']}"
+    return (
+        f"{row['config']:8s} {row['variant']:22s} {row['impl']:30s} "
+        + " ".join(f"{label} {cell(label):22s}" for label in LABELS)
+        + host
     )
+
+
+def _host_table(rows: list[dict]) -> list[str]:
+    """The markdown table of our rows' host times (`_record_host`) beside eager and graph fwd+bwd."""
+    timed = [r for r in rows if "host_fwd+bwd_us" in r]
+    if not timed:
+        return []
+
+    def ratio(r, label):
+        return f"{r[label] / r['graph fwd+bwd_ms']:.2f}" if label in r and "graph fwd+bwd_ms" in r else "-"
+
+    lines = [
+        "",
+        "Host time (us per eager call, launched back to back without synchronizing; `host_us`); calling thread: the "
+        "backward on the calling thread (`torch.autograd.set_multithreading_enabled(False)`), not autograd's device "
+        "thread.",
+        "",
+        "| config | variant | impl | host fwd us | host fwd+bwd us | host fwd+bwd us, calling thread "
+        "| eager fwd+bwd ms | eager fwd+bwd ms, calling thread | graph fwd+bwd ms | eager / graph "
+        "| eager, calling thread / graph |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in timed:
+        graph = f"{r['graph fwd+bwd_ms']:.3f}" if "graph fwd+bwd_ms" in r else "-"
+        eager = f"{r['fwd+bwd_ms']:.3f}" if "fwd+bwd_ms" in r else "-"
+        lines.append(
+            f"| {r['config']} | {r['variant']} | {r['impl']} | {r['host_fwd_us']:.0f} | {r['host_fwd+bwd_us']:.0f} | "
+            f"{r['host_fwd+bwd_calling_thread_us']:.0f} | {eager} | {r['fwd+bwd_calling_thread_ms']:.3f} | {graph} | "
+            f"{ratio(r, 'fwd+bwd_ms')} | {ratio(r, 'fwd+bwd_calling_thread_ms')} |"
+        )
+    return lines
 
 
 def markdown(meta: dict, rows: list[dict]) -> str:
@@ -711,4 +835,5 @@ def markdown(meta: dict, rows: list[dict]) -> str:
             + " | ".join(f"{ms(r, label)} | {tf(r, label)}" for label in LABELS)
             + " |"
         )
+    lines += _host_table(rows)
     return "\n".join(lines) + "\n"

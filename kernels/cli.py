@@ -33,7 +33,9 @@ def _bench_kernels(args: argparse.Namespace) -> int:
     if args.profile:
         from gemrec.kernels.bench import profile_ours
 
-        profile_ours(names, options, seed=args.seed, progress=lambda line: print(line, flush=True))
+        profile_ours(
+            names, options, seed=args.seed, progress=lambda line: print(line, flush=True), out_dir=Path(args.out)
+        )
         return 0
     rows = run_benchmark(
         names,
@@ -65,7 +67,11 @@ def register(groups: dict) -> None:
     p.add_argument("--out", default="runs/bench-kernels", help="folder for kernels_bench.json/.md")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-peers", action="store_true", help="time only our kernels")
-    p.add_argument("--profile", action="store_true", help="only print per-kernel device times of ours (fwd+bwd)")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="only profile ours (fwd+bwd): per-kernel device times, the host timeline, Chrome traces in --out",
+    )
     p.add_argument(
         "--fp8-vs-bf16",
         action="store_true",

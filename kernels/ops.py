@@ -378,28 +378,15 @@ class _Attention(torch.autograd.Function):
     """The public ops' autograd path: the kernels straight from Python in eager mode, the custom ops otherwise.
 
     Calls `attention_fwd` with grad mode off, which skips the per-call schema walk of the op's registered
-    autograd (`fill_defaults`: about a millisecond of host time per step, which dominated small configs).
+    autograd (`fill_defaults`: about a millisecond of host time per step, which dominated small configs). Only
+    the differentiable tensors are arguments (`call` holds the rest): each argument costs host time in `apply`.
+    The forward's `Problem` is kept, without the differentiable tensors (autograd saves those), and bound to the
+    saved ones in the backward, which neither validates nor derives it again.
     """
 
     @staticmethod
-    def forward(
-        ctx,
-        q,
-        k,
-        v,
-        attn_bias,
-        pos_table,
-        time_table,
-        q_offsets,
-        kv_offsets,
-        q_timestamps,
-        kv_timestamps,
-        params,
-        extra_params,
-        options,
-    ):
-        # None: the same tensor as q_offsets (torch.compile refuses one tensor passed twice to a Function)
-        kv_offsets = q_offsets if kv_offsets is None else kv_offsets
+    def forward(ctx, q, k, v, attn_bias, pos_table, time_table, call):
+        q_offsets, kv_offsets, q_timestamps, kv_timestamps, params, extra_params, options = call
         args = (
             q,
             k,
@@ -417,37 +404,22 @@ class _Attention(torch.autograd.Function):
         if _direct(q):
             module, problem = _problem(*args, options)
             out, lse = module.forward(problem)
+            ctx.problem = problem.bind(None)
         else:
             out, lse = attention_fwd(*args, options.flags)
-        ctx.save_for_backward(
-            q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps
-        )
-        ctx.params, ctx.extra_params, ctx.options = params, extra_params, options
+            ctx.problem = None
+        ctx.save_for_backward(q, k, v, out, lse, attn_bias, pos_table, time_table)
+        ctx.call = call
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        (q, k, v, out, lse, q_offsets, kv_offsets, attn_bias, pos_table, time_table, q_timestamps, kv_timestamps) = (
-            ctx.saved_tensors
-        )
-        if _direct(q) and type(grad_out) is torch.Tensor:
-            module, problem = _problem(
-                q,
-                k,
-                v,
-                q_offsets,
-                kv_offsets,
-                *ctx.params,
-                attn_bias,
-                pos_table,
-                time_table,
-                q_timestamps,
-                kv_timestamps,
-                *ctx.extra_params,
-                ctx.options,
-            )
-            dq, dk, dv, dab, dpt, dtt = module.backward(problem, grad_out, out, lse)
+        q, k, v, out, lse, attn_bias, pos_table, time_table = ctx.saved_tensors
+        if ctx.problem is not None and _direct(q) and type(grad_out) is torch.Tensor:
+            problem = ctx.problem.bind((q, k, v, attn_bias, pos_table, time_table))
+            dq, dk, dv, dab, dpt, dtt = triton_attention.backward(problem, grad_out, out, lse)
         else:
+            q_offsets, kv_offsets, q_timestamps, kv_timestamps, params, extra_params, options = ctx.call
             dq, dk, dv, dab, dpt, dtt = attention_bwd(
                 grad_out,
                 q,
@@ -457,14 +429,14 @@ class _Attention(torch.autograd.Function):
                 lse,
                 q_offsets,
                 kv_offsets,
-                *ctx.params,
+                *params,
                 attn_bias,
                 pos_table,
                 time_table,
                 q_timestamps,
                 kv_timestamps,
-                *ctx.extra_params,
-                ctx.options.flags,
+                *extra_params,
+                options.flags,
             )
         return (
             dq,
@@ -473,12 +445,6 @@ class _Attention(torch.autograd.Function):
             dab if attn_bias is not None else None,
             dpt if pos_table is not None else None,
             dtt if time_table is not None else None,
-            None,
-            None,
-            None,
-            None,
-            None,
-            None,
             None,
         )
 
@@ -786,7 +752,8 @@ def _attention(
     # the H200 trace showed the model cut at every attention call). Eagerly, the Function, unless one tensor has
     # two roles (k is v, say).
     if not compiling and len({id(t) for t in present}) == len(present):
-        return _Attention.apply(*inputs, params, extra_params, options)
+        call = (q_offsets, kv_offsets, rel.q_timestamps, rel.kv_timestamps, params, extra_params, options)
+        return _Attention.apply(*contiguous, rel.position, rel.time, call)
     out, _ = attention_fwd(
         *contiguous[:3],
         q_offsets,

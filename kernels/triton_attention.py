@@ -3681,6 +3681,15 @@ class Problem:
         self.window, self.mask_block, self.rope_base = int(window or 0), int(block or 0), float(rope_base or 0.0)
         self.rope = rope_frequencies(self.head_dim, self.rope_base, self.block_d, q.device) if rope_base else q_offsets
 
+    def bind(self, tensors: tuple | None) -> "Problem":
+        """This problem on other differentiable tensors of the same shapes and dtypes: (q, k, v, attn_bias, pos_table,
+        time_table); None: a copy without them (what autograd keeps from the forward for the backward, which binds it
+        to the saved tensors). Offsets and timestamps stay."""
+        p = object.__new__(Problem)
+        p.__dict__.update(self.__dict__)
+        p.q, p.k, p.v, p.attn_bias, p.pos_table, p.time_table = (None,) * 6 if tensors is None else tensors
+        return p
+
     def resident(self) -> str | None:
         """Which side a program keeps loaded while it walks the other (`RESIDENT_MAX_TILE`): "kv" where every key
         sequence fits one tile (cross-attention to a few tokens; forward and backward), else "q" where every query

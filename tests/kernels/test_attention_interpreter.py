@@ -20,6 +20,7 @@ from gemrec.kernels import triton_attention as kernels_module
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_harness import GRADIENTS, make_case, max_error, offsets_of, run
+from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = pytest.mark.skipif(
     not kernels_module.INTERPRET, reason="triton was imported without TRITON_INTERPRET=1 (run in a subprocess)"
@@ -153,6 +154,45 @@ def test_resident_side_choice_on_the_benchmark_shapes():
     assert problem(65536, 1280, 32, 4096, 64).resident() == "kv"  # C-cross: 64 keys x 128 dims
     assert problem(32, 65536, 1, 32, 4096).resident() == "q"  # C-pma: 32 seeds
     assert problem(32, 65536, 1, 64, 4096, dim=256).resident() is None  # 64 seeds x 256 dims stay tiled
+
+
+class _PassThrough(TorchDispatchMode):
+    """A dispatch mode that changes nothing: under it the public ops take the custom ops' route."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "q_lens,kv_lens,op,causal,masks",
+    [
+        ([5, 0, 17, 1], [5, 0, 17, 1], "jfa", True, {}),
+        ([4], [20, 0, 37], "silu", False, {}),
+        ([20, 3, 40], [5, 1, 2], "jfa", True, {"window": 7, "rope_base": 100.0}),
+        ([9, 40], [9, 40], "silu", False, {"block": 16}),
+    ],
+)
+def test_eager_path_equals_the_custom_ops(q_lens, kv_lens, op, causal, masks, monkeypatch):
+    """Eager calls on plain tensors launch the kernels from Python, the backward reusing the forward's `Problem`
+    bound to the saved tensors; under a dispatch mode the same kernels run through the custom ops, each building its
+    own. Outputs and every gradient are identical."""
+    monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # the fused dQ buffer too
+    bound = []
+    bind = kernels_module.Problem.bind
+    monkeypatch.setattr(
+        kernels_module.Problem, "bind", lambda p, tensors: bound.append(tensors is None) or bind(p, tensors)
+    )
+    case = make_case(q_lens, kv_lens, heads=HEADS, dim=DIM, bias=True, seed=len(q_lens))
+    activation = "softmax" if op == "jfa" else op
+    for options in (ONE_LAUNCH, SEPARATE):  # resident kernels where they fit, then the separate launches
+        bound.clear()
+        eager = run(case, activation, backend="triton", causal=causal, options=options, **masks)
+        assert bound == [True, False]  # kept without tensors by the forward, bound again by the backward
+        with _PassThrough():
+            through_ops = run(case, activation, backend="triton", causal=causal, options=options, **masks)
+        assert bound == [True, False]
+        for name, a, b in zip(GRADIENTS, eager, through_ops):
+            assert (a is None and b is None) or torch.equal(a, b), (name, options)
 
 
 @pytest.mark.parametrize("op", ["jfa", "silu"])
