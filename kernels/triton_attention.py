@@ -2657,7 +2657,8 @@ def _bwd_q_resident_kernel(
 ):
     """The whole backward when every query sequence fits one BLOCK_M tile (PMA seeds over long keys): each program
     walks CHUNK key rows with Q, dO and the softmax delta loaded once, stores their dK, dV and score-bias gradients,
-    and adds its share of dQ (scaled) into the fp32 DQA (atomics)."""
+    and adds its share of dQ (scaled) into the fp32 DQA (atomics), whose rows are q's: a shared query sequence's
+    gradient is summed over the key sequences right there."""
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
@@ -2762,7 +2763,7 @@ def _bwd_q_resident_kernel(
     if ROPE:
         _rope_store(
             DQA,
-            o_rows,
+            q_start + offs_m,
             stride_dqat,
             stride_dqah,
             h,
@@ -2777,7 +2778,7 @@ def _bwd_q_resident_kernel(
         )
     else:
         tl.atomic_add(
-            DQA + o_rows[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :],
+            DQA + (q_start + offs_m)[:, None] * stride_dqat + h * stride_dqah + offs_d[None, :],
             dq * scale,
             mask=qmask,
             sem="relaxed",
@@ -3905,9 +3906,10 @@ def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
 
 
 def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
-    """(dq in fp32, dk, dv) from `_bwd_q_resident_kernel`, bias gradients in place."""
+    """(dq in fp32, already summed over the key sequences where the queries are shared, dk, dv) from
+    `_bwd_q_resident_kernel`, bias gradients in place."""
     q, k, v = p.q, p.k, p.v
-    dqa = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
+    dqa = torch.zeros((q.shape[0], p.heads, p.head_dim), dtype=torch.float32, device=q.device)
     dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
     dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
 
@@ -3943,6 +3945,7 @@ def backward(p: Problem, grad_out, out, lse):
     dtt = torch.zeros(p.time_table.shape, dtype=torch.float32, device=dev) if p.time_table is not None else None
     fused = p.fuse_dq()
     resident = p.resident()
+    q_summed = False  # dq of shared queries already summed over the key sequences
     if p.num_seqs == 0 or p.total_out == 0 or num_kv_rows == 0:
         dq = torch.zeros((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
         dk = torch.zeros((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
@@ -3955,6 +3958,7 @@ def backward(p: Problem, grad_out, out, lse):
         dq, dk, dv = _backward_kv_resident(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt)
     elif resident == "q":
         dq, dk, dv = _backward_q_resident(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt)
+        q_summed = True
     elif p.one_launch():
         dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
         dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
@@ -4010,7 +4014,7 @@ def backward(p: Problem, grad_out, out, lse):
                 reset=tuple(t for t in (dpt, dtt) if t is not None),
                 tma=p.tma_ok(k, v),
             )
-    if p.q_shared:
+    if p.q_shared and not q_summed:
         dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
     dq = dq.to(q.dtype)
     if p.kv_shared:
