@@ -3364,11 +3364,16 @@ class _Kernel:
     def __init__(self, fn, kind: str, interpret_tiles: dict | None = None):
         self.fn, self.kind = fn, kind
         self.interpret_tiles = interpret_tiles or {}  # tiles under the interpreter other than 16
-        self.best: dict = {}
-        self.compiled: dict = {}
+        # tuning key -> (tile config, {specialization key: (launcher, function, packed metadata, constexpr tail)})
+        self.tuned: dict = {}
         self.num_tensors: int | None = None  # arguments before the scalars (`_spec_key`), from the first launch
         self.scalar_specs: dict = {}
         self.tuning_log: list[dict] = []  # per tuning: key, seconds, (ms, config) of every candidate
+
+    @property
+    def best(self) -> dict:
+        """Tuning key -> the tile config chosen for it."""
+        return {key: config for key, (config, _) in self.tuned.items()}
 
     def variant(self, config: dict):
         """The kernel a tile config runs and its tile constexprs: the Triton kernel, or a Gluon one (`GLUON_CONFIGS`,
@@ -3408,8 +3413,8 @@ class _Kernel:
             options.gluon,
             torch.cuda.current_device(),
         )
-        config = self.best.get(tune_key)
-        if config is None:
+        tuned = self.tuned.get(tune_key)
+        if tuned is None:
             limit = shared_memory_limit(tune_key[-1])
             candidates = _candidates(self.kind, consts, dtype, tma, limit)
             if tune and torch.cuda.get_device_capability(tune_key[-1]) == (9, 0):
@@ -3418,24 +3423,23 @@ class _Kernel:
                 config = self._tune(tune_key, grid, args, consts, candidates, reset)
             else:
                 config = self._first_fitting(grid, args, consts, candidates, limit)
-            self.best[tune_key] = config
+            tuned = self.tuned[tune_key] = (config, {})
+        config, launches = tuned
         if self.num_tensors is None:
             self.num_tensors = 1 + max(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        key = (tune_key, _spec_key(args, self.num_tensors, self.scalar_specs))
-        entry = self.compiled.get(key)
+        spec = _spec_key(args, self.num_tensors, self.scalar_specs)
+        entry = launches.get(spec)
         g = grid(config)
         if entry is None or launch_hooked():
             fn, tiles = self.variant(config)
             kernel = fn.run(*args, grid=g, warmup=False, **consts, **tiles)
             tail = tuple({**consts, **tiles}[n] for n in _const_names(fn))
-            self.compiled[key] = (kernel, tail)
+            launches[spec] = (kernel.run, kernel.function, kernel.packed_metadata, tail)
             return
-        kernel, tail = entry
+        run, function, metadata, tail = entry
         stream = triton.runtime.driver.active.get_current_stream(tune_key[-1])
         grid_x, grid_y, grid_z = (*g, 1, 1)[:3]  # grids may have fewer than 3 dimensions (the delta kernel's has 1)
-        kernel.run(
-            grid_x, grid_y, grid_z, stream, kernel.function, kernel.packed_metadata, None, None, None, *args, *tail
-        )
+        run(grid_x, grid_y, grid_z, stream, function, metadata, None, None, None, *args, *tail)
 
     def _first_fitting(self, grid, args, consts, candidates, limit: int) -> dict:
         def shared(config):
@@ -3529,7 +3533,7 @@ def _const_names(fn) -> list[str]:
 
 
 def _pow2_at_least(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+    return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
 def tuned_configs() -> list[dict]:
@@ -3578,7 +3582,7 @@ def _config_name(config: dict) -> str:
 
 
 def _len_bucket(n: int) -> int:
-    return max(64, _pow2_at_least(n))
+    return 1 << (n - 1).bit_length() if n > 64 else 64
 
 
 def _resident_block(length: int) -> int:
@@ -3742,7 +3746,7 @@ class Problem:
         biases = (ab, pt, tt) if grads is None else (ab, grads[0], pt, grads[1], tt, grads[2])
         strides: list[int] = []
         for t in strided:
-            strides += (t.stride(0), t.stride(1)) if t is not None else (0, 0)
+            strides += t.stride()[:2] if t is not None else (0, 0)
         scales = (self.scale, self.scale * LOG2E) if qk_scale else (self.scale,)
         positions = (self.inv_max_len, self.pos_log_inv, self.time_log_inv)
         return (
@@ -4016,7 +4020,8 @@ def backward(p: Problem, grad_out, out, lse):
             )
     if p.q_shared and not q_summed:
         dq = dq.view(p.num_seqs, q.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32)
-    dq = dq.to(q.dtype)
+    if dq.dtype != q.dtype:
+        dq = dq.to(q.dtype)
     if p.kv_shared:
         dk = dk.view(p.num_seqs, k.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32).to(k.dtype)
         dv = dv.view(p.num_seqs, k.shape[0], p.heads, p.head_dim).sum(0, dtype=torch.float32).to(v.dtype)
