@@ -61,7 +61,7 @@ def _captured(recorded: list[Launch]):
         recorded.append(Launch(self, args, dict(consts), tma, options))
 
     # Recording replaces the launcher for the duration (and restores it): a deliberate monkeypatch.
-    kernels._Kernel.__call__, ops._kernels = record, (lambda device: kernels)  # type: ignore[method-assign]
+    kernels._Kernel.__call__, ops._kernels = record, (lambda q: kernels)  # type: ignore[method-assign]
     try:
         yield
     finally:

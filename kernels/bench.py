@@ -8,7 +8,9 @@ our same kernel after a separate rotary (the model's rotate-half on q and k, in 
 (unpadded, unmasked) query-key pairs as model FLOPs (`attention_flops`): 4*pairs*H*D forward, 8*pairs*H*D
 backward (FlashAttention's benchmarks also count the recomputed scores, 10*pairs*H*D); the block variants also report
 the bytes they must move and the TB/s that makes. Each is timed eagerly (launched from Python, host costs included)
-and, after every eager timing, replayed from a CUDA graph (device time only).
+and, after every eager timing, replayed from a CUDA graph (device time only). Ours also gets its host time per eager
+call (`host_us`: calls launched back to back, unsynchronized) and its eager fwd+bwd with the backward on the calling
+thread instead of autograd's device thread (a training step hands its backward to that thread once, not per op).
 """
 
 import dataclasses

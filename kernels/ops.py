@@ -41,8 +41,8 @@ NO_BIAS = RelativeBias()
 DEFAULT_OPTIONS = KernelOptions()
 
 
-def _kernels(device: torch.device):
-    if device.type == "cuda" or triton_attention.INTERPRET:
+def _kernels(q: torch.Tensor):
+    if q.is_cuda or triton_attention.INTERPRET:
         return triton_attention
     raise RuntimeError(
         "the Triton backend needs CUDA tensors, or TRITON_INTERPRET=1 set before triton is first imported "
@@ -74,7 +74,7 @@ def _problem(
     rope_base,
     options,
 ):
-    module = _kernels(q.device)
+    module = _kernels(q)
     return module, module.Problem(
         q,
         k,
@@ -606,9 +606,11 @@ def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, 
             raise ValueError(f"{name} must be floating point, got {t.dtype}")
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
+    # shapes compared as ints: torch.Size comparisons cost microseconds each
+    (_, heads, dim), (kv_rows, k_heads, k_dim), v_shape = q.shape, k.shape, v.shape
+    if (kv_rows, k_heads, k_dim) != (v_shape[0], v_shape[1], v_shape[2]):
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
-    if q.shape[1:] != k.shape[1:]:
+    if (heads, dim) != (k_heads, k_dim):
         raise ValueError(f"q and k heads/head_dim differ: {tuple(q.shape)} vs {tuple(k.shape)}")
     for name, t in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
         if not (isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() >= 1 and not t.is_floating_point()):
@@ -620,13 +622,12 @@ def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, 
         )
     if not (int(max_q_len) >= 0 and int(max_kv_len) >= 0):
         raise ValueError("max_q_len and max_kv_len must be >= 0")
-    if backend == "triton" and not 16 <= q.shape[2] <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in [16, {MAX_HEAD_DIM}], got {q.shape[2]}")
+    if backend == "triton" and not 16 <= dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [16, {MAX_HEAD_DIM}], got {dim}")
     rows = _num_out_rows(q, q_offsets, kv_offsets)
-    if attn_bias is not None and tuple(attn_bias.shape) != (rows, q.shape[1], max_kv_len):
-        want = (rows, q.shape[1], max_kv_len)
+    if attn_bias is not None and tuple(attn_bias.shape) != (rows, heads, max_kv_len):
+        want = (rows, heads, max_kv_len)
         raise ValueError(f"attn_bias must have shape {want}, got {tuple(attn_bias.shape)}")
-    heads = q.shape[1]
     if rel.position is not None:
         table = rel.position
         if not (table.dim() == 2 and table.shape[0] == heads and table.shape[1] >= 2):
@@ -642,11 +643,11 @@ def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, 
             raise ValueError("rel_bias time table needs q_timestamps and kv_timestamps")
         if rel.q_timestamps.shape != (rows,):
             raise ValueError(f"q_timestamps must have shape ({rows},) (one per output row)")
-        if rel.kv_timestamps.shape != (k.shape[0],):
-            raise ValueError(f"kv_timestamps must have shape ({k.shape[0]},)")
+        if rel.kv_timestamps.shape != (kv_rows,):
+            raise ValueError(f"kv_timestamps must have shape ({kv_rows},)")
         if rel.time_log_base <= 1.0:
             raise ValueError("rel_bias time_log_base must be > 1")
-    if q_offsets.device.type == "cpu" and not compiling:
+    if q_offsets.is_cpu and not compiling:
         for name, off, total, max_len in (
             ("q", q_offsets.tolist(), q.shape[0], max_q_len),
             ("kv", kv_offsets.tolist(), k.shape[0], max_kv_len),

@@ -3423,7 +3423,8 @@ class _Kernel:
                 config = self._tune(tune_key, grid, args, consts, candidates, reset)
             else:
                 config = self._first_fitting(grid, args, consts, candidates, limit)
-            tuned = self.tuned[tune_key] = (config, {})
+            compiled: dict = {}
+            tuned = self.tuned[tune_key] = (config, compiled)
         config, launches = tuned
         if self.num_tensors is None:
             self.num_tensors = 1 + max(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
