@@ -476,7 +476,7 @@ def profile_ours(
     config_names: list[str], options: KernelOptions, seed: int = 0, progress=print, out_dir: Path | None = None
 ) -> None:
     """Per-kernel device time of one fwd+bwd of our kernels, for each config and variant, then its host timeline
-    (`host_timeline`); with out_dir, each profile's Chrome trace (Python frames included) goes there."""
+    (`host_timeline`); with out_dir, each profile's Chrome trace goes there."""
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda")
@@ -491,7 +491,7 @@ def profile_ours(
                 torch.autograd.grad(out, leaves, grad)
             torch.cuda.synchronize()
             activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-            with profile(activities=activities, with_stack=out_dir is not None) as prof:
+            with profile(activities=activities) as prof:
                 out = run_ours(variant, case, "auto", leaves[0], leaves[1], leaves[2], options=options)
                 torch.autograd.grad(out, leaves, grad)
                 torch.cuda.synchronize()

@@ -403,8 +403,8 @@ class _Attention(torch.autograd.Function):
         )
         if _direct(q):
             module, problem = _problem(*args, options)
+            ctx.problem = problem.bind(None)  # before the launch: host time after it delays the backward's launches
             out, lse = module.forward(problem)
-            ctx.problem = problem.bind(None)
         else:
             out, lse = attention_fwd(*args, options.flags)
             ctx.problem = None
