@@ -472,29 +472,38 @@ def _record_host(row: dict, fn, leaves, fwd_only: bool) -> None:
     torch.cuda.empty_cache()
 
 
+def profile_call(fn, leaves):
+    """A torch.profiler profile (host and device) of one eager fwd+bwd `fn(*leaves)` from an idle GPU, after three
+    unprofiled calls (autotuning, warm-up)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    call = _call(fn, leaves, True)
+    cuda = leaves[0].is_cuda
+    sync = torch.cuda.synchronize if cuda else lambda: None
+    for _ in range(3):
+        call()
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+        call()
+        sync()
+    return prof
+
+
 def profile_ours(
     config_names: list[str], options: KernelOptions, seed: int = 0, progress=print, out_dir: Path | None = None
 ) -> None:
     """Per-kernel device time of one fwd+bwd of our kernels, for each config and variant, then its host timeline
     (`host_timeline`); with out_dir, each profile's Chrome trace goes there."""
-    from torch.profiler import ProfilerActivity, profile
-
     device = torch.device("cuda")
     for name in config_names:
         cfg = CONFIGS[name]
         case = make_case(cfg, seed, device)
         for variant in cfg.variants:
             leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
-            for _ in range(3):  # autotune and warm up outside the profile
-                out = run_ours(variant, case, "auto", leaves[0], leaves[1], leaves[2], options=options)
-                grad = torch.ones_like(out)
-                torch.autograd.grad(out, leaves, grad)
-            torch.cuda.synchronize()
-            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-            with profile(activities=activities) as prof:
-                out = run_ours(variant, case, "auto", leaves[0], leaves[1], leaves[2], options=options)
-                torch.autograd.grad(out, leaves, grad)
-                torch.cuda.synchronize()
+            prof = profile_call(
+                lambda q, k, v, variant=variant, case=case: run_ours(variant, case, "auto", q, k, v, options=options),
+                leaves,
+            )
             progress(f"profile {name}/{variant.name}")
             progress(prof.key_averages().table(sort_by="self_device_time_total", row_limit=8, max_name_column_width=50))
             progress(host_timeline(prof.events()))
@@ -504,7 +513,7 @@ def profile_ours(
 
 
 def host_timeline(events) -> str:
-    """The host side of one profiled call: its CPU events up to two levels deep (the op, its allocations and kernel
+    """The host side of one profiled call: its CPU events up to three levels deep (the op, its allocations and kernel
     launches; autograd's backward on its own thread), in start order, each with its start in us after the first
     event, its duration and its thread."""
     cpu = [e for e in events if e.device_type == torch.autograd.DeviceType.CPU]
@@ -521,7 +530,7 @@ def host_timeline(events) -> str:
     lines = ["   start us      us  thread  event"]
     for e in sorted(cpu, key=lambda e: e.time_range.start):
         d = depth(e)
-        if d <= 2:
+        if d <= 3:
             start, took = e.time_range.start - t0, e.time_range.elapsed_us()
             lines.append(f"{start:11.1f} {took:7.1f} {e.thread:7d}  {'  ' * d}{e.name[:80]}")
     return "\n".join(lines)
@@ -588,6 +597,7 @@ def run_benchmark(
     torch._dynamo.config.recompile_limit = 64
     rows: list[dict] = []
     graph_jobs = []
+    profiled = []  # (label, fn, leaves) of ours, for the host timelines
     checks = {}
     for name in config_names:
         cfg = CONFIGS[name]
@@ -654,6 +664,7 @@ def run_benchmark(
                         graph_jobs.append((row, label, flops, fn, impl_leaves, backward))
                 if impl in ours(variant):
                     _record_host(row, fn, impl_leaves, fwd_only)
+                    profiled.append((f"{name}/{variant.name} {impl}", fn, impl_leaves))
                 rows.append(row)
                 _speedups(rows)
                 progress(format_row(row))
@@ -681,6 +692,15 @@ def run_benchmark(
         if label == ("graph fwd" if fwd_only else "graph fwd+bwd"):
             _speedups(rows)
             progress(format_row(row))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not fwd_only:  # after every timing: the profiler must not touch one
+        timelines = []
+        for key, fn, impl_leaves in profiled:
+            try:
+                timelines.append(f"{key}\n{host_timeline(profile_call(fn, impl_leaves).events())}\n")
+            except Exception as err:
+                timelines.append(f"{key}: {type(err).__name__}: {str(err).splitlines()[0][:120]}\n")
+        (out_dir / "kernels_host_timeline.txt").write_text("\n".join(timelines))
     meta: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "commit": git_commit(short=True),
@@ -695,7 +715,6 @@ def run_benchmark(
 
     meta["triton"] = triton.__version__
     meta["tuned"] = tuned_configs()
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "kernels_bench.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     (out_dir / "kernels_bench.md").write_text(markdown(meta, rows))
     return rows
