@@ -10,8 +10,10 @@ position, so a block of queries loops over the key tiles some row sees in up to 
 tiles only later rows see, unmasked ones every row sees whole, masked ones at the diagonal and the far edge; the
 backward's key blocks likewise over query tiles (`_query_tiles`). Tiles no row sees are never visited. Without a
 window or block mask the loops are the plain causal ones, bit for bit. RoPE (ROPE, table `rope_frequencies`): q and
-k tiles are rotated as they load (`_rope_load`, halves interleaved: q.k unchanged) and gradients w.r.t. rotated
-tiles rotated back in fp32 registers before they are stored or added (`_rope_store`); no rotated copy in memory.
+k tiles are rotated as they load (`_rope_load`, halves interleaved: q.k unchanged; the forward's keys and the dK/dV
+kernel's queries also through descriptors of half rows) and gradients w.r.t. rotated tiles rotated back in fp32
+registers before they are stored (`_rope_store`; the dK/dV kernel's dQ partials are added up rotated and rotated back
+once, `_rope_dq_kernel`); no rotated copy in memory.
 
 Backward: without score biases one kernel per key block computes dK, dV and adds its share of dQ into an
 fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients come from dQ-side tiles) or
@@ -284,10 +286,17 @@ def _rope_load_cs(X, rows, stride_t, stride_h, h, row_ok, c, s, HEAD_DIM: tl.con
     offs = tl.arange(0, BLOCK_D // 2)
     ptrs = X + rows[:, None] * stride_t + h * stride_h + offs[None, :]
     mask = row_ok[:, None] & (offs < HALF)[None, :]
-    x1 = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-    r = tl.join(x1 * c - x2 * s, x1 * s + x2 * c)
-    return tl.reshape(r, (rows.shape[0], BLOCK_D)).to(X.dtype.element_ty)
+    return _rope_rotate(tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + HALF, mask=mask, other=0.0), c, s)
+
+
+@triton.jit
+def _rope_rotate(x1, x2, c, s):
+    """The rotated, interleaved tile (`_rope_load`) of the halves x1, x2 of a tile's rows, whose cos and sin are c, s
+    (fp32), in x1's dtype."""
+    a = x1.to(tl.float32)
+    b = x2.to(tl.float32)
+    r = tl.join(a * c - b * s, a * s + b * c)
+    return tl.reshape(r, (x1.shape[0], 2 * x1.shape[1])).to(x1.dtype)
 
 
 @triton.jit
@@ -467,9 +476,13 @@ def _load_kv(
     ROPE: tl.constexpr,
 ):
     """The K and V tiles of key rows `cols` (from n0); with TMA, K and V are this sequence's descriptors and
-    rows past its length read as zeros; with ROPE, K rotated by the key positions (`_rope_load`)."""
-    if ROPE:
-        tl.static_assert(not TMA, "RoPE loads go through pointers")
+    rows past its length read as zeros; with ROPE, K rotated by the key positions (`_rope_load`; with TMA K's
+    descriptor's boxes are half rows)."""
+    if ROPE and TMA:
+        c, s = _rope_cos_sin(cols, RF, offs_d.shape[0], FAST)
+        k = _rope_rotate(K.load([n0, 0]), K.load([n0, HEAD_DIM // 2]), c, s)
+        v = V.load([n0, 0])
+    elif ROPE:
         k = _rope_load(K, kv_start + cols, stride_kt, stride_kh, h, cols, col_ok, RF, HEAD_DIM, offs_d.shape[0], FAST)
         v = _load_tile(V, kv_start + cols, stride_vt, stride_vh, h, offs_d, col_ok[:, None] & d_ok[None, :], True)
     elif TMA:
@@ -811,7 +824,10 @@ def _fwd_kernel(
             other=0.0,
         )
     if TMA:
-        K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
+        if ROPE:  # in halves, rotated as they load (`_load_kv`)
+            K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D // 2)
+        else:
+            K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
         V = _seq_desc(V, kv_start, kv_len, stride_vt, stride_vh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
@@ -1285,8 +1301,11 @@ def _bwd_kv_tile(
     row_ok = offs_m < q_len
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
-    if ROPE:
-        tl.static_assert(not TMA, "RoPE loads go through pointers")
+    if ROPE and TMA:
+        c, s = _rope_cos_sin(offs_m + shift, RF, BLOCK_D, FAST)
+        q = _rope_rotate(Q.load([m0, 0]), Q.load([m0, HEAD_DIM // 2]), c, s)
+        do = DO.load([m0, 0])
+    elif ROPE:
         q = _rope_load(
             Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
         )
@@ -1472,7 +1491,10 @@ def _bwd_kv_setup(
     else:
         k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
     if TMA:
-        Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
+        if ROPE:  # in halves, rotated as they load (`_bwd_kv_tile`)
+            Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D // 2)
+        else:
+            Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
         DO = _seq_desc(DO, o_start, q_len, stride_dot, stride_doh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
         if DELTA_INLINE:
             Out = _seq_desc(Out, o_start, q_len, stride_ot, stride_oh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
@@ -3714,9 +3736,12 @@ class Problem:
         up to 128; other block sizes are a mask of the tiled kernels."""
         return self.mask_block in (64, 128) and self.block_d <= 128
 
-    def tma_ok(self, *tensors) -> bool:
-        """Whether the tensor-descriptor tiles apply: the layout allows them and no RoPE (rotated in registers)."""
-        return not self.rope_base and tma_ok(*tensors)
+    def tma_ok(self, *tensors, rope_halves: bool = False) -> bool:
+        """Whether the tensor-descriptor tiles apply: the layout allows them, and with RoPE (rotated in registers) only
+        for kernels that load the rotated side in halves (`rope_halves`: forward, dK/dV) of a head dim that is its
+        own tile, with 16-byte aligned halves."""
+        halves = rope_halves and self.head_dim == self.block_d and self.head_dim // 2 * self.q.element_size() % 16 == 0
+        return (not self.rope_base or halves) and tma_ok(*tensors)
 
     def fuse_dq(self) -> bool:
         return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
@@ -3795,7 +3820,7 @@ def forward(p: Problem):
         def grid(meta):
             return (_cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
 
-        _KERNELS["fwd"](grid, args, consts, p.bucket, p.options, tma=p.tma_ok(k, v))
+        _KERNELS["fwd"](grid, args, consts, p.bucket, p.options, tma=p.tma_ok(k, v, rope_halves=True))
     return out, lse
 
 
@@ -3994,7 +4019,7 @@ def backward(p: Problem, grad_out, out, lse):
             p.bucket,
             p.options,
             reset=(dqa,) if fused else (),
-            tma=p.tma_ok(q, go),
+            tma=p.tma_ok(q, go, rope_halves=True),
         )
         if fused:
             dq = _rope_dq(p, dqa) if p.rope_base else dqa

@@ -23,9 +23,15 @@ def options(request, monkeypatch) -> KernelOptions:
     """The first candidate tile of each kernel (no autotuning: one compile per specialization keeps this quick),
     through pointer loads or the tensor-descriptor (TMA) candidates, with the backward in separate launches or in one
     (`one_launch`; every problem here is small enough for it)."""
+    tma, one_launch = request.param
+    tma_first(monkeypatch, tma)
+    return KernelOptions(tma=tma, one_launch=one_launch, autotune=False)
+
+
+def tma_first(monkeypatch, tma: bool) -> None:
+    """Every kernel's candidate list with the tensor-descriptor tiles first (`tma`) or last; no tile chosen yet."""
     from gemrec.kernels import triton_attention as kernels
 
-    tma, one_launch = request.param
     for table in ("CONFIGS", "LARGE_HEAD_DIM_CONFIGS"):
         configs = getattr(kernels, table)
         monkeypatch.setattr(
@@ -36,7 +42,6 @@ def options(request, monkeypatch) -> KernelOptions:
     for kernel in kernels._KERNELS.values():  # the chosen configs and compiled kernels of the other parameter
         monkeypatch.setattr(kernel, "best", {})
         monkeypatch.setattr(kernel, "compiled", {})
-    return KernelOptions(tma=tma, one_launch=one_launch, autotune=False)
 
 
 def poison_allocator(*shapes):
@@ -205,7 +210,7 @@ MASKED = [
     ("jfa", True, dict(block=32, window=20)),  # a block mask of the tiled kernels
     ("jfa", True, dict(rope_base=10000.0)),  # RoPE in the full causal kernels
 ]
-UNTUNED = KernelOptions(autotune=False)  # the GPU's default path, first tiles (RoPE loads skip tensor descriptors)
+UNTUNED = KernelOptions(autotune=False)  # the GPU's default path, first tiles (pointer loads)
 
 
 @pytest.mark.parametrize("op,causal,masks", MASKED, ids=lambda x: "-".join(x) if isinstance(x, dict) else str(x))
@@ -235,6 +240,13 @@ def test_block_kernels_on_every_tile(tile, monkeypatch):
     check("jfa", [*LENGTHS, 4100], [*LENGTHS, 4100], UNTUNED, causal=True, seed=56, block=block, rope_base=1e4)
     check("gdpa", [300, 2000, 5], [700, 2100, 1], UNTUNED, seed=57, block=block, rope_base=1e4)
     check("jfa", [700, 2100, 1], [300, 2000, 5], UNTUNED, causal=True, seed=58, block=block, rope_base=1e4)
+
+
+def test_rope_through_tensor_descriptors_bf16(monkeypatch):
+    # the forward's keys and the dK/dV kernel's queries in half-row boxes, rotated as they load
+    tma_first(monkeypatch, True)
+    check("jfa", [*LENGTHS, 4100], [*LENGTHS, 4100], UNTUNED, causal=True, seed=59, window=256, rope_base=1e4)
+    check("gdpa", [300, 2000, 5], [700, 2100, 1], UNTUNED, seed=60, window=300, rope_base=1e4)
 
 
 def test_masks_and_rope_with_biases_bf16():

@@ -209,14 +209,18 @@ def jfa_causal_fp32(options=DEFAULT):  # the local-MFU pass's dtype: every tile 
 )
 def test_masks_rope_and_fp32_run_on_a_tile_that_fits(call, kinds):
     """What runs untuned (`first_fitting`: candidates in order, compiled, until one fits the device) compiles for
-    sm_90 within its shared memory; RoPE loads offer no tensor-descriptor tiles."""
+    sm_90 within its shared memory; with RoPE, tensor-descriptor tiles only where the rotated side loads in halves
+    (forward, dK/dV), and the first of them compiles too."""
     from gemrec.kernels.aot import compile_launch, record_launches
 
     launches = record_launches(call)
     assert [launch.kind for launch in launches] == kinds
     for launch in launches:
         candidates = launch.candidates()
-        assert candidates and (not launch.consts.get("ROPE") or not any(c.get("TMA") for c in candidates))
+        tma = [c for c in candidates if c.get("TMA")]
+        assert candidates and (not launch.consts.get("ROPE") or bool(tma) == (launch.kind in ("fwd", "dkdv")))
+        if launch.consts.get("ROPE") and tma:
+            assert compile_launch(launch, tma[0]).metadata.shared <= SHARED_MEMORY_LIMIT
         compiled = {}
 
         def shared(config, launch=launch, compiled=compiled):
