@@ -40,8 +40,7 @@ def tma_first(monkeypatch, tma: bool) -> None:
             {kind: sorted(c, key=lambda cfg: cfg.get("TMA", False) != tma) for kind, c in configs.items()},
         )
     for kernel in kernels._KERNELS.values():  # the chosen configs and compiled kernels of the other parameter
-        monkeypatch.setattr(kernel, "best", {})
-        monkeypatch.setattr(kernel, "compiled", {})
+        monkeypatch.setattr(kernel, "tuned", {})
 
 
 def poison_allocator(*shapes):
@@ -234,8 +233,7 @@ def test_block_kernels_on_every_tile(tile, monkeypatch):
 
     for kind in block_attention.KERNELS:
         monkeypatch.setitem(kernels.CONFIGS, kind, [tile])
-        monkeypatch.setattr(kernels._KERNELS[kind], "best", {})
-        monkeypatch.setattr(kernels._KERNELS[kind], "compiled", {})
+        monkeypatch.setattr(kernels._KERNELS[kind], "tuned", {})
     block = max(64, tile["SUB_M"])
     check("jfa", [*LENGTHS, 4100], [*LENGTHS, 4100], UNTUNED, causal=True, seed=56, block=block, rope_base=1e4)
     check("gdpa", [300, 2000, 5], [700, 2100, 1], UNTUNED, seed=57, block=block, rope_base=1e4)

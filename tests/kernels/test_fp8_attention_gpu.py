@@ -28,8 +28,7 @@ def descriptor_tiles_first(monkeypatch):
     tiles = sorted(kernels.CONFIGS["fwd_fp8"], key=lambda c: not c.get("TMA"))
     monkeypatch.setitem(kernels.CONFIGS, "fwd_fp8", tiles)
     for kernel in kernels._KERNELS.values():
-        monkeypatch.setattr(kernel, "best", {})
-        monkeypatch.setattr(kernel, "compiled", {})
+        monkeypatch.setattr(kernel, "tuned", {})
 
 
 def check(case, activation, options=POINTERS, backward=False, grad_tol=0.12, **kw):
