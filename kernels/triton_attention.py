@@ -3994,14 +3994,14 @@ def backward(p: Problem, grad_out, out, lse):
         dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
         dq = _backward_one_launch(p, grad_out, out, lse, dk, dv, dab, dpt, dtt)
     else:
-        dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
-        dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
         dqa = lse  # a placeholder unless dQ is fused
         if fused:  # dQ added into an fp32 buffer, zeroed by the delta kernel where there is one (a fill launch less)
             shape = (p.total_out, p.heads, p.head_dim)
             dqa = (torch.empty if p.mode == 0 else torch.zeros)(shape, dtype=torch.float32, device=dev)
-        # pointwise modes never read delta
+        # pointwise modes never read delta; launched before dK and dV are allocated, so that the GPU starts earlier
         delta = _delta(p, out, grad_out, dqa if fused else None) if p.mode == 0 else lse
+        dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
+        dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
         go = grad_out
 
         def grid_kv(meta):
