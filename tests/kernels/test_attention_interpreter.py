@@ -195,6 +195,19 @@ def test_eager_path_equals_the_custom_ops(q_lens, kv_lens, op, causal, masks, mo
             assert (a is None and b is None) or torch.equal(a, b), (name, options)
 
 
+def test_a_retained_graph_runs_its_backward_twice():
+    """The kept `Problem` holds no tensor the first backward frees: a retained graph's second backward, on the same
+    saved tensors, gives the same gradients."""
+    off = offsets_of([5, 0, 17])
+    q, k, v = (torch.randn(22, HEADS, DIM, requires_grad=True) for _ in range(3))
+    out = jagged_attention(q, k, v, off, off, 17, 17, causal=True, backend="triton", options=SEPARATE)
+    grad = torch.randn_like(out)
+    first = torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+    second = torch.autograd.grad(out, (q, k, v), grad)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("op", ["jfa", "silu"])
 def test_backward_with_dq_fused_into_the_key_block_kernel(op, monkeypatch):
     monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)  # dq by atomics from the dK/dV kernel everywhere
