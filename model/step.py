@@ -45,7 +45,8 @@ def train_step(
         if output is None or labels is None:
             raise ValueError("train_step needs labels (or an objective) for the loss")
         total = loss(output, labels, task_weights)
-    total.backward()
+    with torch.autograd.set_multithreading_enabled(False):  # no hand-off to autograd's device thread (host time)
+        total.backward()
     if optimizer_step is not None:
         optimizer_step()
     return StepResult(total.detach(), output)

@@ -1,7 +1,9 @@
 """The one training step: forward under the given autocast, loss, backward, then the optimizer."""
 
 import contextlib
+import threading
 
+import pytest
 import torch
 from gemrec.model import ModelConfig, build_model, loss, train_step
 from gemrec.model.synthetic import bench_schema, random_input, random_labels
@@ -65,3 +67,16 @@ def test_an_objective_replaces_the_multi_task_loss():
     assert calls == [True] and result.output is None
     assert torch.allclose(result.loss, model.sequence_vectors(inp).square().mean().detach())
     assert model.seq_input.token_proj.weight.grad is not None and model.heads.trunk.weight.grad is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_backward_runs_on_the_calling_thread():
+    """On a GPU autograd would hand the backward to its device thread; the step keeps it on the caller's."""
+    model = small_model().cuda()
+    gen = torch.Generator().manual_seed(3)
+    inp = random_input(SCHEMA, 4, 6, generator=gen).to("cuda")
+    threads = []
+    model.heads.register_full_backward_hook(lambda *_: threads.append(threading.get_ident()))
+    train_step(model, inp, random_labels(4, SCHEMA.num_tasks, gen).cuda())
+    assert threads == [threading.get_ident()]
