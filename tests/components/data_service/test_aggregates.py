@@ -120,8 +120,8 @@ def test_recent_window_covers_only_the_last_events(tmp_path):
 
 def test_dense_bins_are_train_split_quantiles(tmp_path):
     # Item i's count of earlier events grows with time, so the eval examples have larger values than any train one.
-    log = [(f"u{t % 7}", "i", 100 + 10 * t, t % 2) for t in range(60)]
-    ds = build(tmp_path, log=log, cutoff=100 + 10 * 40)
+    log = [(f"u{t % 7}", "i", 100 + 10 * t, t % 2) for t in range(200)]
+    ds = build(tmp_path, log=log, cutoff=100 + 10 * 130)
     bins = ds.manifest["dense_bins"]
     assert bins["split"] == "train" and set(bins["edges"]) == set(ds.dense_features)
     values = {s: ds.collate(s, np.arange(ds.num_examples(s)), max_seq_len=0).dense_features for s in ds.splits}
@@ -130,7 +130,7 @@ def test_dense_bins_are_train_split_quantiles(tmp_path):
     assert edges[0] == pytest.approx(float(values["train"][:, col].min()))
     assert edges[-1] == pytest.approx(float(values["train"][:, col].max()))
     assert edges[-1] < float(values["eval"][:, col].min())
-    assert all(b > a for a, b in zip(edges, edges[1:])) and len(edges) == bins["bins"] + 1  # 40 distinct values
+    assert all(b > a for a, b in zip(edges, edges[1:])) and len(edges) == bins["bins"] + 1  # 130 distinct values
 
 
 def test_no_leakage_of_the_target_or_later_events(tmp_path):
