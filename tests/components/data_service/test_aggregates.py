@@ -21,17 +21,24 @@ LOG = [
 ]
 
 
-def build(tmp_path, log=LOG, name="agg", **split):
+def event_log(log) -> EventLog:
     users, items, ts, like = (np.array(c) for c in zip(*log))
-    events = EventLog(
+    return EventLog(
         users=users,
         items=items,
         timestamps=ts.astype(np.int64),
         labels={"like": like.astype(np.int8)},
         actions={"like": like.astype(np.float32)},
     )
+
+
+def build(tmp_path, log=LOG, name="agg", options=None, **split):
+    """The dataset of `log` (`options`: more build_dataset arguments)."""
     split = SplitConfig(**{"cutoff": 100, "valid_fraction": 0.0, **split})
-    return Dataset.open(build_dataset(tmp_path / name, name=name, events=events, split=split, progress=False))
+    path = build_dataset(
+        tmp_path / name, name=name, events=event_log(log), split=split, progress=False, **(options or {})
+    )
+    return Dataset.open(path)
 
 
 def features(ds: Dataset, split: str = "train") -> dict[tuple[str, int], dict[str, float]]:
@@ -193,25 +200,9 @@ def test_quantile_edges_merge_duplicates_and_handle_constants():
 def test_category_means_over_the_targets_categories(tmp_path):
     # Items: x in genre 0, y in genres 0 and 1, z in genre 1. B's event counts for item means, never for A's.
     log = [("A", "x", 10, 1), ("B", "x", 15, 1), ("A", "y", 20, 0), ("A", "z", 30, 1), ("A", "y", 40, 1)]
-    users, items, ts, like = (np.array(c) for c in zip(*log))
     genres = Categorical("item_genres", np.array([0, 0, 1, 1]), np.array([0, 1, 3, 4]), num_embeddings=2)
-    events = EventLog(
-        users=users,
-        items=items,
-        timestamps=ts.astype(np.int64),
-        labels={"like": like.astype(np.int8)},
-        actions={"like": like.astype(np.float32)},
-    )
-    path = build_dataset(
-        tmp_path / "cat",
-        name="cat",
-        events=events,
-        items=SideTable("test", np.array(["x", "y", "z"]), categorical=[genres]),
-        split=SplitConfig(cutoff=100, valid_fraction=0.0),
-        aggregate_category="item_genres",
-        progress=False,
-    )
-    ds = Dataset.open(path)
+    items = SideTable("test", np.array(["x", "y", "z"]), categorical=[genres])
+    ds = build(tmp_path, log, "cat", {"items": items, "aggregate_category": "item_genres"})
     assert ds.manifest["aggregates"]["category"] == "item_genres"
     k, p = ds.manifest["aggregates"]["smoothing"], ds.manifest["aggregates"]["priors"]["like"]
     got = features(ds)
@@ -231,4 +222,4 @@ def test_category_means_over_the_targets_categories(tmp_path):
         assert got[first]["user_category_mean_like"] == pytest.approx(p, abs=1e-6)
         assert got[first]["user_category_count_log"] == 0.0
     with pytest.raises(DataError, match="aggregate category 'item_tags'"):
-        build_dataset(tmp_path / "bad", name="bad", events=events, aggregate_category="item_tags", progress=False)
+        build(tmp_path, log, "bad", {"items": items, "aggregate_category": "item_tags"})
