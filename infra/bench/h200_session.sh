@@ -168,4 +168,5 @@ fi
 if want services-long; then real_path services_long h200-long 50071; fi
 
 cat "$out/status.txt"
-(cd "$out" && tar czf all.tgz --exclude=all.tgz .)
+# written beside OUT, then moved in: an archive growing inside the folder it reads makes tar exit 1 ("file changed")
+tar czf "$out.tgz" -C "$out" --exclude=all.tgz . && mv "$out.tgz" "$out/all.tgz"

@@ -12,6 +12,7 @@
 set -u
 raw=${1:?usage: seqrec_gpu.sh RAW OUT [RECIPE] [PARTS]}
 out=${2:?usage: seqrec_gpu.sh RAW OUT [RECIPE] [PARTS]}
+out=${out%/}
 recipe=${3:-s3rec}
 parts=${4:-beauty-full,beauty-sampled99,sports-full,sports-sampled99}
 shift $(( $# < 4 ? $# : 4 ))
@@ -47,4 +48,5 @@ wait
 rm -rf "$out/data"
 cat "$out/status.txt"
 # one file: a device call brings back only a few files
-(cd "$out" && tar czf seqrec.tgz --exclude=seqrec.tgz . && find . -type f ! -name seqrec.tgz -delete)
+tar czf "$out.tgz" -C "$out" --exclude=seqrec.tgz . && mv "$out.tgz" "$out/seqrec.tgz" \
+  && find "$out" -type f ! -name seqrec.tgz -delete  # archived beside OUT: tar exits 1 on a folder that grows
