@@ -211,6 +211,9 @@ class SeqRecConfig(Section):
     # Weight of the ranker's auxiliary next-item loss: a full softmax over the catalogue at every history token of
     # its sequence tower (the retrieval head's objective), added to the pointwise loss. 0: off.
     ranker_next_item_weight: float = 0.0
+    # Weights of the retrieval head's score (sequence vector . item vector) added to the ranker's logit when
+    # scoring candidates; every validation scores each, and the test uses the best (weight, checkpoint) pair.
+    ranker_retrieval_weights: tuple[float, ...] = (0.0,)
     # The ranker's epochs are 1 + ranker_negatives times longer (every candidate is an example): its own cadence.
     ranker_eval_every: float = 0.25  # epochs between the ranker's validations
     ranker_patience: int = 3  # the ranker's validations without a better NDCG@10 before stopping
@@ -229,6 +232,8 @@ class SeqRecConfig(Section):
             self.require(getattr(self, key) > 0, key, "must be > 0")
         self.require(self.valid_users >= 0, "valid_users", "must be >= 0 (0 = all)")
         self.require(self.ranker_next_item_weight >= 0, "ranker_next_item_weight", "must be >= 0 (0 = off)")
+        weights = self.ranker_retrieval_weights
+        self.require(len(weights) > 0 and min(weights) >= 0, "ranker_retrieval_weights", "must be >= 0, at least one")
 
 
 # Recipe table -> its section type, in the order they are logged.

@@ -7,6 +7,8 @@ Protocols (definitions in `ranking.py`):
   binary cross-entropy per candidate, or the softmax cross-entropy of each positive against its negatives), plus,
   weighted by `seqrec.ranker_next_item_weight`, the retrieval head's next-item softmax over the catalogue at every
   history token of the same sequence tower (multi-task: the tower and the item embeddings also learn what follows).
+  Candidates are scored by the ranker's logit plus a weight times that retrieval head's score; the weight is chosen
+  with the checkpoint on validation among `seqrec.ranker_retrieval_weights` (default 0: the ranker alone).
 - `full`: the target among all items, history items removed. Arm `gem` is GEM's retrieval head: the causal
   sequence tower's output at the last history token, dot product with the item vectors
   (`GEMModel.sequence_vectors` / `item_vectors`), trained on next-item prediction at every position with
@@ -132,15 +134,21 @@ class RetrievalArm:
 
     @torch.no_grad()
     def scores(self, targets: Targets, candidates: np.ndarray | None) -> torch.Tensor:
-        inp = self.data.model_input(targets.history).to(self.device)
-        hidden = self.model.sequence_vectors(inp).float()
-        lengths = inp.seq_lengths()
-        last = hidden[(inp.seq_offsets[1:] - 1).clamp(min=0)] * (lengths > 0)[:, None]
-        items = self.model.item_vectors(*self.catalog).float()
-        if candidates is None:
-            return last @ items.t()
-        chosen = items[torch.from_numpy(candidates).to(self.device)]
-        return (chosen * last[:, None, :]).sum(-1)
+        return retrieval_scores(self.model, self.data, self.catalog, targets, candidates, self.device)
+
+
+def retrieval_scores(model, data: SeqRecData, catalog, targets: Targets, candidates: np.ndarray | None, device):
+    """The retrieval head's scores: the sequence vector at the last history token · the item vectors of the
+    candidates (U, C), or of the whole catalogue (U, items) when `candidates` is None."""
+    inp = data.model_input(targets.history).to(device)
+    hidden = model.sequence_vectors(inp).float()
+    lengths = inp.seq_lengths()
+    last = hidden[(inp.seq_offsets[1:] - 1).clamp(min=0)] * (lengths > 0)[:, None]
+    items = model.item_vectors(*catalog).float()
+    if candidates is None:
+        return last @ items.t()
+    chosen = items[torch.from_numpy(candidates).to(device)]
+    return (chosen * last[:, None, :]).sum(-1)
 
 
 class RankerArm:
@@ -148,7 +156,9 @@ class RankerArm:
 
     def __init__(self, name: str, model, data: SeqRecData, config: TrainConfig, device: torch.device):
         self.name, self.model, self.data, self.config, self.device = name, model, data, config.seqrec, device
-        self.catalog = data.catalog(device) if self.config.ranker_next_item_weight else None
+        self.mixes = self.config.ranker_retrieval_weights
+        self.catalog = data.catalog(device) if self.config.ranker_next_item_weight or any(self.mixes) else None
+        self.mix = self.mixes[0]  # the weight `scores` adds the retrieval head's score with (chosen on validation)
 
     @property
     def steps_per_epoch(self) -> int:
@@ -212,10 +222,20 @@ class RankerArm:
 
     @torch.no_grad()
     def scores(self, targets: Targets, candidates: np.ndarray | None) -> torch.Tensor:
+        return self.mixed_scores(targets, candidates, (self.mix,))[0]
+
+    @torch.no_grad()
+    def mixed_scores(self, targets: Targets, candidates: np.ndarray | None, mixes: tuple[float, ...]) -> torch.Tensor:
+        """(len(mixes), U, C): the ranker's logit plus each weight times the retrieval head's score."""
         if candidates is None:
             raise ValueError("the pointwise ranker scores sampled candidates; full ranking uses GEM's retrieval head")
-        logits = self.model(self._input(targets, candidates).to(self.device)).logits[:, 0]
-        return logits.float().view(candidates.shape)
+        logits = self.model(self._input(targets, candidates).to(self.device)).logits[:, 0].float()
+        logits = logits.view(candidates.shape)
+        if not any(mixes):
+            return logits.expand(len(mixes), *logits.shape)
+        retrieval = retrieval_scores(self.model, self.data, self.catalog, targets, candidates, self.device)
+        weights = torch.tensor(mixes, device=logits.device)[:, None, None]
+        return logits + weights * retrieval
 
 
 def build_arm(name: str, protocol: str, config: TrainConfig, data: SeqRecData, device: torch.device):
@@ -257,7 +277,15 @@ class RankingEvaluator:
         self.seconds = time.perf_counter() - start
         return ranking_metrics(ranks)
 
-    def ranks(self, arm, split: str, rows: np.ndarray | None = None) -> np.ndarray:
+    def mix_metrics(self, arm: RankerArm, split: str, rows: np.ndarray | None = None) -> dict[float, dict]:
+        """`ranking_metrics` per retrieval weight of the ranker (`arm.mixes`), from one scoring pass."""
+        start = time.perf_counter()
+        ranks = self.ranks(arm, split, rows, arm.mixes)
+        self.seconds = time.perf_counter() - start
+        return {mix: ranking_metrics(r) for mix, r in zip(arm.mixes, ranks)}
+
+    def ranks(self, arm, split: str, rows: np.ndarray | None = None, mixes: tuple[float, ...] | None = None):
+        """0-based ranks of the targets (U,); with `mixes` (a ranker's retrieval weights) one row per weight."""
         targets = self.data.splits[split]
         rows = np.arange(len(targets)) if rows is None else rows
         candidates = self._candidates(split) if self.protocol == "sampled99" else None
@@ -267,6 +295,11 @@ class RankingEvaluator:
             for start in range(0, len(rows), self.batch_users):
                 chunk = rows[start : start + self.batch_users]
                 part = targets.take(chunk)
+                if mixes is not None:
+                    scores = arm.mixed_scores(part, candidates[chunk], mixes)
+                    target = torch.zeros(len(chunk), dtype=torch.long, device=scores.device)
+                    out.append(np.stack([target_ranks(s, target).cpu().numpy() for s in scores]))
+                    continue
                 if candidates is not None:
                     scores = arm.scores(part, candidates[chunk])
                     target = torch.zeros(len(chunk), dtype=torch.long, device=scores.device)
@@ -280,12 +313,16 @@ class RankingEvaluator:
                 out.append(target_ranks(scores, target, masked).cpu().numpy())
         finally:
             arm.model.train()
-        return np.concatenate(out)
+        return np.concatenate(out, axis=-1)
 
 
 def arm_metrics(arm: str, split: str, metrics: dict) -> dict[str, float]:
     """MLflow names of an arm's ranking metrics on a split (`gem/valid_ndcg_at_10`), the user count left out."""
     return {f"{arm}/{split}_{metric_key(k)}": v for k, v in metrics.items() if k != "users"}
+
+
+def by_ndcg(item: tuple[float, dict]) -> float:
+    return item[1]["ndcg@10"]
 
 
 def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tracker, device: torch.device) -> dict:
@@ -319,6 +356,7 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
     )
     history: list[dict] = []
     best_state: dict[str, torch.Tensor] | None = None
+    mix = best_mix = 0.0
     step, losses, eval_seconds = 0, list[torch.Tensor](), 0.0
     bar = tqdm(total=cfg.epochs * steps_per_epoch, desc=f"{arm.name}", unit="step", mininterval=2.0, dynamic_ncols=True)
     model.train()
@@ -339,13 +377,19 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
         mean_loss = float(torch.stack(losses).float().mean())
         losses = []
         with autocast():
-            metrics = evaluator.metrics(arm, "valid", valid_rows)
+            if ranker:  # the ranker's retrieval weight is chosen here too: the best NDCG@10 over `arm.mixes`
+                mix, metrics = max(evaluator.mix_metrics(arm, "valid", valid_rows).items(), key=by_ndcg)
+            else:
+                metrics = evaluator.metrics(arm, "valid", valid_rows)
         eval_seconds += evaluator.seconds
-        record = {"step": step, "epoch": step / steps_per_epoch, "train_loss": mean_loss, **metrics}
+        chosen = {"retrieval_weight": mix} if ranker else {}
+        record = {"step": step, "epoch": step / steps_per_epoch, "train_loss": mean_loss, **metrics, **chosen}
         history.append(record)
-        tracker.log_metrics(arm_metrics(arm.name, "valid", metrics) | {f"{arm.name}/train_loss": mean_loss}, step=step)
+        logged = arm_metrics(arm.name, "valid", metrics) | {f"{arm.name}/{k}": v for k, v in chosen.items()}
+        tracker.log_metrics(logged | {f"{arm.name}/train_loss": mean_loss}, step=step)
         if early.update(step, metrics["ndcg@10"]):
             best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            best_mix = mix
         bar.set_postfix(loss=f"{mean_loss:.4f}", ndcg10=f"{metrics['ndcg@10']:.4f}", best=f"{early.best:.4f}")
         log.info(
             "%s epoch %.2f: loss %.4f, valid HR@10 %.4f NDCG@10 %.4f (best %.4f at epoch %.2f)",
@@ -364,12 +408,15 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
     if best_state is None:
         raise TrainingError(f"{arm.name}: no validation ran (the validation interval is longer than seqrec.epochs)")
     model.load_state_dict(best_state)
+    if ranker:
+        arm.mix = best_mix
     with autocast():
         test = evaluator.metrics(arm, "test")
     tracker.log_metrics(arm_metrics(arm.name, "test", test), step=step)
     log.info("%s test: %s", arm.name, ", ".join(f"{k} {v:.4f}" for k, v in test.items() if k != "users"))
     return {
         "test": test,
+        **({"retrieval_weight": best_mix} if ranker else {}),
         "valid_best": next(h for h in history if h["step"] == early.best_step),
         "best_epoch": early.best_step / steps_per_epoch,
         "epochs": step / steps_per_epoch,

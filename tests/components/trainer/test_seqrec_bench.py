@@ -113,3 +113,49 @@ def test_bench_seqrec_ranker_with_next_item_loss_learns(toy_dataset, tmp_path):
     assert main(argv + [a for item in settings for a in ("--set", item)]) == 0
     results = json.loads(out.read_text())
     assert results["hr@10"] > 0.5, results["arms"]["gem"]["history"]
+
+
+def test_ranker_scores_mix_in_the_retrieval_head(toy_dataset):
+    import numpy as np
+    import torch
+    from gemrec.components.data_service.dataset import Dataset
+    from gemrec.components.trainer.config import load_recipe
+    from gemrec.components.trainer.seqrec import build_arm
+    from gemrec.components.trainer.seqrec_data import SeqRecData
+
+    config = load_recipe("s3rec", [*TINY, "seqrec.ranker_retrieval_weights=[0, 0.5, 2]"])
+    data = SeqRecData(Dataset.open(toy_dataset), config.seqrec.max_seq_len)
+    arm = build_arm("gem", "sampled99", config, data, torch.device("cpu"))
+    arm.model.eval()
+    targets = data.splits["test"].take(np.arange(8))
+    candidates = np.random.default_rng(0).integers(data.num_items, size=(8, 5))
+    mixed = arm.mixed_scores(targets, candidates, (0.0, 0.5, 2.0))
+    with torch.no_grad():
+        logits = arm.model(arm._input(targets, candidates)).logits[:, 0].view(8, 5)
+        inp = data.model_input(targets.history)
+        last = arm.model.sequence_vectors(inp)[inp.seq_offsets[1:] - 1]
+        retrieval = (arm.model.item_vectors(*data.catalog())[torch.from_numpy(candidates)] * last[:, None]).sum(-1)
+    assert torch.allclose(mixed[0], logits)
+    assert torch.allclose(mixed[2], logits + 2.0 * retrieval, atol=1e-5)
+    assert not torch.allclose(mixed[1], mixed[0])
+    arm.mix = 0.5
+    assert torch.equal(arm.scores(targets, candidates), mixed[1])
+    with pytest.raises(Exception, match="seqrec.ranker_retrieval_weights"):
+        load_recipe("s3rec", ["seqrec.ranker_retrieval_weights=[0.5, -1]"])
+
+
+def test_bench_seqrec_ranker_chooses_its_retrieval_weight_on_validation(toy_dataset, tmp_path):
+    out = tmp_path / "metrics.json"
+    argv = ["bench", "seqrec", "--dataset", str(toy_dataset), "--protocol", "sampled99", "--arms", "gem"]
+    argv += ["--no-tracking", "--metrics-out", str(out)]
+    settings = [
+        *TINY,
+        "seqrec.epochs=2",
+        "seqrec.ranker_next_item_weight=1.0",
+        "seqrec.ranker_retrieval_weights=[0, 1]",
+    ]
+    assert main(argv + [a for item in settings for a in ("--set", item)]) == 0
+    gem = json.loads(out.read_text())["arms"]["gem"]
+    best = gem["valid_best"]
+    assert gem["retrieval_weight"] == best["retrieval_weight"] in (0.0, 1.0)
+    assert all(h["retrieval_weight"] in (0.0, 1.0) for h in gem["history"])
