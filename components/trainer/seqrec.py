@@ -295,15 +295,14 @@ class RankingEvaluator:
             for start in range(0, len(rows), self.batch_users):
                 chunk = rows[start : start + self.batch_users]
                 part = targets.take(chunk)
-                if mixes is not None:
-                    scores = arm.mixed_scores(part, candidates[chunk], mixes)
-                    target = torch.zeros(len(chunk), dtype=torch.long, device=scores.device)
-                    out.append(np.stack([target_ranks(s, target).cpu().numpy() for s in scores]))
-                    continue
                 if candidates is not None:
-                    scores = arm.scores(part, candidates[chunk])
+                    if mixes is None:
+                        scores = arm.scores(part, candidates[chunk])[None]
+                    else:
+                        scores = arm.mixed_scores(part, candidates[chunk], mixes)
                     target = torch.zeros(len(chunk), dtype=torch.long, device=scores.device)
-                    out.append(target_ranks(scores, target).cpu().numpy())
+                    ranks = np.stack([target_ranks(s, target).cpu().numpy() for s in scores])
+                    out.append(ranks if mixes is not None else ranks[0])
                     continue
                 scores = arm.scores(part, None)
                 masked = torch.zeros(scores.shape, dtype=torch.bool, device=scores.device)
