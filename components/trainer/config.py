@@ -223,6 +223,7 @@ class SeqRecConfig(Section):
     valid_users: int = 0  # users drawn for each validation (0: all); the test always uses all
     eval_batch_size: int = 256  # users per evaluation batch
     sparse_optimizer: bool = True  # row-wise Adagrad on embedding tables; false: AdamW over every parameter
+    weight_average: float = 0.0  # decay of an exponential moving average of the weights, validated and tested; 0: off
 
     def check(self) -> None:
         keys = ("epochs", "patience", "eval_every", "ranker_eval_every", "ranker_patience", "batch_size")
@@ -231,6 +232,7 @@ class SeqRecConfig(Section):
         for key in ("ranker_negatives", "sampled_negatives"):
             self.require(getattr(self, key) > 0, key, "must be > 0")
         self.require(self.valid_users >= 0, "valid_users", "must be >= 0 (0 = all)")
+        self.require(0 <= self.weight_average < 1, "weight_average", "must be in [0, 1) (0 = off)")
         self.require(self.ranker_next_item_weight >= 0, "ranker_next_item_weight", "must be >= 0 (0 = off)")
         weights = self.ranker_retrieval_weights
         self.require(len(weights) > 0 and min(weights) >= 0, "ranker_retrieval_weights", "must be >= 0, at least one")

@@ -10,6 +10,7 @@ machine) `RowWiseAdagrad` below does the same update without torchrec (and witho
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 
@@ -182,3 +183,34 @@ class Optimizers:
                     "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
                 }
         return self.state_dict()
+
+
+class WeightAverage:
+    """Exponential moving average of a model's floating-point state (Polyak averaging), evaluated in place of the
+    live weights. The decay ramps up as min(decay, (1 + n) / (10 + n)) over the first updates, so early averages
+    are not dominated by the initial weights."""
+
+    def __init__(self, model: nn.Module, decay: float):
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"WeightAverage: decay must be in (0, 1), got {decay}")
+        self.live = [t for t in model.state_dict().values() if t.is_floating_point()]
+        self.average = [t.detach().clone() for t in self.live]
+        self.decay, self.updates = decay, 0
+
+    @torch.no_grad()
+    def update(self) -> None:
+        decay = min(self.decay, (1 + self.updates) / (10 + self.updates))
+        self.updates += 1
+        torch._foreach_lerp_(self.average, self.live, 1.0 - decay)
+
+    @contextlib.contextmanager
+    def applied(self):
+        """The model holds the averaged weights inside the block, its live weights again after it."""
+        saved = [t.clone() for t in self.live]
+        with torch.no_grad():
+            torch._foreach_copy_(self.live, self.average)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(self.live, saved)

@@ -20,7 +20,8 @@ Every arm trains with the trainer's pieces: its optimizers (row-wise Adagrad on 
 rest), the one `train_step`, its loss guard (`first_nonfinite`) and its `EarlyStopping`: validation on the `valid`
 split every `seqrec.eval_every` epochs (the ranker: `ranker_eval_every`), a stop after `seqrec.patience`
 (`ranker_patience`) validations without a better NDCG@10, and the test on the `test` split with the best validated
-weights. Everything goes to one MLflow run (params, per-validation metrics, test metrics, a PNG of the metrics, the
+weights (with `seqrec.weight_average`, an exponential moving average of the weights is what is validated, kept
+and tested). Everything goes to one MLflow run (params, per-validation metrics, test metrics, a PNG of the metrics, the
 results JSON). The loop itself is this file's, not the `Trainer`'s: one process, batches of users' sequences
 (not the data service's `Batch` stream), ranking metrics instead of NE/AUC, and the best weights kept in memory
 (a run of minutes writes no checkpoints).
@@ -28,6 +29,7 @@ results JSON). The loop itself is this file's, not the `Trainer`'s: one process,
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -326,7 +328,7 @@ def by_ndcg(item: tuple[float, dict]) -> float:
 
 def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tracker, device: torch.device) -> dict:
     """Train with early stopping on validation NDCG@10, then test the best weights; the arm's results."""
-    from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+    from gemrec.components.trainer.optim import Optimizers, WeightAverage, apply_sparse_optimizer
     from gemrec.model import train_step
 
     cfg = config.seqrec
@@ -335,6 +337,8 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
     sparse_kind = apply_sparse_optimizer(model, config.optim) if cfg.sparse_optimizer else "none (AdamW on all)"
     steps_per_epoch = arm.steps_per_epoch
     optimizers = Optimizers(model, config.optim, cfg.epochs * steps_per_epoch)
+    average = WeightAverage(model, cfg.weight_average) if cfg.weight_average else None
+    evaluated = average.applied if average is not None else contextlib.nullcontext  # the weights validated
     _, autocast = autocast_for(config.train.precision, device)
     ranker = isinstance(arm, RankerArm)
     eval_every, patience = (cfg.ranker_eval_every, cfg.ranker_patience) if ranker else (cfg.eval_every, cfg.patience)
@@ -365,6 +369,8 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
         result = train_step(
             model, inp, labels, autocast=autocast, optimizer_step=optimizers.clip_and_step, objective=objective
         )
+        if average is not None:
+            average.update()
         step += 1
         losses.append(result.loss)
         bar.update(1)
@@ -375,20 +381,20 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
             raise TrainingError(f"{arm.name}: loss is {bad[1]} at step {bad[0]}")
         mean_loss = float(torch.stack(losses).float().mean())
         losses = []
-        with autocast():
+        with autocast(), evaluated():
             if ranker:  # the ranker's retrieval weight is chosen here too: the best NDCG@10 over `arm.mixes`
                 mix, metrics = max(evaluator.mix_metrics(arm, "valid", valid_rows).items(), key=by_ndcg)
             else:
                 metrics = evaluator.metrics(arm, "valid", valid_rows)
+            if early.update(step, metrics["ndcg@10"]):  # the validated weights are the ones kept
+                best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+                best_mix = mix
         eval_seconds += evaluator.seconds
         chosen = {"retrieval_weight": mix} if ranker else {}
         record = {"step": step, "epoch": step / steps_per_epoch, "train_loss": mean_loss, **metrics, **chosen}
         history.append(record)
         logged = arm_metrics(arm.name, "valid", metrics) | {f"{arm.name}/{k}": v for k, v in chosen.items()}
         tracker.log_metrics(logged | {f"{arm.name}/train_loss": mean_loss}, step=step)
-        if early.update(step, metrics["ndcg@10"]):
-            best_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            best_mix = mix
         bar.set_postfix(loss=f"{mean_loss:.4f}", ndcg10=f"{metrics['ndcg@10']:.4f}", best=f"{early.best:.4f}")
         log.info(
             "%s epoch %.2f: loss %.4f, valid HR@10 %.4f NDCG@10 %.4f (best %.4f at epoch %.2f)",

@@ -144,7 +144,7 @@ def test_ranker_scores_mix_in_the_retrieval_head(toy_dataset):
         load_recipe("s3rec", ["seqrec.ranker_retrieval_weights=[0.5, -1]"])
 
 
-def test_bench_seqrec_ranker_chooses_its_retrieval_weight_on_validation(toy_dataset, tmp_path):
+def test_bench_seqrec_ranker_chooses_its_retrieval_weight_on_validation_with_averaged_weights(toy_dataset, tmp_path):
     out = tmp_path / "metrics.json"
     argv = ["bench", "seqrec", "--dataset", str(toy_dataset), "--protocol", "sampled99", "--arms", "gem"]
     argv += ["--no-tracking", "--metrics-out", str(out)]
@@ -153,6 +153,7 @@ def test_bench_seqrec_ranker_chooses_its_retrieval_weight_on_validation(toy_data
         "seqrec.epochs=2",
         "seqrec.ranker_next_item_weight=1.0",
         "seqrec.ranker_retrieval_weights=[0, 1]",
+        "seqrec.weight_average=0.9",
     ]
     assert main(argv + [a for item in settings for a in ("--set", item)]) == 0
     gem = json.loads(out.read_text())["arms"]["gem"]

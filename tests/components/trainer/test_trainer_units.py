@@ -230,6 +230,29 @@ def test_rowwise_adagrad_without_torchrec_matches_torchrec():
         RowWiseAdagrad([ours], lr=0.0)
 
 
+def test_weight_average_follows_the_weights_and_is_applied_only_inside_its_block():
+    from gemrec.components.trainer.optim import WeightAverage
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    start = {k: v.clone() for k, v in model.state_dict().items()}
+    average = WeightAverage(model, decay=0.5)
+    expected = start["0.weight"].clone()
+    for n in range(3):
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        average.update()
+        decay = min(0.5, (1 + n) / (10 + n))
+        expected = decay * expected + (1 - decay) * model[0].weight.detach()
+    live = model[0].weight.detach().clone()
+    torch.testing.assert_close(live, start["0.weight"] + 3.0)
+    with average.applied():
+        torch.testing.assert_close(model[0].weight.detach(), expected)
+        assert torch.equal(model[1].num_batches_tracked, start["1.num_batches_tracked"])  # integer state untouched
+    assert torch.equal(model[0].weight.detach(), live)
+    with pytest.raises(ValueError, match="decay must be in"):
+        WeightAverage(model, decay=1.0)
+
+
 def test_local_mfu_of_compiled_layers_compiles_each_layer_once():
     """A compiled step's layers are measured compiled (local MFU must bound the compiled step's E2E MFU)."""
     from torch._dynamo.utils import counters
