@@ -214,6 +214,8 @@ class SeqRecConfig(Section):
     # Weights of the retrieval head's score (sequence vector . item vector) added to the ranker's logit when
     # scoring candidates; every validation scores each, and the test uses the best (weight, checkpoint) pair.
     ranker_retrieval_weights: tuple[float, ...] = (0.0,)
+    # Decay of an exponential moving average of the ranker's weights: the average is validated, kept and tested. 0: off
+    ranker_weight_average: float = 0.0
     # The ranker's epochs are 1 + ranker_negatives times longer (every candidate is an example): its own cadence.
     ranker_eval_every: float = 0.25  # epochs between the ranker's validations
     ranker_patience: int = 3  # the ranker's validations without a better NDCG@10 before stopping
@@ -223,7 +225,6 @@ class SeqRecConfig(Section):
     valid_users: int = 0  # users drawn for each validation (0: all); the test always uses all
     eval_batch_size: int = 256  # users per evaluation batch
     sparse_optimizer: bool = True  # row-wise Adagrad on embedding tables; false: AdamW over every parameter
-    weight_average: float = 0.0  # decay of an exponential moving average of the weights, validated and tested; 0: off
 
     def check(self) -> None:
         keys = ("epochs", "patience", "eval_every", "ranker_eval_every", "ranker_patience", "batch_size")
@@ -232,7 +233,7 @@ class SeqRecConfig(Section):
         for key in ("ranker_negatives", "sampled_negatives"):
             self.require(getattr(self, key) > 0, key, "must be > 0")
         self.require(self.valid_users >= 0, "valid_users", "must be >= 0 (0 = all)")
-        self.require(0 <= self.weight_average < 1, "weight_average", "must be in [0, 1) (0 = off)")
+        self.require(0 <= self.ranker_weight_average < 1, "ranker_weight_average", "must be in [0, 1) (0 = off)")
         self.require(self.ranker_next_item_weight >= 0, "ranker_next_item_weight", "must be >= 0 (0 = off)")
         weights = self.ranker_retrieval_weights
         self.require(len(weights) > 0 and min(weights) >= 0, "ranker_retrieval_weights", "must be >= 0, at least one")

@@ -20,11 +20,11 @@ Every arm trains with the trainer's pieces: its optimizers (row-wise Adagrad on 
 rest), the one `train_step`, its loss guard (`first_nonfinite`) and its `EarlyStopping`: validation on the `valid`
 split every `seqrec.eval_every` epochs (the ranker: `ranker_eval_every`), a stop after `seqrec.patience`
 (`ranker_patience`) validations without a better NDCG@10, and the test on the `test` split with the best validated
-weights (with `seqrec.weight_average`, an exponential moving average of the weights is what is validated, kept
-and tested). Everything goes to one MLflow run (params, per-validation metrics, test metrics, a PNG of the metrics, the
-results JSON). The loop itself is this file's, not the `Trainer`'s: one process, batches of users' sequences
-(not the data service's `Batch` stream), ranking metrics instead of NE/AUC, and the best weights kept in memory
-(a run of minutes writes no checkpoints).
+weights (with `seqrec.ranker_weight_average`, an exponential moving average of the ranker's weights is what is
+validated, kept and tested). Everything goes to one MLflow run (params, per-validation metrics, test metrics, a PNG
+of the metrics, the results JSON). The loop itself is this file's, not the `Trainer`'s: one process, batches of
+users' sequences (not the data service's `Batch` stream), ranking metrics instead of NE/AUC, and the best weights
+kept in memory (a run of minutes writes no checkpoints).
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ class RankerArm:
             labels = np.zeros(candidates.shape, dtype=np.float32)
             labels[:, 0] = 1.0
             next_items = None
-            if self.catalog is not None and len(positives.history.values):
+            if self.config.ranker_next_item_weight and len(positives.history.values):
                 next_items = (self.data.model_input(positives.history), torch.from_numpy(positives.next_items()))
             yield self._input(positives, candidates), torch.from_numpy(labels.reshape(-1, 1)), next_items
 
@@ -337,10 +337,11 @@ def train_arm(arm, evaluator: RankingEvaluator, config: TrainConfig, tracker: Tr
     sparse_kind = apply_sparse_optimizer(model, config.optim) if cfg.sparse_optimizer else "none (AdamW on all)"
     steps_per_epoch = arm.steps_per_epoch
     optimizers = Optimizers(model, config.optim, cfg.epochs * steps_per_epoch)
-    average = WeightAverage(model, cfg.weight_average) if cfg.weight_average else None
-    evaluated = average.applied if average is not None else contextlib.nullcontext  # the weights validated
     _, autocast = autocast_for(config.train.precision, device)
     ranker = isinstance(arm, RankerArm)
+    decay = cfg.ranker_weight_average if ranker else 0.0
+    average = WeightAverage(model, decay) if decay else None
+    evaluated = average.applied if average is not None else contextlib.nullcontext  # the weights validated
     eval_every, patience = (cfg.ranker_eval_every, cfg.ranker_patience) if ranker else (cfg.eval_every, cfg.patience)
     early = EarlyStopping("ndcg@10", True, max(1, round(eval_every * steps_per_epoch)), patience)
     valid_rows = None

@@ -153,7 +153,7 @@ def test_bench_seqrec_ranker_chooses_its_retrieval_weight_on_validation_with_ave
         "seqrec.epochs=2",
         "seqrec.ranker_next_item_weight=1.0",
         "seqrec.ranker_retrieval_weights=[0, 1]",
-        "seqrec.weight_average=0.9",
+        "seqrec.ranker_weight_average=0.9",
     ]
     assert main(argv + [a for item in settings for a in ("--set", item)]) == 0
     gem = json.loads(out.read_text())["arms"]["gem"]
