@@ -457,18 +457,45 @@ def host_us(fn, leaves, backward: bool, calling_thread: bool = False, calls: int
     return statistics.median(samples)
 
 
+HOST_ROUNDS = 5  # rounds of the calling-thread columns (`host_rounds`), whose medians the tables show
+
+
 def _record_host(row: dict, fn, leaves, fwd_only: bool) -> None:
     """Host time of our eager calls (`host_us`): row["host_fwd_us"], and unless fwd_only row["host_fwd+bwd_us"],
     row["host_fwd+bwd_calling_thread_us"] and the eager fwd+bwd with the backward on the calling thread
-    (row["fwd+bwd_calling_thread_ms"])."""
+    (row["fwd+bwd_calling_thread_ms"]); the calling-thread pair also as the first entry of its "_rounds" list."""
     try:
         row["host_fwd_us"] = host_us(fn, leaves, False)
         if not fwd_only:
             row["host_fwd+bwd_us"] = host_us(fn, leaves, True)
-            row["host_fwd+bwd_calling_thread_us"] = host_us(fn, leaves, True, calling_thread=True)
-            row["fwd+bwd_calling_thread_ms"] = _time(fn, leaves, True, calling_thread=True)
+            _calling_thread_round(row, fn, leaves)
     except Exception as err:
         row["host_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    torch.cuda.empty_cache()
+
+
+def _calling_thread_round(row: dict, fn, leaves) -> None:
+    """One round of the calling-thread columns: appended to their "_rounds" lists, the columns set to the medians."""
+    for label, value in (
+        ("host_fwd+bwd_calling_thread_us", host_us(fn, leaves, True, calling_thread=True)),
+        ("fwd+bwd_calling_thread_ms", _time(fn, leaves, True, calling_thread=True)),
+    ):
+        rounds = row.setdefault(f"{label}_rounds", [])
+        rounds.append(value)
+        row[label] = statistics.median(rounds)
+
+
+def host_rounds(jobs: list[tuple[dict, Any, list]], rounds: int = HOST_ROUNDS) -> None:
+    """The calling-thread columns of each (row, fn, leaves) in `jobs` `rounds - 1` more times (`_record_host` took
+    the first), one variant after another, then again: where the host time is near the GPU time these timings moved
+    with the machine's load by up to 2x from one variant to the next (H200, 2026-12-01), and a median over rounds
+    spread out in time is not moved by a load that passes during one of them."""
+    for _ in range(rounds - 1):
+        for row, fn, leaves in jobs:
+            try:
+                _calling_thread_round(row, fn, leaves)
+            except Exception as err:
+                row["host_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
     torch.cuda.empty_cache()
 
 
@@ -598,6 +625,7 @@ def run_benchmark(
     rows: list[dict] = []
     graph_jobs = []
     profiled = []  # (label, fn, leaves) of ours, for the host timelines
+    host_jobs: list[tuple[dict, Any, list]] = []  # (row, fn, leaves) of ours, for the calling-thread rounds
     checks = {}
     for name in config_names:
         cfg = CONFIGS[name]
@@ -665,6 +693,8 @@ def run_benchmark(
                 if impl in ours(variant):
                     _record_host(row, fn, impl_leaves, fwd_only)
                     profiled.append((f"{name}/{variant.name} {impl}", fn, impl_leaves))
+                    if not fwd_only and "host_error" not in row:
+                        host_jobs.append((row, fn, impl_leaves))
                 rows.append(row)
                 _speedups(rows)
                 progress(format_row(row))
@@ -692,6 +722,9 @@ def run_benchmark(
         if label == ("graph fwd" if fwd_only else "graph fwd+bwd"):
             _speedups(rows)
             progress(format_row(row))
+    host_rounds(host_jobs)
+    for row, _, _ in host_jobs:
+        progress(format_row(row))
     out_dir.mkdir(parents=True, exist_ok=True)
     if not fwd_only:  # after every timing: the profiler must not touch one
         timelines = []
@@ -802,7 +835,8 @@ def _host_table(rows: list[dict]) -> list[str]:
         "",
         "Host time (us per eager call, launched back to back without synchronizing; `host_us`); calling thread: the "
         "backward on the calling thread (`torch.autograd.set_multithreading_enabled(False)`), not autograd's device "
-        "thread.",
+        f"thread; its columns are medians of {HOST_ROUNDS} rounds, the later ones interleaved across the variants "
+        "after the graph timings (`host_rounds`).",
         "",
         "| config | variant | impl | host fwd us | host fwd+bwd us | host fwd+bwd us, calling thread "
         "| eager fwd+bwd ms | eager fwd+bwd ms, calling thread | graph fwd+bwd ms | eager / graph "
