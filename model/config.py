@@ -209,6 +209,10 @@ class ModelConfig(Section):
     moe_aux_loss_weight: float = 0.01
     # Task heads.
     head_hidden: int = 128
+    # gem: DCN-v2 cross layers (low rank) on the flattened tokens before the heads' trunk: x <- x0 * (U V x + b) + x,
+    # explicit multiplicative crosses of every pair of token entries; 0 = none.
+    head_cross_layers: int = 0
+    head_cross_rank: int = 32
     # DLRM baseline.
     dlrm_bottom_mlp: tuple[int, ...] = (64,)
     dlrm_top_mlp: tuple[int, ...] = (128, 64)
@@ -235,7 +239,15 @@ class ModelConfig(Section):
         self.require(self.gbdt_max_iter >= 1, "gbdt_max_iter", "must be >= 1")
         self.require(self.gbdt_max_leaf_nodes >= 2, "gbdt_max_leaf_nodes", "must be >= 2")
         self.require(self.gbdt_learning_rate > 0, "gbdt_learning_rate", "must be > 0")
-        for name in ("seq_layers", "nonseq_layers", "interaction_layers", "moe_every", "recency_buckets"):
+        self.require(self.head_cross_rank >= 1, "head_cross_rank", "must be >= 1")
+        for name in (
+            "seq_layers",
+            "nonseq_layers",
+            "interaction_layers",
+            "moe_every",
+            "recency_buckets",
+            "head_cross_layers",
+        ):
             self.require(getattr(self, name) >= 0, name, "must be >= 0")
         self.require(self.d_model % self.num_heads == 0, "d_model", f"must be divisible by num_heads {self.num_heads}")
         self.require(

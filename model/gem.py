@@ -97,6 +97,28 @@ class TaskHeads(nn.Module):
         return add(*parts)
 
 
+class CrossNetwork(nn.Module):
+    """DCN-v2 cross layers of low rank (Wang et al. 2021): x_(l+1) = x_0 * (U_l V_l x_l + b_l) + x_l, each layer one
+    more degree of explicit multiplicative feature crossing beside the MLPs' implicit one."""
+
+    def __init__(self, dim: int, layers: int, rank: int):
+        super().__init__()
+        self.down = nn.ModuleList(nn.Linear(dim, rank, bias=False) for _ in range(layers))
+        self.up = nn.ModuleList(nn.Linear(rank, dim) for _ in range(layers))
+        for up in self.up:
+            nn.init.zeros_(up.weight)  # starts as a rescaling, x_(l+1) = x_0 * b_l + x_l (b_l drawn as nn.Linear's)
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for down, up in zip(self.down, self.up):
+            x = x0 * up(down(x)) + x
+        return x
+
+    def flops(self, batch: int) -> tuple[int, int]:
+        parts = [linear_flops(batch, m.in_features, m.out_features) for pair in zip(self.down, self.up) for m in pair]
+        return add(*parts)
+
+
 class TimeEncoding(nn.Module):
     """Encodes seconds between a history event and the target event (log buckets or continuous)."""
 
@@ -309,6 +331,9 @@ class GEMModel(nn.Module):
         )
         self.num_tokens = self.feature_input.num_tokens + config.pma_seeds
         self.final_norm = nn.LayerNorm(d)
+        self.cross = None
+        if config.head_cross_layers:
+            self.cross = CrossNetwork(self.num_tokens * d, config.head_cross_layers, config.head_cross_rank)
         self.heads = TaskHeads(self.num_tokens * d, config.head_hidden, schema.num_tasks)
         for module in self.modules():
             if isinstance(module, JaggedAttention):
@@ -404,7 +429,8 @@ class GEMModel(nn.Module):
             z, layer_aux = layer(z)
             if layer_aux is not None:
                 aux = aux + self.config.moe_aux_loss_weight * layer_aux
-        logits = self.heads(self.final_norm(z).flatten(1))
+        flat = self.final_norm(z).flatten(1)
+        logits = self.heads(self.cross(flat) if self.cross is not None else flat)
         return ModelOutput(logits=logits.float(), aux_loss=aux)
 
     def flops(self, inp: ModelInput) -> dict[str, tuple[int, int]]:
@@ -422,6 +448,8 @@ class GEMModel(nn.Module):
             counts[f"nonseq_tower.{i}"] = token_layer.flops(batch, self.feature_input.num_tokens, example_seq)
         for i, token_layer in enumerate(cast(list[TokenLayer], self.interaction)):
             counts[f"interaction.{i}"] = token_layer.flops(batch, self.num_tokens, None)
+        if self.cross is not None:
+            counts["cross"] = self.cross.flops(batch)
         counts["heads"] = self.heads.flops(batch)
         return counts
 

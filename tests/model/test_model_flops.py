@@ -37,6 +37,7 @@ def measured(model, inp):
         ("gem", dict(seq_attention="softmax", time_encoding="continuous")),
         ("gem", dict(seq_attention="silu", moe_every=1, nonseq_layers=2)),
         ("gem", dict(dense_encoding="ple")),
+        ("gem", dict(dense_encoding="ple", head_cross_layers=2)),
         ("dlrm", dict()),
     ],
 )

@@ -1,7 +1,7 @@
 import pytest
 import torch
 from gemrec.model import FeatureSchema, JaggedFeatures, ModelConfig, ModelOutput, build_model, loss
-from gemrec.model.gem import PiecewiseLinearTokens
+from gemrec.model.gem import CrossNetwork, PiecewiseLinearTokens
 from gemrec.model.synthetic import random_input
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
@@ -300,3 +300,29 @@ def test_ple_dense_encoding_gives_one_token_per_dense_feature():
     assert out.logits.shape == (4, 2) and torch.isfinite(out.logits).all()
     with pytest.raises(ValueError, match="dense_encoding = 'ple' needs the dataset's quantile bins"):
         build_model(ModelConfig(**SMALL, dense_encoding="ple"), SCHEMA)
+
+
+def test_cross_network_starts_as_a_rescaling_then_crosses_features():
+    cross = CrossNetwork(dim=4, layers=2, rank=2)
+    x0 = torch.tensor([[1.0, -2.0, 0.5, 3.0]])
+    b1, b2 = (up.bias.detach() for up in cross.up)
+    torch.testing.assert_close(cross(x0), x0 * (1 + b1 + b2))  # the up weights start at 0: x_l = x_0 (1 + b_1 + ...)
+    with torch.no_grad():
+        for down, up in zip(cross.down, cross.up):
+            down.weight.copy_(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0]]))
+            up.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
+            up.bias.zero_()
+    # Layer 1: u = (1, 0, -2, 0), x1 = x0 * u + x0 = (2, -2, -0.5, 3); layer 2: u = (2, 0, -2, 0), x2 = x0 * u + x1.
+    torch.testing.assert_close(cross(x0), torch.tensor([[4.0, -2.0, -1.5, 3.0]]))
+
+
+def test_head_cross_layers_start_as_the_plain_head_without_biases_and_train():
+    inp = random_input(SCHEMA, 4, 6, seed=1)
+    plain, crossed = build(seed=0), build(seed=0, head_cross_layers=2, head_cross_rank=4)
+    crossed.load_state_dict(plain.state_dict(), strict=False)
+    with torch.no_grad():
+        for up in crossed.cross.up:
+            up.bias.zero_()
+    torch.testing.assert_close(crossed(inp).logits, plain(inp).logits)
+    loss(crossed(inp), torch.ones(4, 2)).backward()
+    assert all(up.weight.grad.abs().sum() > 0 for up in crossed.cross.up)
