@@ -105,18 +105,21 @@ class CrossNetwork(nn.Module):
         super().__init__()
         self.down = nn.ModuleList(nn.Linear(dim, rank, bias=False) for _ in range(layers))
         self.up = nn.ModuleList(nn.Linear(rank, dim) for _ in range(layers))
-        for up in self.up:
+        for _, up in self.layers():
             nn.init.zeros_(up.weight)  # starts as a rescaling, x_(l+1) = x_0 * b_l + x_l (b_l drawn as nn.Linear's)
+
+    def layers(self) -> list[tuple[nn.Linear, nn.Linear]]:
+        """(V_l, U_l) of every layer."""
+        return list(zip(cast(list[nn.Linear], self.down), cast(list[nn.Linear], self.up)))
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0
-        for down, up in zip(self.down, self.up):
+        for down, up in self.layers():
             x = x0 * up(down(x)) + x
         return x
 
     def flops(self, batch: int) -> tuple[int, int]:
-        parts = [linear_flops(batch, m.in_features, m.out_features) for pair in zip(self.down, self.up) for m in pair]
-        return add(*parts)
+        return add(*[linear_flops(batch, m.in_features, m.out_features) for pair in self.layers() for m in pair])
 
 
 class TimeEncoding(nn.Module):
