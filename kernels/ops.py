@@ -7,6 +7,7 @@ included.
 """
 
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 from gemrec.kernels import triton_attention
@@ -74,8 +75,7 @@ def _problem(
     rope_base,
     options,
 ):
-    module = _kernels(q)
-    return module, module.Problem(
+    return _kernels(q).Problem(
         q,
         k,
         v,
@@ -133,7 +133,7 @@ def attention_fwd(
     options: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (out, lse); lse is the log2-domain logsumexp per (row, head) for softmax, unused otherwise."""
-    module, problem = _problem(
+    problem = _problem(
         q,
         k,
         v,
@@ -157,7 +157,7 @@ def attention_fwd(
         rope_base,
         KernelOptions.from_flags(options),
     )
-    return module.forward(problem)
+    return triton_attention.forward(problem)
 
 
 @attention_fwd.register_fake
@@ -218,7 +218,7 @@ def attention_bwd(
     options: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); absent biases get empty tensors."""
-    module, problem = _problem(
+    problem = _problem(
         q,
         k,
         v,
@@ -242,7 +242,7 @@ def attention_bwd(
         rope_base,
         KernelOptions.from_flags(options),
     )
-    grads = module.backward(problem, grad_out, out, lse)
+    grads = triton_attention.backward(problem, grad_out, out, lse)
     dq, dk, dv, d_bias, d_pos, d_time = (g if g is not None else q.new_empty(0) for g in grads)
     return dq, dk, dv, d_bias, d_pos, d_time
 
@@ -380,33 +380,47 @@ class _Attention(torch.autograd.Function):
     Calls `attention_fwd` with grad mode off, which skips the per-call schema walk of the op's registered
     autograd (`fill_defaults`: about a millisecond of host time per step, which dominated small configs). Only
     the differentiable tensors are arguments (`call` holds the rest): each argument costs host time in `apply`.
-    The forward's `Problem` is kept, without the differentiable tensors (autograd saves those), and bound to the
-    saved ones in the backward, which neither validates nor derives it again.
+    The forward's `Problem` is kept, without the differentiable tensors (autograd saves those), and bound in place to
+    the saved ones in the backward, which neither validates nor derives it again.
     """
 
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, pos_table, time_table, call):
         q_offsets, kv_offsets, q_timestamps, kv_timestamps, params, extra_params, options = call
-        args = (
-            q,
-            k,
-            v,
-            q_offsets,
-            kv_offsets,
-            *params,
-            attn_bias,
-            pos_table,
-            time_table,
-            q_timestamps,
-            kv_timestamps,
-            *extra_params,
-        )
         if _direct(q):
-            module, problem = _problem(*args, options)
-            ctx.problem = problem.bind(None)  # before the launch: host time after it delays the backward's launches
-            out, lse = module.forward(problem)
+            problem = _problem(
+                q,
+                k,
+                v,
+                q_offsets,
+                kv_offsets,
+                *params,
+                attn_bias,
+                pos_table,
+                time_table,
+                q_timestamps,
+                kv_timestamps,
+                *extra_params,
+                options,
+            )
+            out, lse = triton_attention.forward(problem)
+            ctx.problem = problem.bind(None)  # autograd saves the differentiable tensors
         else:
-            out, lse = attention_fwd(*args, options.flags)
+            out, lse = attention_fwd(
+                q,
+                k,
+                v,
+                q_offsets,
+                kv_offsets,
+                *params,
+                attn_bias,
+                pos_table,
+                time_table,
+                q_timestamps,
+                kv_timestamps,
+                *extra_params,
+                options.flags,
+            )
             ctx.problem = None
         ctx.save_for_backward(q, k, v, out, lse, attn_bias, pos_table, time_table)
         ctx.call = call
@@ -415,9 +429,11 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, attn_bias, pos_table, time_table = ctx.saved_tensors
-        if ctx.problem is not None and _direct(q) and type(grad_out) is torch.Tensor:
-            problem = ctx.problem.bind((q, k, v, attn_bias, pos_table, time_table))
+        problem = ctx.problem
+        if problem is not None and _direct(q) and type(grad_out) is torch.Tensor:
+            problem.bind((q, k, v, attn_bias, pos_table, time_table))
             dq, dk, dv, dab, dpt, dtt = triton_attention.backward(problem, grad_out, out, lse)
+            problem.bind(None)  # a retained graph keeps ctx: not the unpacked tensors too
         else:
             q_offsets, kv_offsets, q_timestamps, kv_timestamps, params, extra_params, options = ctx.call
             dq, dk, dv, dab, dpt, dtt = attention_bwd(
@@ -594,9 +610,7 @@ def _attention_bwd_flops(
     return _flops_from_args(q, q_offsets, kv_offsets, max_q_len, max_kv_len, causal, window, block)[1]
 
 
-def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel: RelativeBias, backend, compiling):
-    """Refuses malformed calls with a message naming the problem; the messages are formatted only on failure (this
-    runs on every eager call)."""
+def _refuse_qkv(q, k, v) -> NoReturn:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not (isinstance(t, torch.Tensor) and t.dim() == 3):
             raise ValueError(
@@ -604,18 +618,46 @@ def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, 
             )
         if not t.is_floating_point():
             raise ValueError(f"{name} must be floating point, got {t.dtype}")
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+
+
+def _refuse_offsets(q_offsets, kv_offsets) -> NoReturn:
+    def ok(t) -> bool:
+        return isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() >= 1 and not t.is_floating_point()
+
+    name = "q_offsets" if not ok(q_offsets) else "kv_offsets"
+    raise ValueError(f"{name} must be a 1-D integer tensor of B+1 offsets")
+
+
+def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel: RelativeBias, backend, compiling):
+    """Refuses malformed calls with a message naming the problem; the messages are formatted only on failure (this
+    runs on every eager call: one combined test per group, the one-by-one checks only to name what failed)."""
+    if not (
+        isinstance(q, torch.Tensor)
+        and isinstance(k, torch.Tensor)
+        and isinstance(v, torch.Tensor)
+        and q.dim() == k.dim() == v.dim() == 3
+        and q.dtype == k.dtype == v.dtype
+        and q.dtype.is_floating_point
+    ):
+        _refuse_qkv(q, k, v)
     # shapes compared as ints: torch.Size comparisons cost microseconds each
     (_, heads, dim), (kv_rows, k_heads, k_dim), v_shape = q.shape, k.shape, v.shape
     if (kv_rows, k_heads, k_dim) != (v_shape[0], v_shape[1], v_shape[2]):
         raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
     if (heads, dim) != (k_heads, k_dim):
         raise ValueError(f"q and k heads/head_dim differ: {tuple(q.shape)} vs {tuple(k.shape)}")
-    for name, t in (("q_offsets", q_offsets), ("kv_offsets", kv_offsets)):
-        if not (isinstance(t, torch.Tensor) and t.dim() == 1 and t.numel() >= 1 and not t.is_floating_point()):
-            raise ValueError(f"{name} must be a 1-D integer tensor of B+1 offsets")
+    if not (
+        isinstance(q_offsets, torch.Tensor)
+        and isinstance(kv_offsets, torch.Tensor)
+        and q_offsets.dim() == kv_offsets.dim() == 1
+        and not q_offsets.dtype.is_floating_point
+        and not kv_offsets.dtype.is_floating_point
+    ):
+        _refuse_offsets(q_offsets, kv_offsets)
     nq, nkv = q_offsets.numel(), kv_offsets.numel()
+    if not (nq >= 1 and nkv >= 1):
+        _refuse_offsets(q_offsets, kv_offsets)
     if not (nq == nkv or nq == 2 or nkv == 2):
         raise ValueError(
             f"q_offsets ({nq}) and kv_offsets ({nkv}) must hold the same B+1 entries (or 2 for a shared q or kv)"
@@ -743,24 +785,30 @@ def _attention(
             rope_base=rope_base,
             fp8=options.fp8,
         )
-    contiguous = [t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, attn_bias)]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    v = v if v.stride(-1) == 1 else v.contiguous()
+    if attn_bias is not None and attn_bias.stride(-1) != 1:
+        attn_bias = attn_bias.contiguous()
     params = (int(max_q_len), int(max_kv_len), ACTIVATIONS[activation], bool(causal), scale, NORMALIZE[normalize])
     extra_params = (int(rel.max_distance), float(rel.time_log_base), window or 0, block or 0, float(rope_base or 0.0))
     kv_arg = None if kv_offsets is q_offsets else kv_offsets
-    inputs = [*contiguous, rel.position, rel.time, q_offsets, kv_arg, rel.q_timestamps, rel.kv_timestamps]
+    inputs = (q, k, v, attn_bias, rel.position, rel.time, q_offsets, kv_arg, rel.q_timestamps, rel.kv_timestamps)
     present = [t for t in inputs if t is not None]
     # Under torch.compile, the op's registered autograd: dynamo guards on the `id()`s below (a recompile per call,
     # the H200 trace showed the model cut at every attention call). Eagerly, the Function, unless one tensor has
     # two roles (k is v, say).
-    if not compiling and len({id(t) for t in present}) == len(present):
+    if not compiling and len(set(map(id, present))) == len(present):
         call = (q_offsets, kv_offsets, rel.q_timestamps, rel.kv_timestamps, params, extra_params, options)
-        return _Attention.apply(*contiguous, rel.position, rel.time, call)
+        return _Attention.apply(q, k, v, attn_bias, rel.position, rel.time, call)
     out, _ = attention_fwd(
-        *contiguous[:3],
+        q,
+        k,
+        v,
         q_offsets,
         kv_offsets,
         *params,
-        contiguous[3],
+        attn_bias,
         rel.position,
         rel.time,
         rel.q_timestamps,

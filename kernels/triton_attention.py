@@ -3330,7 +3330,8 @@ def launch_hooked() -> bool:
     """Whether anything listens to kernel launches (proton, a profiler hook): those launches go through triton's
     own path, which calls the hooks. Triton 3.6 keeps the hooks as chains that are never None, empty when unused."""
     hooks = triton.knobs.runtime
-    return any(bool(getattr(hook, "calls", hook)) for hook in (hooks.launch_enter_hook, hooks.launch_exit_hook))
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    return bool(getattr(enter, "calls", enter)) or bool(getattr(leave, "calls", leave))
 
 
 def first_fitting(kind: str, candidates: list[dict], shared, limit: int, what: str) -> dict:
@@ -3361,17 +3362,26 @@ def _spec(a):
 
 
 def _spec_key(args, num_tensors: int, scalar_specs: dict) -> tuple:
-    """The specialization of every argument (`_spec`): a cached compiled kernel is reused only for the same key. The
-    arguments after the first `num_tensors` are scalars, nearly all the same from call to call (strides, head
-    counts): their specs are memoized per scalar tuple in `scalar_specs` (cleared when it grows past 4096)."""
-    tensors = tuple([(t.dtype, not t.data_ptr() & 15) for t in args[:num_tensors]])
-    scalars = args[num_tensors:]
+    """The specialization of every argument (`_spec`), as one flat tuple: a cached compiled kernel is reused only for
+    the same key. The tensors (the first `num_tensors` arguments) by dtype and address modulo 16 (finer than triton's
+    16-byte alignment, never coarser), a tensor that repeats the one before it (absent biases and timestamps all get
+    the same dummy) as None. The scalars after them are nearly all the same from call to call (strides, head counts):
+    their specs are memoized per scalar tuple in `scalar_specs` (cleared when it grows past 4096)."""
+    tensors, scalars = args[:num_tensors], args[num_tensors:]
     specs = scalar_specs.get(scalars)
     if specs is None:
         if len(scalar_specs) >= 4096:
             scalar_specs.clear()
         specs = scalar_specs[scalars] = tuple(map(_spec, scalars))
-    return tensors, specs
+    key = [specs]
+    previous = None
+    for t in tensors:
+        if t is previous:
+            key.append(None)
+        else:
+            previous = t
+            key += (t.dtype, t.data_ptr() & 15)
+    return tuple(key)
 
 
 class _Kernel:
@@ -3708,17 +3718,29 @@ class Problem:
         self.block_d = max(16, _pow2_at_least(self.head_dim))
         self.window, self.mask_block, self.rope_base = int(window or 0), int(block or 0), float(rope_base or 0.0)
         self.rope = rope_frequencies(self.head_dim, self.rope_base, self.block_d, q.device) if rope_base else q_offsets
+        # what every launch passes unchanged (`kernel_args`); absent timestamps get a dummy tensor
+        self.timestamps = (
+            q_timestamps if q_timestamps is not None else q_offsets,
+            kv_timestamps if kv_timestamps is not None else q_offsets,
+        )
+        self.scales = (scale, scale * LOG2E)
+        self.positions = (self.inv_max_len, self.pos_log_inv, self.time_log_inv)
+        self.resident_side = self._resident()
 
     def bind(self, tensors: tuple | None) -> "Problem":
-        """This problem on other differentiable tensors of the same shapes and dtypes: (q, k, v, attn_bias, pos_table,
-        time_table); None: a copy without them (what autograd keeps from the forward for the backward, which binds it
-        to the saved tensors). Offsets and timestamps stay."""
-        p = object.__new__(Problem)
-        p.__dict__.update(self.__dict__)
-        p.q, p.k, p.v, p.attn_bias, p.pos_table, p.time_table = (None,) * 6 if tensors is None else tensors
-        return p
+        """This problem, in place, on other differentiable tensors of the same shapes and dtypes: (q, k, v, attn_bias,
+        pos_table, time_table); None: without them (what autograd keeps from the forward for the backward, which binds
+        it to the saved tensors). Offsets and timestamps stay."""
+        self.q, self.k, self.v, self.attn_bias, self.pos_table, self.time_table = (
+            (None,) * 6 if tensors is None else tensors
+        )
+        return self
 
     def resident(self) -> str | None:
+        """Which side a program keeps loaded (`_resident`, resolved once per problem)."""
+        return self.resident_side
+
+    def _resident(self) -> str | None:
         """Which side a program keeps loaded while it walks the other (`RESIDENT_MAX_TILE`): "kv" where every key
         sequence fits one tile (cross-attention to a few tokens; forward and backward), else "q" where every query
         sequence does (PMA seeds; backward, whose forward already keeps its query block); None otherwise or without
@@ -3759,34 +3781,36 @@ class Problem:
         `_bias_grad_args`, when given), timestamps, RoPE table and offsets, the row and head strides of `strided` (0, 0
         for None) and of the biases, the scale (and the log2-domain `qk_scale` when asked), `inv_max_len`, the
         buckets' log factors, then `tail`. Absent biases and timestamps get a dummy tensor, their strides 0."""
-        dummy, ab, pt, tt = self.q_off, self.attn_bias, self.pos_table, self.time_table
-        qts = self.q_ts if self.q_ts is not None else dummy
-        kts = self.kv_ts if self.kv_ts is not None else dummy
-        bias_strides = (
-            ab.stride(0) if ab is not None else 0,
-            ab.stride(1) if ab is not None else 0,
-            pt.stride(0) if pt is not None else 0,
-            tt.stride(0) if tt is not None else 0,
-        )
-        ab, pt, tt = ab if ab is not None else dummy, pt if pt is not None else dummy, tt if tt is not None else dummy
-        biases = (ab, pt, tt) if grads is None else (ab, grads[0], pt, grads[1], tt, grads[2])
+        dummy = self.q_off
+        if self.has_bias:
+            ab, pt, tt = self.attn_bias, self.pos_table, self.time_table
+            bias_strides: tuple = (
+                ab.stride(0) if ab is not None else 0,
+                ab.stride(1) if ab is not None else 0,
+                pt.stride(0) if pt is not None else 0,
+                tt.stride(0) if tt is not None else 0,
+            )
+            ab = ab if ab is not None else dummy
+            pt = pt if pt is not None else dummy
+            tt = tt if tt is not None else dummy
+            biases = (ab, pt, tt) if grads is None else (ab, grads[0], pt, grads[1], tt, grads[2])
+        else:
+            bias_strides = (0, 0, 0, 0)
+            biases = (dummy,) * 3 if grads is None else (dummy, grads[0], dummy, grads[1], dummy, grads[2])
         strides: list[int] = []
         for t in strided:
             strides += t.stride()[:2] if t is not None else (0, 0)
-        scales = (self.scale, self.scale * LOG2E) if qk_scale else (self.scale,)
-        positions = (self.inv_max_len, self.pos_log_inv, self.time_log_inv)
         return (
             *tensors,
             *biases,
-            qts,
-            kts,
+            *self.timestamps,
             self.rope,
             self.q_off,
             self.kv_off,
             *strides,
             *bias_strides,
-            *scales,
-            *positions,
+            *(self.scales if qk_scale else self.scales[:1]),
+            *self.positions,
             *tail,
         )
 

@@ -218,6 +218,15 @@ def _inputs(lens=(3, 4), heads=2, dim=16):
         (lambda a: (*a[:5], 3, a[6]), "max_q_len=3 is below the longest q sequence"),
         (lambda a: (a[0].long(), *a[1:]), "must be floating point"),
         (lambda a: (*a[:3], a[3].float(), *a[4:]), "1-D integer tensor"),
+        (lambda a: (a[0], a[1].double(), *a[2:]), "q, k, v dtypes differ"),
+        (lambda a: (a[0], a[1], a[2][:, 0], *a[3:]), "v must be a \\(total_tokens, heads, head_dim\\) tensor"),
+        (
+            lambda a: (a[0].tolist(), *a[1:]),
+            "q must be a \\(total_tokens, heads, head_dim\\) tensor, got <class 'list'>",
+        ),
+        (lambda a: (*a[:4], a[4].float(), *a[5:]), "kv_offsets must be a 1-D integer tensor"),
+        (lambda a: (*a[:3], a[3][:0], *a[4:]), "q_offsets must be a 1-D integer tensor"),
+        (lambda a: (*a[:4], a[4][None], *a[5:]), "kv_offsets must be a 1-D integer tensor"),
     ],
 )
 def test_bad_input_is_named(mutate, message):
