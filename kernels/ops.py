@@ -387,40 +387,26 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, pos_table, time_table, call):
         q_offsets, kv_offsets, q_timestamps, kv_timestamps, params, extra_params, options = call
+        args = (
+            q,
+            k,
+            v,
+            q_offsets,
+            kv_offsets,
+            *params,
+            attn_bias,
+            pos_table,
+            time_table,
+            q_timestamps,
+            kv_timestamps,
+            *extra_params,
+        )
         if _direct(q):
-            problem = _problem(
-                q,
-                k,
-                v,
-                q_offsets,
-                kv_offsets,
-                *params,
-                attn_bias,
-                pos_table,
-                time_table,
-                q_timestamps,
-                kv_timestamps,
-                *extra_params,
-                options,
-            )
+            problem = _problem(*args, options)
             out, lse = triton_attention.forward(problem)
             ctx.problem = problem.bind(None)  # autograd saves the differentiable tensors
         else:
-            out, lse = attention_fwd(
-                q,
-                k,
-                v,
-                q_offsets,
-                kv_offsets,
-                *params,
-                attn_bias,
-                pos_table,
-                time_table,
-                q_timestamps,
-                kv_timestamps,
-                *extra_params,
-                options.flags,
-            )
+            out, lse = attention_fwd(*args, options.flags)
             ctx.problem = None
         ctx.save_for_backward(q, k, v, out, lse, attn_bias, pos_table, time_table)
         ctx.call = call
