@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +165,11 @@ def compare(paths: list[Path], out: Path) -> dict:
     return summary
 
 
+def progress(start: float, phase: str) -> None:
+    """One line per phase on stderr, so a run stopped by a time limit shows where it was."""
+    print(f"[gpu_bench +{time.perf_counter() - start:.0f}s] {phase}", file=sys.stderr, flush=True)
+
+
 def run(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--recipe", default="h200-bench")
@@ -177,6 +183,7 @@ def run(argv: list[str] | None = None) -> dict:
     if args.compare:
         return compare(args.compare, args.out)
     args.out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
 
     config = load_recipe(args.recipe, args.overrides)
     # The GPU machine has no torchrec: plain torch embeddings, the rest of the recipe as it is.
@@ -192,6 +199,7 @@ def run(argv: list[str] | None = None) -> dict:
             synthetic_batch(schema, bench, config.data.batch_size, config.data.max_seq_len, gen)
             for _ in range(bench.distinct_batches)
         ]
+    progress(start, f"batches built ({len(host)}); setting up the model on {device}")
     training = setup_training(config, schema, device, bench.warmup_steps + bench.steps)
     model, bf16, autocast = training.model, training.bf16, training.autocast
     flops = [total_flops(model_flops(model, inp)) for inp, _ in host]
@@ -205,9 +213,11 @@ def run(argv: list[str] | None = None) -> dict:
 
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     peak_memory_gib(device)  # count from here: the model, optimizer state and batches are in
+    progress(start, f"{bench.warmup_steps} warm-up steps (compile {config.train.compile})")
     warmup_s = timed_steps(step, bench.warmup_steps, sync)
     warmup_memory = peak_memory_gib(device)  # compilation and autotuning included
     start_index = len(step_losses)
+    progress(start, f"{bench.steps} timed steps")
     seconds = timed_steps(step, bench.steps, sync)
     step_memory = peak_memory_gib(device)
     losses = torch.stack(step_losses).float().cpu()
@@ -225,9 +235,11 @@ def run(argv: list[str] | None = None) -> dict:
     e2e = step_flops / seconds / peak.flops
 
     inp0, labels0 = batches[0]
+    progress(start, f"step {1000 * seconds / bench.steps:.1f} ms, E2E MFU {100 * e2e:.1f}%; FLOP-count check")
     flop_check = flop_count_check(model, inp0, labels0, autocast)
     local, layers = None, list[LayerMFU]()
     if config.train.local_mfu:
+        progress(start, "local MFU per layer")
         local, layers = measure_local_mfu(
             model,
             model_flops(model, host[0][0]),
@@ -239,6 +251,7 @@ def run(argv: list[str] | None = None) -> dict:
             compile=config.train.compile,
         )
     step_ms = 1000 * seconds / bench.steps
+    progress(start, "host syncs and profile")
     host_syncs, sync_sites = count_host_syncs(step) if device.type == "cuda" else (0, [])
     table, graphs_per_step = "", None
     if bench.profile_steps:
