@@ -129,8 +129,9 @@ for port in sys.argv[1:]:
   ps -o pid,rss,cputime,args -p "$data_pid,$features_pid" > "$out/${tag}_ps.txt"
   kill "$data_pid" "$features_pid"
   wait "$data_pid" "$features_pid"
+  # the trainer's own 40 batches (the data service's epoch order is the in-process stream's), timed on the same 32
   run ${tag}_staged python3 -m $T.gpu_bench --recipe "$recipe" --dataset "$data" --out "$out/${tag}_staged" \
-    --set train.compile=true --set bench.warmup_steps=8 --set bench.steps=32
+    --set train.compile=true --set bench.warmup_steps=8 --set bench.steps=32 --set bench.distinct_batches=40
   python3 - "$out" "$tag" <<'PY' 2>&1 | tee "$out/${tag}_report.txt"
 import json, sys
 from pathlib import Path

@@ -110,7 +110,7 @@ def test_remote_stream_through_the_feed_gives_full_batches_once_per_epoch_and_re
     from gemrec.components.common.grpc_server import Server, ServerOptions
     from gemrec.components.data_service.dataset import Dataset
     from gemrec.components.data_service.service import DataLoaderCore, register
-    from gemrec.components.trainer.data import RemoteStream
+    from gemrec.components.trainer.data import DatasetStream, RemoteStream
 
     ds = Dataset.open(synth_dataset)
     core = DataLoaderCore(ds)
@@ -144,7 +144,10 @@ def test_remote_stream_through_the_feed_gives_full_batches_once_per_epoch_and_re
         resumed = RemoteStream(address, batch, 32, seed=5)
         resumed.load_state(states[2])
         again = RemoteStream(address, batch, 32, seed=5)
-        first = [b.user_ids.tolist() for _, b in zip(range(5), again)]
-        assert [b.user_ids.tolist() for _, b in zip(range(2), resumed)] == first[3:5]
+        first = [b for _, b in zip(range(5), again)]
+        assert [b.user_ids.tolist() for _, b in zip(range(2), resumed)] == [b.user_ids.tolist() for b in first[3:5]]
+        # The in-process stream reads the same examples step by step (gpu_bench --dataset stages these batches).
+        local = DatasetStream(ds, batch, 32, seed=5, prefetch=0)
+        assert [keys(b) for _, b in zip(range(5), local)] == [keys(b) for b in first]
     finally:
         server.stop(0)
