@@ -183,6 +183,10 @@ class CheckpointManager:
             if old not in pinned:
                 shutil.rmtree(old, ignore_errors=True)
 
+    def sections(self, path: Path) -> set[str]:
+        """The top-level entries of a checkpoint's state ("model", "optim", ...)."""
+        return {key.split(".", 1)[0] for key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+
     def load(self, state: dict, path: Path | None = None) -> dict:
         """Load in place into `state` (a template with the right keys and shapes: all of the checkpoint's or some,
         e.g. only "model"); returns meta.json."""

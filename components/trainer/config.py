@@ -64,11 +64,15 @@ class OptimConfig(Section):
     decay: Literal["cosine", "linear", "constant"] = "cosine"  # from the end of warmup to the last step
     min_lr_ratio: float = 0.1
     grad_clip: float = 1.0  # max global L2 norm of the dense gradients; 0 = off
+    # Decay of an exponential moving average of the weights (`optim.WeightAverage`), updated after every step: the
+    # trainer validates, keeps, checkpoints, evaluates and exports the average. 0 = off (the live weights).
+    weight_average: float = 0.0
 
     def check(self) -> None:
         for key in ("dense_lr", "sparse_lr", "weight_decay", "warmup_steps", "grad_clip"):
             self.require(getattr(self, key) >= 0, key, "must be >= 0")
         self.require(0.0 <= self.min_lr_ratio <= 1.0, "min_lr_ratio", "must be in [0, 1]")
+        self.require(0.0 <= self.weight_average < 1.0, "weight_average", "must be in [0, 1) (0 = off)")
 
 
 VALID_METRICS = ("ne", "auc", "log_loss")  # what validation can follow (auc: higher is better)

@@ -186,14 +186,17 @@ class Optimizers:
 
 
 class WeightAverage:
-    """Exponential moving average of a model's floating-point state (Polyak averaging), evaluated in place of the
-    live weights. The decay ramps up as min(decay, (1 + n) / (10 + n)) over the first updates, so early averages
-    are not dominated by the initial weights."""
+    """Exponential moving average of a model's floating-point parameters (Polyak averaging), evaluated in place of
+    the live weights; buffers (running statistics, constants such as infinite bin edges) stay the live ones. The
+    decay ramps up as min(decay, (1 + n) / (10 + n)) over the first updates, so early averages are not dominated by
+    the initial weights."""
 
     def __init__(self, model: nn.Module, decay: float):
         if not 0.0 < decay < 1.0:
             raise ValueError(f"WeightAverage: decay must be in (0, 1), got {decay}")
-        self.live = [t for t in model.state_dict().values() if t.is_floating_point()]
+        named = [(name, p.detach()) for name, p in model.named_parameters() if p.is_floating_point()]
+        self.names = [name for name, _ in named]
+        self.live = [t for _, t in named]
         self.average = [t.detach().clone() for t in self.live]
         self.decay, self.updates = decay, 0
 
@@ -203,14 +206,27 @@ class WeightAverage:
         self.updates += 1
         torch._foreach_lerp_(self.average, self.live, 1.0 - decay)
 
+    @torch.no_grad()
+    def copy_to_model(self) -> None:
+        """The model holds the averaged weights from here on (the end of training)."""
+        torch._foreach_copy_(self.live, self.average)
+
     @contextlib.contextmanager
     def applied(self):
         """The model holds the averaged weights inside the block, its live weights again after it."""
         saved = [t.clone() for t in self.live]
-        with torch.no_grad():
-            torch._foreach_copy_(self.live, self.average)
+        self.copy_to_model()
         try:
             yield
         finally:
             with torch.no_grad():
                 torch._foreach_copy_(self.live, saved)
+
+    # Checkpoint state (DCP loads the tensors in place): the averaged tensors by state-dict name and the ramp's count.
+    def state_dict(self) -> dict:
+        return {"weights": dict(zip(self.names, self.average)), "updates": self.updates}
+
+    def load_state_dict(self, state: dict) -> None:
+        with torch.no_grad():
+            torch._foreach_copy_(self.average, [state["weights"][name] for name in self.names])
+        self.updates = int(state["updates"])

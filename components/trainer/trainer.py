@@ -14,6 +14,7 @@ healthy checkpoint, which `--resume` then starts from."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -29,6 +30,7 @@ from gemrec.components.trainer.config import TrainConfig
 from gemrec.components.trainer.distributed import DistContext
 from gemrec.components.trainer.evaluate import EarlyStopping, Evaluator
 from gemrec.components.trainer.mfu import LayerMFU, device_peak, measure_local_mfu, total_flops
+from gemrec.components.trainer.optim import WeightAverage
 from gemrec.components.trainer.parallel.balance import RankBalance
 from gemrec.components.trainer.parallel.pipeline import training_inputs
 from gemrec.components.trainer.tracking import Tracker, run_summary, write_summary
@@ -189,8 +191,10 @@ class Trainer:
         rng = {"torch": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        average = self.training.average
         return {
             "model": get_model_state_dict(self.training.train_model),
+            **({"average": average.state_dict()} if average is not None else {}),
             "optim": self.training.optimizers.state_dict(),
             "data": {f"rank{self.ctx.rank}": self.stream_state or self.stream.state()},
             "rng": {f"rank{self.ctx.rank}": rng},
@@ -212,6 +216,9 @@ class Trainer:
             return False
         template = self.state()
         template["optim"] = self.training.optimizers.empty_state_template()
+        if "average" in template and "average" not in self.checkpoints.sections(path):
+            del template["average"]
+            log.info("--resume: %s has no weight average (optim.weight_average was 0): it starts here", path)
         meta = self.checkpoints.load(template, path)
         if meta.get("dataset_checksum") not in (None, self.dataset_info.get("checksum")):
             raise TrainingError(
@@ -219,6 +226,11 @@ class Trainer:
                 f"not {self.dataset_info.get('checksum')}"
             )
         set_model_state_dict(self.training.train_model, template["model"])
+        if self.training.average is not None:
+            if "average" in template:
+                self.training.average.load_state_dict(template["average"])
+            else:
+                self.training.average = WeightAverage(self.training.model, self.config.optim.weight_average)
         self.training.optimizers.load_state_dict(template["optim"])
         self.stream.load_state(template["data"][f"rank{self.ctx.rank}"])
         rng = template["rng"][f"rank{self.ctx.rank}"]
@@ -293,8 +305,11 @@ class Trainer:
         )
 
     def validate(self, validator: Evaluator) -> bool:
-        """Validate (a collective), log `valid/*`, count the followed metric on every rank; True when it improved."""
-        result = self.evaluate(validator)
+        """Validate (a collective), log `valid/*`, count the followed metric on every rank; True when it improved.
+        With `optim.weight_average` the averaged weights are validated (and kept when better: they are checkpointed)."""
+        average = self.training.average
+        with average.applied() if average is not None else contextlib.nullcontext():
+            result = self.evaluate(validator)
         self.tracker.log_eval(self.step, result, split="valid")
         self.validated_step = self.step  # the validator's predictions are of this step's weights
         value = self.ctx.broadcast_from_main(self.early.value(result) if result is not None else 0.0)
@@ -312,13 +327,21 @@ class Trainer:
         return improved
 
     def restore_best(self) -> int:
-        """Load the best validated weights (model only) unless they are the current ones; the step of the weights."""
-        best = self.checkpoints.best()
+        """Load the best validated weights (model only) unless they are the current ones; the step of the weights.
+        With `optim.weight_average` the model holds those weights' average afterwards (what was validated)."""
+        best, average = self.checkpoints.best(), self.training.average
         if not self.early.active or best is None or self.early.best_step == self.step:
+            if average is not None:
+                average.copy_to_model()
             return self.step
         template = {"model": get_model_state_dict(self.training.train_model)}
+        if average is not None:
+            template["average"] = average.state_dict()
         self.checkpoints.load(template, best)
         set_model_state_dict(self.training.train_model, template["model"])
+        if average is not None:
+            average.load_state_dict(template["average"])
+            average.copy_to_model()
         self.last_checkpoint = best
         log.info(
             "restored the best weights of step %d (valid %s %.4f) from %s",

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from gemrec.components.trainer import precision
 from gemrec.components.trainer.config import LoopConfig, TrainConfig
-from gemrec.components.trainer.optim import Optimizers, apply_sparse_optimizer
+from gemrec.components.trainer.optim import Optimizers, WeightAverage, apply_sparse_optimizer
 from gemrec.components.trainer.parallel import ParallelDims, Parallelized, apply_activation_checkpointing, parallelize
 from gemrec.config import ConfigError
 from gemrec.model import FeatureSchema, ModelInput, StepResult, build_model, train_step
@@ -85,6 +85,7 @@ class Training:
     task_weights: list[float]
     fp8_modules: list[str]  # what train.precision = "fp8" converted (empty otherwise)
     checkpointed: list[str]  # the blocks whose activations are recomputed in backward (parallel.activation_checkpoint)
+    average: WeightAverage | None = None  # the moving average of the weights (optim.weight_average > 0)
 
     def step(self, inp: ModelInput, labels: torch.Tensor) -> StepResult:
         """One training step on a batch on the device: forward, loss, backward, clip and optimizer step."""
@@ -98,6 +99,8 @@ class Training:
         )
         if self.fp8_modules:
             precision.after_step(self.model)
+        if self.average is not None:
+            self.average.update()
         return result
 
     def fp8_counters(self, collect_next: bool) -> dict[str, float]:
@@ -120,8 +123,13 @@ def setup_training(
     """Build the model from `config.model` on `device` (parameters from torch's RNG: seed first), attach the sparse
     optimizer, parallelize it with `config.parallel` over `world_size` ranks when given (a process group must be up;
     on one process only its memory plan, `parallel.activation_checkpoint`),
-    compile it when `train.compile`, and create the dense optimizer for `total_steps` steps."""
+    compile it when `train.compile`, and create the dense optimizer for `total_steps` steps (and the weights' moving
+    average when `optim.weight_average` > 0)."""
     weights = task_weights_for(config.train, schema.labels)
+    if config.optim.weight_average and world_size is not None:
+        raise ConfigError(
+            "optim.weight_average averages one process's unsharded weights: set it to 0 for a distributed run"
+        )
     model = build_model(config.model, schema, config.kernels).to(device)
     # FP8 is a conversion of the vanilla model, before parallelize (it keeps every parameter and its name)
     fp8_modules = precision.convert_to_fp8(model, config.fp8, device) if config.train.precision == "fp8" else []
@@ -149,4 +157,5 @@ def setup_training(
         task_weights=weights,
         fp8_modules=fp8_modules,
         checkpointed=checkpointed,
+        average=WeightAverage(model, config.optim.weight_average) if config.optim.weight_average else None,
     )

@@ -234,6 +234,7 @@ def test_weight_average_follows_the_weights_and_is_applied_only_inside_its_block
     from gemrec.components.trainer.optim import WeightAverage
 
     model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.BatchNorm1d(2))
+    model.register_buffer("edges", torch.tensor([-math.inf, 0.0, math.inf]))  # PLE bins' open ends
     start = {k: v.clone() for k, v in model.state_dict().items()}
     average = WeightAverage(model, decay=0.5)
     expected = start["0.weight"].clone()
@@ -247,8 +248,16 @@ def test_weight_average_follows_the_weights_and_is_applied_only_inside_its_block
     torch.testing.assert_close(live, start["0.weight"] + 3.0)
     with average.applied():
         torch.testing.assert_close(model[0].weight.detach(), expected)
-        assert torch.equal(model[1].num_batches_tracked, start["1.num_batches_tracked"])  # integer state untouched
+        assert torch.equal(model[1].num_batches_tracked, start["1.num_batches_tracked"])  # buffers untouched
+        assert torch.equal(model.edges, start["edges"])
     assert torch.equal(model[0].weight.detach(), live)
+    # A checkpoint round trip restores the average and its ramp; copy_to_model leaves the average in the model.
+    restored = WeightAverage(model, decay=0.5)
+    restored.load_state_dict(average.state_dict())
+    # Parameters only: the running statistics (and constant buffers) stay the live ones.
+    assert restored.updates == 3 and restored.names == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    restored.copy_to_model()
+    torch.testing.assert_close(model[0].weight.detach(), expected)
     with pytest.raises(ValueError, match="decay must be in"):
         WeightAverage(model, decay=1.0)
 

@@ -57,20 +57,25 @@ def test_valid_batches_lie_between_train_and_eval(movielens_dataset):
     assert not set(zip(*seen["valid"])) & set(zip(*seen["eval"]))
 
 
-def _model_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
-    """The model weights of a DCP checkpoint."""
+def _checkpoint_state(path, tmp_path) -> dict:
+    """The whole state of a DCP checkpoint (model, average, optim, ...)."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     target = tmp_path / f"{path.name}.pt"
     dcp_to_torch_save(str(path), str(target))
-    return torch.load(target, weights_only=False)["model"]
+    return torch.load(target, weights_only=False)
+
+
+def _model_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
+    """The model weights of a DCP checkpoint."""
+    return _checkpoint_state(path, tmp_path)["model"]
 
 
 OFFSET = "heads.logit_offset"
 
 
-def _valid_calibration(state: dict[str, torch.Tensor], dataset, overrides: list[str]) -> list[float]:
-    """Mean prediction / rate per label on the valid examples the tiny recipe validates on, of a model state."""
+def _valid_metrics(state: dict[str, torch.Tensor], dataset, overrides: list[str]) -> dict[str, dict[str, float]]:
+    """`metrics.task_metrics` per label on the valid examples the tiny recipe validates on, of a model state."""
     from gemrec.components.trainer import metrics as qm
     from gemrec.components.trainer.data import to_model_input
     from gemrec.model import FeatureSchema, build_model
@@ -82,9 +87,12 @@ def _valid_calibration(state: dict[str, torch.Tensor], dataset, overrides: list[
     model.eval()
     with torch.no_grad():
         rows = [(model(to_model_input(b)).logits.numpy(), b.labels.numpy()) for b in valid_batches()]
-    metrics = qm.task_metrics(
-        np.concatenate([r[1] for r in rows]), np.concatenate([r[0] for r in rows]), ["like", "love"]
-    )
+    return qm.task_metrics(np.concatenate([r[1] for r in rows]), np.concatenate([r[0] for r in rows]), ["like", "love"])
+
+
+def _valid_calibration(state: dict[str, torch.Tensor], dataset, overrides: list[str]) -> list[float]:
+    """Mean prediction / rate per label on the valid examples the tiny recipe validates on, of a model state."""
+    metrics = _valid_metrics(state, dataset, overrides)
     return [metrics[name]["calibration"] for name in ("like", "love")]
 
 
@@ -169,3 +177,48 @@ def test_calibrate_false_leaves_the_task_heads_alone(movielens_dataset, tmp_path
     offsets = runs["train.calibrate=true"]["valid"]["logit_offsets"]
     assert set(offsets) == {"like", "love"} and runs["train.calibrate=false"]["valid"]["logit_offsets"] is None
     assert runs["train.calibrate=true"]["ne"] != runs["train.calibrate=false"]["ne"]
+
+
+def test_weight_average_is_what_is_validated_kept_evaluated_and_exported(movielens_dataset, tmp_path, train_tiny):
+    import mlflow
+
+    uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
+    run_dir = tmp_path / "run"
+    ple = "model.dense_encoding='ple'"  # as the movielens recipe: buffers with infinite bin edges beside the weights
+    common = ["train.steps=20", f"train.eval_every={EVERY}", "optim.weight_average=0.9", ple]
+    summary = train_tiny(movielens_dataset, run_dir, uri, *common, log_model=True)
+    best_step = summary["valid"]["best_step"]
+    saved = _checkpoint_state(CheckpointManager(run_dir / "checkpoints", keep=2).best(), tmp_path)
+    live, average = saved["model"], saved["average"]["weights"]
+    assert saved["average"]["updates"] == best_step and set(average) <= set(live)
+    assert all(torch.isfinite(t).all() for t in average.values())
+    exported = torch.load(
+        mlflow.artifacts.download_artifacts(
+            run_id=summary["mlflow"]["run_id"],
+            artifact_path="checkpoint/state_dict.pt",
+            tracking_uri=uri,
+            dst_path=str(tmp_path / "exported"),
+        )
+    )
+    weights = [k for k in average if k != OFFSET]
+    assert all(torch.equal(exported[k], average[k]) for k in weights)  # the average is evaluated and exported
+    assert sum(not torch.allclose(average[k], live[k]) for k in weights) > len(weights) // 2  # not the live weights
+    # What validation logged at the best step is the average's valid log loss (the offsets came after it).
+    client = mlflow.MlflowClient(uri)
+    logged = {m.step: m.value for m in client.get_metric_history(summary["mlflow"]["run_id"], "valid/log_loss_like")}
+    exported[OFFSET].zero_()
+    metrics = _valid_metrics(exported, movielens_dataset, [ple])
+    assert logged[best_step] == pytest.approx(metrics["like"]["log_loss"], rel=1e-5)
+    live_metrics = _valid_metrics({**exported, **{k: live[k] for k in weights}}, movielens_dataset, [ple])
+    assert live_metrics["like"]["log_loss"] != pytest.approx(logged[best_step], rel=1e-5)
+
+
+def test_resume_carries_the_weight_average_on(movielens_dataset, tmp_path, train_tiny):
+    """A run stopped after 10 steps and resumed to 20 ends as the uninterrupted one: the checkpoint carries the
+    average and its ramp (a constant schedule: the same learning rates either way)."""
+    common = [f"train.eval_every={EVERY}", "optim.weight_average=0.9", "optim.decay='constant'"]
+    whole = train_tiny(movielens_dataset, tmp_path / "whole", None, *common, "train.steps=20")
+    train_tiny(movielens_dataset, tmp_path / "split", None, *common, "train.steps=10")
+    resumed = train_tiny(movielens_dataset, tmp_path / "split", None, *common, "train.steps=20", resume=True)
+    assert resumed["valid"]["best_step"] == whole["valid"]["best_step"] > 10
+    assert resumed["ne"] == pytest.approx(whole["ne"], rel=1e-6)
