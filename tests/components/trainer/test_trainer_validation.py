@@ -66,6 +66,19 @@ def _checkpoint_state(path, tmp_path) -> dict:
     return torch.load(target, weights_only=False)
 
 
+def _exported_state(summary: dict, uri: str, tmp_path) -> dict[str, torch.Tensor]:
+    """The state dict the run exported to MLflow."""
+    import mlflow
+
+    path = mlflow.artifacts.download_artifacts(
+        run_id=summary["mlflow"]["run_id"],
+        artifact_path="checkpoint/state_dict.pt",
+        tracking_uri=uri,
+        dst_path=str(tmp_path / "exported"),
+    )
+    return torch.load(path)
+
+
 def _model_tensors(path, tmp_path) -> dict[str, torch.Tensor]:
     """The model weights of a DCP checkpoint."""
     return _checkpoint_state(path, tmp_path)["model"]
@@ -134,14 +147,7 @@ def test_a_run_that_gets_worse_stops_and_ends_with_its_best_weights(movielens_da
     best = manager.step_dir(best_step)
     assert manager.best() == best == tmp_path / "run" / "checkpoints" / f"step_{best_step:08d}"  # kept by pruning
     assert summary["checkpoint"] == str(best) and manager.latest().name == f"step_{summary['steps']:08d}"
-    exported = torch.load(
-        mlflow.artifacts.download_artifacts(
-            run_id=summary["mlflow"]["run_id"],
-            artifact_path="checkpoint/state_dict.pt",
-            tracking_uri=uri,
-            dst_path=str(tmp_path / "exported"),
-        )
-    )
+    exported = _exported_state(summary, uri, tmp_path)
     best_weights, last_weights = _model_tensors(best, tmp_path), _model_tensors(manager.latest(), tmp_path)
     weights = [k for k in exported if k != OFFSET]
     assert all(torch.equal(exported[k], best_weights[k]) for k in weights)
@@ -192,14 +198,7 @@ def test_weight_average_is_what_is_validated_kept_evaluated_and_exported(moviele
     live, average = saved["model"], saved["average"]["weights"]
     assert saved["average"]["updates"] == best_step and set(average) <= set(live)
     assert all(torch.isfinite(t).all() for t in average.values())
-    exported = torch.load(
-        mlflow.artifacts.download_artifacts(
-            run_id=summary["mlflow"]["run_id"],
-            artifact_path="checkpoint/state_dict.pt",
-            tracking_uri=uri,
-            dst_path=str(tmp_path / "exported"),
-        )
-    )
+    exported = _exported_state(summary, uri, tmp_path)
     weights = [k for k in average if k != OFFSET]
     assert all(torch.equal(exported[k], average[k]) for k in weights)  # the average is evaluated and exported
     assert sum(not torch.allclose(average[k], live[k]) for k in weights) > len(weights) // 2  # not the live weights
