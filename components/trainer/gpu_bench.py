@@ -219,6 +219,7 @@ def run(argv: list[str] | None = None) -> dict:
     start_index = len(step_losses)
     progress(start, f"{bench.steps} timed steps")
     seconds = timed_steps(step, bench.steps, sync)
+    step_ms = 1000 * seconds / bench.steps
     step_memory = peak_memory_gib(device)
     losses = torch.stack(step_losses).float().cpu()
     if not bool(torch.isfinite(losses).all()):
@@ -235,7 +236,7 @@ def run(argv: list[str] | None = None) -> dict:
     e2e = step_flops / seconds / peak.flops
 
     inp0, labels0 = batches[0]
-    progress(start, f"step {1000 * seconds / bench.steps:.1f} ms, E2E MFU {100 * e2e:.1f}%; FLOP-count check")
+    progress(start, f"step {step_ms:.1f} ms, E2E MFU {100 * e2e:.1f}%; FLOP-count check")
     flop_check = flop_count_check(model, inp0, labels0, autocast)
     local, layers = None, list[LayerMFU]()
     if config.train.local_mfu:
@@ -250,7 +251,6 @@ def run(argv: list[str] | None = None) -> dict:
             repeats=max(3, config.train.local_mfu_repeats),
             compile=config.train.compile,
         )
-    step_ms = 1000 * seconds / bench.steps
     progress(start, "host syncs and profile")
     host_syncs, sync_sites = count_host_syncs(step) if device.type == "cuda" else (0, [])
     table, graphs_per_step = "", None
