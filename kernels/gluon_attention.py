@@ -10,7 +10,8 @@ share. (A third, producer-only partition would make 384 threads, capping every t
 serializes the wgmma k-steps.)
 
 It takes the Triton forward's arguments (`triton_attention._fwd_kernel`) and is one more candidate of its autotuner,
-for what it covers (`covers`): no score biases, no window or block mask, no RoPE, head dim 64 or 128, 16-bit inputs.
+for what it covers (`covers`): no score biases, no block mask, no RoPE, head dim 64 or 128, 16-bit inputs. A sliding
+window starts the ring at the program's first key block in the window; like the causal diagonal, its edges are masked.
 """
 
 from triton.experimental import gluon
@@ -30,7 +31,7 @@ CONSUMER_REGS = gl.constexpr(240)
 def covers(consts: dict, dtype) -> bool:
     return (
         not (consts["HAS_AB"] or consts["HAS_POS"] or consts["HAS_TIME"])
-        and not (consts.get("WINDOW") or consts.get("MASK_BLOCK") or consts.get("ROPE"))
+        and not (consts.get("MASK_BLOCK") or consts.get("ROPE"))
         and consts["HEAD_DIM"] in (64, 128)
         and consts["FAST"]
         and dtype.itemsize == 2
@@ -63,8 +64,24 @@ def _activation(qk, scale, MODE: gl.constexpr):
 
 
 @gluon.jit
+def _key_range(pos, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
+    """Keys [lo, hi) a query at position `pos` sees before clipping to the sequence (`triton_attention._key_range`
+    without the block mask)."""
+    lo = pos * 0
+    hi = pos * 0 + 2**30
+    if CAUSAL:
+        hi = pos + 1
+    if WINDOW > 0:
+        lo = pos - (WINDOW - 1)
+        if not CAUSAL:
+            hi = pos + WINDOW
+    return lo, hi
+
+
+@gluon.jit
 def _consume(
     j,
+    j0,
     acc,
     m_i,
     l_i,
@@ -86,6 +103,7 @@ def _consume(
     zero_qk,
     MODE: gl.constexpr,
     CAUSAL: gl.constexpr,
+    WINDOW: gl.constexpr,
     MASKED: gl.constexpr,
     SCALE_POS: gl.constexpr,
     LOADS: gl.constexpr,
@@ -94,9 +112,9 @@ def _consume(
     p_layout: gl.constexpr,
     acc_rows: gl.constexpr,
 ):
-    """Key block j into acc (online softmax in m_i, l_i for MODE 0): its PV product stays in flight until the next
-    block's QK^T has been waited for. LOADS: this warpgroup also loads block j + STAGES - 1, into the stage block
-    j - 1 leaves."""
+    """The program's key block j (block j0 + j of the sequence) into acc (online softmax in m_i, l_i for MODE 0): its
+    PV product stays in flight until the next block's QK^T has been waited for. LOADS: this warpgroup also loads block
+    j + STAGES - 1, into the stage block j - 1 leaves."""
     s = j % STAGES
     phase = (j // STAGES) & 1
     mbarrier.wait(k_ready.index(s), phase)
@@ -105,11 +123,16 @@ def _consume(
     # block j - 1's PV has retired too: its stage may be refilled
     mbarrier.arrive(kv_empty.index((j + STAGES - 1) % STAGES), count=1, pred=j > 0)
     if MASKED:
-        key = cols[None, :] + j * BLOCK_N
+        key = cols[None, :] + (j0 + j) * BLOCK_N
+        pos = rows[:, None] + shift
         if CAUSAL:
-            valid = (key <= rows[:, None] + shift) & (key < kv_len)
+            valid = (key <= pos) & (key < kv_len)
         else:
             valid = (key < kv_len) & (rows[:, None] >= 0)
+        if WINDOW > 0:
+            valid = valid & (key > pos - WINDOW)
+            if not CAUSAL:
+                valid = valid & (key < pos + WINDOW)
     if MODE == 0:
         # log2-domain scores t * c; a positive scale rides the exp2's FMA (one op per score)
         if SCALE_POS:
@@ -137,7 +160,7 @@ def _consume(
     acc = warpgroup_mma_wait(1, deps=[acc])
     if LOADS:
         _load_block(
-            j + STAGES - 1, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks, BLOCK_N, STAGES
+            j + STAGES - 1, j0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks, BLOCK_N, STAGES
         )
     return acc, m_i, l_i
 
@@ -156,6 +179,7 @@ def _consumer(
     HEAD_DIM: gl.constexpr,
     MODE: gl.constexpr,
     CAUSAL: gl.constexpr,
+    WINDOW: gl.constexpr,
     NORM: gl.constexpr,
     SCALE_POS: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -163,7 +187,7 @@ def _consumer(
     C: gl.constexpr,
 ):
     q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty = bufs
-    q_start, q_len, kv_len, o_start, m0, shift, h, num_heads, num_blocks = seq
+    q_start, q_len, kv_len, o_start, m0, shift, h, num_heads, j0, num_blocks = seq
     stride_qt, stride_qh, stride_ot, stride_oh, scale, qk_scale, inv_max_len = io
     kv_start, stride_kt, stride_kh, stride_vt, stride_vh = kv_io
     LOADS: gl.constexpr = C == 0
@@ -172,7 +196,7 @@ def _consumer(
             K, V, kv_start, kv_len, h, stride_kt, stride_kh, stride_vt, stride_vh, HEAD_DIM, BLOCK_N
         )
         for i in gl.static_range(STAGES - 1):
-            _load_block(i, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks, BLOCK_N, STAGES)
+            _load_block(i, j0, k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks, BLOCK_N, STAGES)
     else:
         k_desc = None
         v_desc = None
@@ -208,19 +232,20 @@ def _consumer(
     m_i = gl.full([CONSUMER_ROWS], float("-inf"), gl.float32, gl.SliceLayout(1, qk_layout))
     l_i = gl.zeros([CONSUMER_ROWS], gl.float32, gl.SliceLayout(1, qk_layout))
     acc_rows: gl.constexpr = gl.SliceLayout(1, o_layout)
-    # blocks every row here sees whole, then the masked ones: the causal diagonal (the first warpgroup may need one
-    # block less than the program loads) and, for softmax, the sequence's ragged end
-    n_mine = num_blocks
-    if CAUSAL:
-        n_full = gl.maximum(gl.minimum(kv_len, r0 + 1 + shift), 0) // BLOCK_N
-        n_mine = gl.cdiv(gl.maximum(gl.minimum(kv_len, r0 + CONSUMER_ROWS + shift), 0), BLOCK_N)
-    elif MODE == 0:
-        n_full = kv_len // BLOCK_N
-    else:
-        n_full = num_blocks
-    for j in range(0, n_full):
+    # the program's blocks j0 + [0, n_mine) this warpgroup takes: masked ones below the window's edge (some may be
+    # wholly below for this warpgroup: the program's first block is the first warpgroup's), then blocks every row here
+    # sees whole, then masked ones again: the causal diagonal or the window's far edge and, for softmax, the ragged end
+    lo_first, hi_first = _key_range(r0 + shift, CAUSAL, WINDOW)
+    lo_last, hi_last = _key_range(r0 + CONSUMER_ROWS - 1 + shift, CAUSAL, WINDOW)
+    n_mine = gl.maximum(gl.cdiv(gl.maximum(gl.minimum(kv_len, hi_last), 0), BLOCK_N) - j0, 0)
+    n_mid = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(lo_last, 0), BLOCK_N) - j0, 0), n_mine)
+    n_full = gl.maximum(gl.maximum(gl.minimum(kv_len, hi_first), 0) // BLOCK_N - j0, n_mid)
+    if MODE != 0 and not CAUSAL and WINDOW == 0:  # keys past the end are zeros, which every activation maps to 0
+        n_full = n_mine
+    for j in range(0, n_mid):
         acc, m_i, l_i = _consume(
             j,
+            j0,
             acc,
             m_i,
             l_i,
@@ -242,6 +267,41 @@ def _consumer(
             zero_qk,
             MODE,
             CAUSAL,
+            WINDOW,
+            True,
+            SCALE_POS,
+            LOADS,
+            BLOCK_N,
+            STAGES,
+            p_layout,
+            acc_rows,
+        )
+    for j in range(n_mid, n_full):
+        acc, m_i, l_i = _consume(
+            j,
+            j0,
+            acc,
+            m_i,
+            l_i,
+            q_s,
+            k_smem,
+            v_smem,
+            k_ready,
+            v_ready,
+            kv_empty,
+            k_desc,
+            v_desc,
+            num_blocks,
+            rows,
+            cols,
+            kv_len,
+            shift,
+            scale,
+            qk_scale,
+            zero_qk,
+            MODE,
+            CAUSAL,
+            WINDOW,
             False,
             SCALE_POS,
             LOADS,
@@ -253,6 +313,7 @@ def _consumer(
     for j in range(n_full, n_mine):
         acc, m_i, l_i = _consume(
             j,
+            j0,
             acc,
             m_i,
             l_i,
@@ -274,6 +335,7 @@ def _consumer(
             zero_qk,
             MODE,
             CAUSAL,
+            WINDOW,
             True,
             SCALE_POS,
             LOADS,
@@ -329,6 +391,7 @@ def _kv_descs(
 @gluon.jit
 def _load_block(
     j,
+    j0,
     k_desc,
     v_desc,
     k_smem,
@@ -340,14 +403,15 @@ def _load_block(
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """Key block j's K and V into their stage once both warpgroups have released its previous block."""
+    """The program's key block j (block j0 + j of the sequence): K and V into their stage once both warpgroups have
+    released its previous block."""
     s = j % STAGES
     pred = j < num_blocks
     mbarrier.wait(kv_empty.index(s), ((j // STAGES) & 1) ^ 1, pred=pred)  # a fresh barrier passes parity 1
     mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(k_desc, [j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s), pred=pred)
+    tma.async_copy_global_to_shared(k_desc, [(j0 + j) * BLOCK_N, 0], k_ready.index(s), k_smem.index(s), pred=pred)
     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes, pred=pred)
-    tma.async_copy_global_to_shared(v_desc, [j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s), pred=pred)
+    tma.async_copy_global_to_shared(v_desc, [(j0 + j) * BLOCK_N, 0], v_ready.index(s), v_smem.index(s), pred=pred)
 
 
 @gluon.jit
@@ -405,7 +469,7 @@ def fwd_kernel(
     ROPE: gl.constexpr,
 ):
     gl.static_assert(BLOCK_M == 2 * CONSUMER_ROWS)
-    gl.static_assert(WINDOW == 0 and MASK_BLOCK == 0 and not ROPE, "no window, block mask or RoPE here (`covers`)")
+    gl.static_assert(MASK_BLOCK == 0 and not ROPE, "no block mask or RoPE here (`covers`)")
     pid_m = gl.program_id(0)
     if CAUSAL:  # longest programs first
         pid_m = gl.num_programs(0) - 1 - pid_m
@@ -421,10 +485,10 @@ def fwd_kernel(
     m0 = pid_m * BLOCK_M
     if m0 < q_len:
         shift = kv_len - q_len
-        n_end = kv_len
-        if CAUSAL:
-            n_end = gl.maximum(gl.minimum(kv_len, m0 + BLOCK_M + shift), 0)
-        num_blocks = gl.cdiv(n_end, BLOCK_N)
+        lo, _ = _key_range(m0 + shift, CAUSAL, WINDOW)
+        _, hi = _key_range(m0 + BLOCK_M - 1 + shift, CAUSAL, WINDOW)
+        j0 = gl.maximum(lo, 0) // BLOCK_N
+        num_blocks = gl.maximum(gl.cdiv(gl.maximum(gl.minimum(kv_len, hi), 0), BLOCK_N) - j0, 0)
         dtype: gl.constexpr = Q.dtype.element_ty
         q_smem = gl.allocate_shared_memory(
             dtype, [2, CONSUMER_ROWS, HEAD_DIM], gl.NVMMASharedLayout.get_default_for([CONSUMER_ROWS, HEAD_DIM], dtype)
@@ -440,7 +504,7 @@ def fwd_kernel(
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(kv_empty.index(i), count=2)
         bufs = (q_smem, k_smem, v_smem, k_ready, v_ready, kv_empty)
-        seq = (q_start, q_len, kv_len, o_start, m0, shift, h, num_heads, num_blocks)
+        seq = (q_start, q_len, kv_len, o_start, m0, shift, h, num_heads, j0, num_blocks)
         io = (stride_qt, stride_qh, stride_ot, stride_oh, scale, qk_scale, inv_max_len)
         kv_io = (kv_start, stride_kt, stride_kh, stride_vt, stride_vh)
         gl.warp_specialize(
@@ -460,6 +524,7 @@ def fwd_kernel(
                         HEAD_DIM,
                         MODE,
                         CAUSAL,
+                        WINDOW,
                         NORM,
                         SCALE_POS,
                         BLOCK_N,
@@ -482,6 +547,7 @@ def fwd_kernel(
                         HEAD_DIM,
                         MODE,
                         CAUSAL,
+                        WINDOW,
                         NORM,
                         SCALE_POS,
                         BLOCK_N,

@@ -164,21 +164,26 @@ def _gluon_configs():
 
 @pytest.mark.parametrize("config", _gluon_configs(), ids=lambda c: f"bn{c['BLOCK_N']}s{c['num_stages']}")
 @pytest.mark.parametrize(
-    "op,causal,activation,head_dim,normalize",
+    "op,causal,activation,head_dim,normalize,window",
     [
-        ("jfa", True, None, 128, None),
-        ("jfa", False, None, 128, None),
-        ("jfa", True, None, 64, None),
-        ("jfa", False, None, 64, None),
-        ("gdpa", True, "silu", 128, "kv_len"),
-        ("gdpa", False, "silu", 64, "none"),
-        ("gdpa", True, "gelu_tanh", 64, "max_len"),
-        ("gdpa", False, "gelu", 128, "kv_len"),
-        ("gdpa", True, "relu2", 128, "none"),
-        ("gdpa", False, "relu", 64, "max_len"),
+        ("jfa", True, None, 128, None, None),
+        ("jfa", False, None, 128, None, None),
+        ("jfa", True, None, 64, None, None),
+        ("jfa", False, None, 64, None, None),
+        ("gdpa", True, "silu", 128, "kv_len", None),
+        ("gdpa", False, "silu", 64, "none", None),
+        ("gdpa", True, "gelu_tanh", 64, "max_len", None),
+        ("gdpa", False, "gelu", 128, "kv_len", None),
+        ("gdpa", True, "relu2", 128, "none", None),
+        ("gdpa", False, "relu", 64, "max_len", None),
+        ("jfa", True, None, 128, None, 256),
+        ("jfa", False, None, 64, None, 100),
+        ("jfa", True, None, 128, None, 5000),  # longer than every sequence
+        ("gdpa", True, "silu", 128, "kv_len", 300),
+        ("gdpa", False, "relu2", 64, "none", 64),
     ],
 )
-def test_gluon_forward(config, op, causal, activation, head_dim, normalize, options, monkeypatch):
+def test_gluon_forward(config, op, causal, activation, head_dim, normalize, window, options, monkeypatch):
     """Each Gluon forward tile forced as the only candidate (once, in the tma fixture variant); the backward
     checks the softmax forward's logsumexp."""
     from gemrec.kernels import triton_attention as kernels
@@ -189,13 +194,15 @@ def test_gluon_forward(config, op, causal, activation, head_dim, normalize, opti
         pytest.skip("one fixture variant is enough: the Gluon tile replaces the forward's")
     monkeypatch.setitem(kernels.CONFIGS, "fwd", [config])
     options = dataclasses.replace(options, resident=False)  # short keys through the tiled forward too
-    kw = dict(head_dim=head_dim, causal=causal)
+    kw = dict(head_dim=head_dim, causal=causal, window=window)
     if op == "gdpa":
         kw.update(activation=activation, normalize=normalize)
     check(op, LENGTHS, LENGTHS, options, seed=21, **kw)
     check(op, [32], [700, 1, 0, 2000, 65], options, seed=22, **kw)  # PMA: shared seeds
     check(op, [700, 1, 0, 2000, 65], [16, 64, 5, 333, 17], options, seed=23, **kw)  # longer queries than keys
     check(op, [3, 129, 1], [1000, 130, 0], options, seed=24, **kw)  # longer keys than queries
+    if window:
+        check(op, [4100, 2900], [4100, 2900], options, seed=25, **kw)  # many key blocks below the window
     assert {c.get("GLUON") for c in kernels._KERNELS["fwd"].best.values()} == {True}
 
 
