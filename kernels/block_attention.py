@@ -12,7 +12,6 @@ Causal and window masks, score biases, activations and norms as in `triton_atten
 launches.
 """
 
-import torch
 import triton
 import triton.language as tl
 from gemrec.kernels import triton_attention as ta
@@ -509,12 +508,11 @@ def forward(p, out, lse):
     return out, lse
 
 
-def backward(p, go, num_kv_rows, dab, dpt, dtt):
-    """(dq, dk, dv) in the rows of the output and of the (shared: expanded) keys; bias gradients in place."""
+def backward(p, go, num_kv_rows, dab, dpt, dtt, views):
+    """(dq, dk, dv) in the rows of the output and of the (shared: expanded) keys, views of one allocation where `views`
+    (`triton_attention.backward`); bias gradients in place."""
     q, k, v = p.q, p.k, p.v
-    dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
-    dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
-    dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
+    dq, dk, dv = ta._outputs(p, (p.total_out, num_kv_rows, num_kv_rows), views)
     args = p.kernel_args((q, k, v, go, dq, dk, dv), (q, k, v, go, dq, dk, dv), ta._bias_grad_args(p, dab, dpt, dtt))
     KERNELS["block_bwd"](
         _grid(p, True),

@@ -381,7 +381,8 @@ class _Attention(torch.autograd.Function):
     autograd (`fill_defaults`: about a millisecond of host time per step, which dominated small configs). Only
     the differentiable tensors are arguments (`call` holds the rest): each argument costs host time in `apply`.
     The forward's `Problem` is kept, without the differentiable tensors (autograd saves those), and bound in place to
-    the saved ones in the backward, which neither validates nor derives it again.
+    the saved ones in the backward, which neither validates nor derives it again. Its gradients may be views of one
+    allocation (`triton_attention.backward`'s `views`), which the custom op's may not.
     """
 
     @staticmethod
@@ -418,7 +419,7 @@ class _Attention(torch.autograd.Function):
         problem = ctx.problem
         if problem is not None and _direct(q) and type(grad_out) is torch.Tensor:
             problem.bind((q, k, v, attn_bias, pos_table, time_table))
-            dq, dk, dv, dab, dpt, dtt = triton_attention.backward(problem, grad_out, out, lse)
+            dq, dk, dv, dab, dpt, dtt = triton_attention.backward(problem, grad_out, out, lse, views=True)
             problem.bind(None)  # a retained graph keeps ctx: not the unpacked tensors too
         else:
             q_offsets, kv_offsets, q_timestamps, kv_timestamps, params, extra_params, options = ctx.call

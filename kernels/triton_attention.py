@@ -3873,10 +3873,9 @@ def _delta(p: Problem, out, grad_out, dq=None):
     return delta
 
 
-def _rope_dq(p: Problem, dqa):
-    """dQ w.r.t. the unrotated queries from the dK/dV kernel's fp32 sum w.r.t. the rotated ones (`_rope_dq_kernel`),
-    cast to q's dtype on the way, or in place where shared queries are summed over their sequences after."""
-    dq = dqa if p.q_shared else torch.empty(dqa.shape, dtype=p.q.dtype, device=dqa.device)
+def _rope_dq(p: Problem, dqa, dq):
+    """dQ w.r.t. the unrotated queries into `dq` (q's dtype, or `dqa` itself: in place) from the dK/dV kernel's fp32 sum
+    w.r.t. the rotated ones (`_rope_dq_kernel`)."""
 
     def grid(meta):
         return (_cdiv(max(p.max_q_len, 1), meta["BLOCK_R"]), p.heads, p.num_seqs)
@@ -3885,7 +3884,6 @@ def _rope_dq(p: Problem, dqa):
     names = ("HEAD_DIM", "Q_STRIDE", "KV_STRIDE", "FAST")
     consts = {**{n: p.consts[n] for n in names}, "BLOCK_D": p.block_d}
     _KERNELS["rope_dq"](grid, args, consts, 0, p.options)
-    return dq
 
 
 def _bias_grad_args(p: Problem, dab, dpt, dtt) -> tuple:
@@ -3899,10 +3897,19 @@ def _bias_grad_args(p: Problem, dab, dpt, dtt) -> tuple:
     )
 
 
-def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
-    """dq (dk, dv and the bias gradients in place) from `_bwd_one_launch_kernel`: no delta kernel, no dQ buffer."""
+def _outputs(p: Problem, rows: tuple, views: bool) -> tuple:
+    """Empty gradients in the inputs' dtype, (rows, heads, head_dim) for each entry of `rows`: views of one allocation
+    where `views` (the eager path), else one allocation each (a custom op's outputs may not alias)."""
+    shape = (p.heads, p.head_dim)
+    if views:
+        return torch.empty((sum(rows), *shape), dtype=p.q.dtype, device=p.q.device).split(rows)
+    return tuple(torch.empty((n, *shape), dtype=p.q.dtype, device=p.q.device) for n in rows)
+
+
+def _backward_one_launch(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt, views):
+    """(dq, dk, dv) from `_bwd_one_launch_kernel`, bias gradients in place: no delta kernel, no dQ buffer."""
     q, k, v = p.q, p.k, p.v
-    dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+    dq, dk, dv = _outputs(p, (p.total_out, num_kv_rows, num_kv_rows), views)
 
     def grid(meta):
         blocks = _cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]) + _cdiv(max(p.max_q_len, 1), meta["BLOCK_N"])
@@ -3923,20 +3930,24 @@ def _backward_one_launch(p: Problem, go, out, lse, dk, dv, dab, dpt, dtt):
         reset=tuple(t for t in (dpt, dtt) if t is not None),
         tma=p.tma_ok(q, go, out, k, v),
     )
-    return dq
+    return dq, dk, dv
 
 
-def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
+def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt, views):
     """(dq, dk, dv) from `_bwd_kv_resident_kernel`, bias gradients in place."""
     q, k, v = p.q, p.k, p.v
-    dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
-    # dK and dV accumulate in fp32: one buffer for both (one fill) where they are cast after; fp32 gradients are the
-    # buffers themselves, two of them (the custom op's outputs may not alias)
-    shape = (num_kv_rows, p.heads, p.head_dim)
-    if k.dtype == torch.float32:
-        dka, dva = (torch.zeros(shape, dtype=torch.float32, device=q.device) for _ in range(2))
+    # dK and dV accumulate in fp32, in one buffer (one fill) unless they are the fp32 gradients themselves and may
+    # not alias; in q's dtype they go into the gradients with one copy where those are views of one allocation
+    cast = k.dtype != torch.float32
+    if cast or views:
+        dkva = torch.zeros((2 * num_kv_rows, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
+        dka, dva = dkva.split(num_kv_rows)
     else:
-        dka, dva = torch.zeros((2, *shape), dtype=torch.float32, device=q.device).unbind(0)
+        dka, dva = (torch.zeros((num_kv_rows, p.heads, p.head_dim), dtype=torch.float32, device=q.device) for _ in "kv")
+    if cast and views:
+        dq, dkv = _outputs(p, (p.total_out, 2 * num_kv_rows), True)
+    else:
+        dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
 
     def grid(meta):
         return (_cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
@@ -3956,16 +3967,24 @@ def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
         reset=tuple(t for t in (dka, dva, dpt, dtt) if t is not None),
         tma=p.tma_ok(q, go, out),
     )
+    if not cast:
+        return dq, dka, dva
+    if views:
+        dk, dv = dkv.copy_(dkva).split(num_kv_rows)
+        return dq, dk, dv
     return dq, dka.to(k.dtype), dva.to(v.dtype)
 
 
-def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
-    """(dq in fp32, already summed over the key sequences where the queries are shared, dk, dv) from
-    `_bwd_q_resident_kernel`, bias gradients in place."""
+def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt, views):
+    """(dq, already summed over the key sequences where the queries are shared, dk, dv) from `_bwd_q_resident_kernel`,
+    bias gradients in place. dQ accumulates in fp32: in q's dtype it is copied into its gradient after."""
     q, k, v = p.q, p.k, p.v
     dqa = torch.zeros((q.shape[0], p.heads, p.head_dim), dtype=torch.float32, device=q.device)
-    dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=q.device)
-    dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=q.device)
+    if q.dtype == torch.float32:
+        dq = dqa
+        dk, dv = _outputs(p, (num_kv_rows, num_kv_rows), views)
+    else:
+        dq, dk, dv = _outputs(p, (q.shape[0], num_kv_rows, num_kv_rows), views)
 
     def grid(meta):
         return (_cdiv(max(p.max_kv_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
@@ -3985,11 +4004,14 @@ def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt):
         reset=tuple(t for t in (dqa, dpt, dtt) if t is not None),
         tma=p.tma_ok(k, v),
     )
-    return dqa, dk, dv
+    if dq is not dqa:
+        dq.copy_(dqa)
+    return dq, dk, dv
 
 
-def backward(p: Problem, grad_out, out, lse):
-    """Gradients (dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); bias grads None when absent."""
+def backward(p: Problem, grad_out, out, lse, views: bool = False):
+    """Gradients (dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); bias grads None when absent. views: dq, dk and
+    dv may be views of one allocation (the eager path; the custom op's outputs may not alias)."""
     q, k, v = p.q, p.k, p.v
     dev = q.device
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
@@ -4007,16 +4029,14 @@ def backward(p: Problem, grad_out, out, lse):
     elif p.block_kernel():
         from gemrec.kernels import block_attention
 
-        dq, dk, dv = block_attention.backward(p, grad_out, num_kv_rows, dab, dpt, dtt)
+        dq, dk, dv = block_attention.backward(p, grad_out, num_kv_rows, dab, dpt, dtt, views)
     elif resident == "kv":
-        dq, dk, dv = _backward_kv_resident(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt)
+        dq, dk, dv = _backward_kv_resident(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt, views)
     elif resident == "q":
-        dq, dk, dv = _backward_q_resident(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt)
+        dq, dk, dv = _backward_q_resident(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt, views)
         q_summed = True
     elif p.one_launch():
-        dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
-        dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
-        dq = _backward_one_launch(p, grad_out, out, lse, dk, dv, dab, dpt, dtt)
+        dq, dk, dv = _backward_one_launch(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt, views)
     else:
         dqa = lse  # a placeholder unless dQ is fused
         if fused:  # dQ added into an fp32 buffer, zeroed by the delta kernel where there is one (a fill launch less)
@@ -4024,8 +4044,14 @@ def backward(p: Problem, grad_out, out, lse):
             dqa = (torch.empty if p.mode == 0 else torch.zeros)(shape, dtype=torch.float32, device=dev)
         # pointwise modes never read delta; launched before dK and dV are allocated, so that the GPU starts earlier
         delta = _delta(p, out, grad_out, dqa if fused else None) if p.mode == 0 else lse
-        dk = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=k.dtype, device=dev)
-        dv = torch.empty((num_kv_rows, p.heads, p.head_dim), dtype=v.dtype, device=dev)
+        # dQ in q's dtype goes straight into its gradient (from the dQ kernel, the RoPE kernel or one copy of the fused
+        # fp32 sum), except where the fp32 sum is the gradient itself or is summed over shared queries below
+        own_dq = not fused or not (p.q_shared or q.dtype == torch.float32)
+        if own_dq:
+            dq, dk, dv = _outputs(p, (p.total_out, num_kv_rows, num_kv_rows), views)
+        else:
+            dq = dqa
+            dk, dv = _outputs(p, (num_kv_rows, num_kv_rows), views)
         go = grad_out
 
         def grid_kv(meta):
@@ -4046,9 +4072,11 @@ def backward(p: Problem, grad_out, out, lse):
             tma=p.tma_ok(q, go, rope_halves=True),
         )
         if fused:
-            dq = _rope_dq(p, dqa) if p.rope_base else dqa
+            if p.rope_base:
+                _rope_dq(p, dqa, dq)
+            elif own_dq:
+                dq.copy_(dqa)
         else:
-            dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=dev)
 
             def grid_q(meta):
                 return (_cdiv(max(p.max_q_len, 1), meta["BLOCK_M"]), p.heads, p.num_seqs)
