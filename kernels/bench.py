@@ -499,6 +499,55 @@ def host_rounds(jobs: list[tuple[dict, Any, list]], rounds: int = HOST_ROUNDS) -
     torch.cuda.empty_cache()
 
 
+HOST_ONLY_CALLS = 200  # `host_benchmark`'s calls per sample: at most 5 launches each, under the launch queue (1024)
+
+
+def host_benchmark(
+    config_names: list[str], out_dir: Path, options: KernelOptions, seed: int = 0, progress=print, device="cuda"
+) -> list[dict]:
+    """Host time alone (`gemrec bench kernels --host-only`): per config and variant, our eager forward, fwd+bwd and
+    fwd+bwd with the backward on the calling thread (`host_us`, `HOST_ONLY_CALLS` calls back to back, unsynchronized,
+    median of 5 samples), then each fwd+bwd's host timeline (kernels_host_timeline.txt). No correctness check, no
+    device timing, no peers: seconds per config, to compare host paths (run with `--no-autotune`, every kernel takes
+    its first tile at once; host time does not depend on the tile). device: "cpu" runs the reference (tests)."""
+    device = torch.device(device)
+    rows, timelines = [], []
+    for name in config_names:
+        cfg = CONFIGS[name]
+        case = make_case(cfg, seed, device)
+        for variant in cfg.variants:
+            leaves = [t.detach().clone().requires_grad_() for t in (case.q, case.k, case.v)]
+
+            def fn(q, k, v, variant=variant, case=case):
+                return run_ours(variant, case, "auto", q, k, v, options=options)
+
+            row: dict[str, Any] = {"config": name, "variant": variant.name, "impl": "ours (triton)"}
+            for label, backward, calling_thread in (
+                ("host_fwd_us", False, False),
+                ("host_fwd+bwd_us", True, False),
+                ("host_fwd+bwd_calling_thread_us", True, True),
+            ):
+                row[label] = host_us(fn, leaves, backward, calling_thread, calls=HOST_ONLY_CALLS)
+            rows.append(row)
+            progress(
+                f"{name:8s} {variant.name:22s} host us per call: fwd {row['host_fwd_us']:.0f}, fwd+bwd "
+                f"{row['host_fwd+bwd_us']:.0f}, fwd+bwd calling thread {row['host_fwd+bwd_calling_thread_us']:.0f}"
+            )
+            timelines.append(f"{name}/{variant.name}\n{host_timeline(profile_call(fn, leaves).events())}\n")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "commit": git_commit(short=True),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else device.type,
+        "torch": torch.__version__,
+        "kernel_options": options.to_dict(),
+        "calls_per_sample": HOST_ONLY_CALLS,
+    }
+    (out_dir / "kernels_host.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    (out_dir / "kernels_host_timeline.txt").write_text("\n".join(timelines))
+    return rows
+
+
 def profile_call(fn, leaves):
     """A torch.profiler profile (host and device) of one eager fwd+bwd `fn(*leaves)` from an idle GPU, after three
     unprofiled calls (autotuning, warm-up)."""

@@ -30,6 +30,12 @@ def _bench_kernels(args: argparse.Namespace) -> int:
             "bench kernels needs a CUDA GPU (the Triton kernels run compiled only there; "
             "--static compiles them for sm_90 without one)"
         )
+    if args.host_only:
+        from gemrec.kernels.bench import host_benchmark
+
+        host_benchmark(names, Path(args.out), options, seed=args.seed, progress=lambda line: print(line, flush=True))
+        print(f"wrote {Path(args.out) / 'kernels_host.json'} and kernels_host_timeline.txt")
+        return 0
     if args.profile:
         from gemrec.kernels.bench import profile_ours
 
@@ -78,6 +84,12 @@ def register(groups: dict) -> None:
         help="also time ours with the FP8 forward (KernelOptions.fp8) beside ours as the options say",
     )
     p.add_argument("--fwd-only", action="store_true", help="time the forward only (no fwd+bwd columns)")
+    p.add_argument(
+        "--host-only",
+        action="store_true",
+        help="only the host microseconds per eager call of ours (fwd, fwd+bwd, fwd+bwd on the calling thread; 200 "
+        "calls back to back, unsynchronized) and each fwd+bwd's host timeline; with --no-autotune it takes seconds",
+    )
     p.add_argument(
         "--static",
         action="store_true",

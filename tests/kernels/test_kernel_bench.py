@@ -1,7 +1,9 @@
 """`gemrec bench kernels`' host-time measurements (`host_us`, the host table, `host_timeline`) on CPU tensors."""
 
+import json
+
 import torch
-from gemrec.kernels import bench, jagged_attention
+from gemrec.kernels import KernelOptions, bench, jagged_attention
 
 
 def _case_fn():
@@ -48,3 +50,21 @@ def test_host_timeline_lists_the_calls_host_events_in_order():
     assert lines[0].split() == ["start", "us", "us", "thread", "event"]
     assert starts == sorted(starts) and starts[0] == 0.0
     assert any("aten::" in line for line in lines[1:])
+
+
+def test_host_only_reports_every_variant_and_its_timeline(tmp_path, monkeypatch):
+    tiny = bench.Config(
+        "tiny", 3, 2, 16, "uniform:1:9", "self", (bench.Variant("jfa", True), bench.Variant("gdpa", False)), ""
+    )
+    monkeypatch.setitem(bench.CONFIGS, "tiny", tiny)
+    monkeypatch.setattr(bench, "HOST_ONLY_CALLS", 2)
+    rows = bench.host_benchmark(
+        ["tiny"], tmp_path, KernelOptions(autotune=False), progress=lambda _: None, device="cpu"
+    )
+    assert [(r["config"], r["variant"]) for r in rows] == [("tiny", "jfa-causal"), ("tiny", "gdpa")]
+    for row in rows:
+        assert 0 < row["host_fwd_us"] < row["host_fwd+bwd_us"] and row["host_fwd+bwd_calling_thread_us"] > 0
+    saved = json.loads((tmp_path / "kernels_host.json").read_text())
+    assert saved["rows"] == rows and saved["meta"]["calls_per_sample"] == 2
+    timeline = (tmp_path / "kernels_host_timeline.txt").read_text()
+    assert "tiny/jfa-causal" in timeline and "tiny/gdpa" in timeline
