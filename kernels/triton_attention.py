@@ -443,6 +443,41 @@ def _load_tile(X, rows, stride_t, stride_h, h, offs_d, mask, USE_MASK: tl.conste
 
 
 @triton.jit
+def _last_arrival(ACC, cnt_row, stride_t, slot, arrivals):
+    """Whether this program is the last of `arrivals` to finish adding into a region of the fp32 accumulator ACC: each
+    counts itself in the region's counter, entry `slot` of ACC's rows from `cnt_row` on (zeroed with ACC). A semaphore
+    as CUTLASS's: the barrier orders every thread's atomics before the counter's release, and the last program's
+    acquire makes all of them visible to its loads."""
+    tl.debug_barrier()
+    count = tl.atomic_add(ACC + cnt_row.to(tl.int64) * stride_t + slot, 1.0, sem="acq_rel", scope="gpu")
+    return count == arrivals - 1
+
+
+@triton.jit
+def _cast_rows(
+    ACC,
+    OUT,
+    start,
+    num_rows,
+    stride_t,
+    stride_h,
+    h,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """OUT's rows [start, start + num_rows) of head h = ACC's (fp32, read from L2), in OUT's dtype; OUT has ACC's
+    strides."""
+    offs_d = tl.arange(0, BLOCK_D)
+    for r0 in range(0, num_rows, BLOCK_R):
+        offs_r = r0 + tl.arange(0, BLOCK_R)
+        mask = (offs_r < num_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        ptrs = (start + offs_r)[:, None] * stride_t + h * stride_h + offs_d[None, :]
+        acc = tl.load(ACC + ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        tl.store(OUT + ptrs, acc.to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _load_pair(
     A, B, a_rows, b_rows, stride_at, stride_ah, stride_bt, stride_bh, h, offs_d, mask, USE_MASK: tl.constexpr
 ):
@@ -1513,6 +1548,7 @@ def _bwd_dkdv_kernel(
     DK,
     DV,
     DQA,
+    DQ,
     AB,
     PT,
     TT,
@@ -1546,6 +1582,7 @@ def _bwd_dkdv_kernel(
     pos_log_inv,
     time_log_inv,
     num_heads,
+    cnt_row,
     HEAD_DIM: tl.constexpr,
     MODE: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -1567,16 +1604,22 @@ def _bwd_dkdv_kernel(
     WINDOW: tl.constexpr,
     MASK_BLOCK: tl.constexpr,
     ROPE: tl.constexpr,
+    CAST_DQ: tl.constexpr,
 ):
     """dK and dV (and with FUSE_DQ, dQ by atomics) for one key block, looping over the query blocks that see it;
     the softmax delta read from DELTA, or with DELTA_INLINE computed from Out and DO per query block. Also the
-    first programs of `_bwd_one_launch_kernel`."""
+    first programs of `_bwd_one_launch_kernel`. CAST_DQ (with FUSE_DQ): the last key block of a sequence and head
+    stores the sequence's dQ in DQ's dtype (`_last_arrival`; counters in DQA from row cnt_row on; DQ has DQA's
+    strides)."""
     pid_n = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     n0 = pid_n * BLOCK_N
     if n0 >= kv_len:
+        if CAST_DQ:
+            if _last_arrival(DQA, cnt_row, stride_dqat, b * num_heads + h, tl.num_programs(0)):
+                _cast_rows(DQA, DQ, o_start, q_len, stride_dqat, stride_dqah, h, HEAD_DIM, BLOCK_M, BLOCK_D)
         return
     shift = kv_len - q_len
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
@@ -1840,6 +1883,9 @@ def _bwd_dkdv_kernel(
     tl.store(
         DV + dk_rows[:, None] * stride_dvt + h * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kmask
     )
+    if CAST_DQ:
+        if _last_arrival(DQA, cnt_row, stride_dqat, b * num_heads + h, tl.num_programs(0)):
+            _cast_rows(DQA, DQ, o_start, q_len, stride_dqat, stride_dqah, h, HEAD_DIM, BLOCK_M, BLOCK_D)
 
 
 @triton.jit
@@ -2415,6 +2461,8 @@ def _bwd_kv_resident_kernel(
     DQ,
     DKA,
     DVA,
+    DK,
+    DV,
     AB,
     DAB,
     PT,
@@ -2449,6 +2497,7 @@ def _bwd_kv_resident_kernel(
     pos_log_inv,
     time_log_inv,
     num_heads,
+    cnt_row,
     HEAD_DIM: tl.constexpr,
     MODE: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -2469,15 +2518,22 @@ def _bwd_kv_resident_kernel(
     WINDOW: tl.constexpr,
     MASK_BLOCK: tl.constexpr,
     ROPE: tl.constexpr,
+    CAST_DKV: tl.constexpr,
 ):
     """The whole backward when every key sequence fits one BLOCK_N tile: each program walks CHUNK query rows with K
     and V loaded once, stores their dQ and score-bias gradients, and adds its share of dK (scaled) and dV into the
-    fp32 DKA, DVA (atomics); the softmax delta comes from Out and DO per query block."""
+    fp32 DKA, DVA (atomics); the softmax delta comes from Out and DO per query block. CAST_DKV: the last program of
+    a sequence and head stores its dK and dV in DK's and DV's dtype (`_last_arrival`; counters in DKA from row cnt_row
+    on; DK and DV have DKA's strides)."""
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     m_begin = tl.program_id(0) * CHUNK
     if m_begin >= q_len:
+        if CAST_DKV:
+            if _last_arrival(DKA, cnt_row, stride_dkvt, b * num_heads + h, tl.num_programs(0)):
+                _cast_rows(DKA, DK, dkv_start, kv_len, stride_dkvt, stride_dkvh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
+                _cast_rows(DVA, DV, dkv_start, kv_len, stride_dkvt, stride_dkvh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
         return
     m_end = tl.minimum(q_len, m_begin + CHUNK)
     shift = kv_len - q_len
@@ -2607,6 +2663,10 @@ def _bwd_kv_resident_kernel(
     else:
         tl.atomic_add(DKA + dkv_ptrs, dk * scale, mask=kmask, sem="relaxed")
     tl.atomic_add(DVA + dkv_ptrs, dv, mask=kmask, sem="relaxed")
+    if CAST_DKV:
+        if _last_arrival(DKA, cnt_row, stride_dkvt, b * num_heads + h, tl.num_programs(0)):
+            _cast_rows(DKA, DK, dkv_start, kv_len, stride_dkvt, stride_dkvh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
+            _cast_rows(DVA, DV, dkv_start, kv_len, stride_dkvt, stride_dkvh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
 
 
 @triton.jit
@@ -2620,6 +2680,7 @@ def _bwd_q_resident_kernel(
     DQA,
     DK,
     DV,
+    DQ,
     AB,
     DAB,
     PT,
@@ -2656,6 +2717,7 @@ def _bwd_q_resident_kernel(
     pos_log_inv,
     time_log_inv,
     num_heads,
+    cnt_row,
     HEAD_DIM: tl.constexpr,
     MODE: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -2676,16 +2738,36 @@ def _bwd_q_resident_kernel(
     WINDOW: tl.constexpr,
     MASK_BLOCK: tl.constexpr,
     ROPE: tl.constexpr,
+    CAST_DQ: tl.constexpr,
 ):
     """The whole backward when every query sequence fits one BLOCK_M tile (PMA seeds over long keys): each program
     walks CHUNK key rows with Q, dO and the softmax delta loaded once, stores their dK, dV and score-bias gradients,
     and adds its share of dQ (scaled) into the fp32 DQA (atomics), whose rows are q's: a shared query sequence's
-    gradient is summed over the key sequences right there."""
+    gradient is summed over the key sequences right there. CAST_DQ: the last program of a sequence and head (of a
+    head, for a shared query sequence) stores its dQ in DQ's dtype (`_q_resident_done`; counters in DQA from row
+    cnt_row on)."""
     h = tl.program_id(1)
     b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     n_begin = tl.program_id(0) * CHUNK
     if n_begin >= kv_len:
+        if CAST_DQ:
+            _q_resident_done(
+                DQA,
+                DQ,
+                cnt_row,
+                stride_dqat,
+                stride_dqah,
+                h,
+                b,
+                q_start,
+                q_len,
+                num_heads,
+                Q_STRIDE,
+                HEAD_DIM,
+                BLOCK_M,
+                BLOCK_D,
+            )
         return
     n_end = tl.minimum(kv_len, n_begin + CHUNK)
     shift = kv_len - q_len
@@ -2805,6 +2887,52 @@ def _bwd_q_resident_kernel(
             mask=qmask,
             sem="relaxed",
         )
+    if CAST_DQ:
+        _q_resident_done(
+            DQA,
+            DQ,
+            cnt_row,
+            stride_dqat,
+            stride_dqah,
+            h,
+            b,
+            q_start,
+            q_len,
+            num_heads,
+            Q_STRIDE,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_D,
+        )
+
+
+@triton.jit
+def _q_resident_done(
+    DQA,
+    DQ,
+    cnt_row,
+    stride_t,
+    stride_h,
+    h,
+    b,
+    q_start,
+    q_len,
+    num_heads,
+    Q_STRIDE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """`_bwd_q_resident_kernel`'s arrival: the last program to add into a query sequence's dQ for head h (every program
+    of the head for a shared query sequence, every program of the sequence otherwise) stores it in DQ's dtype."""
+    if Q_STRIDE == 0:
+        slot = h
+        arrivals = tl.num_programs(0) * tl.num_programs(2)
+    else:
+        slot = b * num_heads + h
+        arrivals = tl.num_programs(0)
+    if _last_arrival(DQA, cnt_row, stride_t, slot, arrivals):
+        _cast_rows(DQA, DQ, q_start, q_len, stride_t, stride_h, h, HEAD_DIM, BLOCK_M, BLOCK_D)
 
 
 @triton.jit
@@ -2892,6 +3020,7 @@ def _bwd_one_launch_kernel(
             DK,
             DV,
             DQ,
+            DQ,
             AB,
             PT,
             TT,
@@ -2925,6 +3054,7 @@ def _bwd_one_launch_kernel(
             pos_log_inv,
             time_log_inv,
             num_heads,
+            0,
             HEAD_DIM,
             MODE,
             CAUSAL,
@@ -2946,6 +3076,7 @@ def _bwd_one_launch_kernel(
             WINDOW,
             MASK_BLOCK,
             ROPE,
+            False,
         )
     else:
         _bwd_dq_kernel(
@@ -3020,6 +3151,7 @@ def _delta_kernel(
     DELTA,
     DQ,
     num_items,
+    num_zero_items,
     stride_ot,
     stride_oh,
     stride_dot,
@@ -3031,7 +3163,8 @@ def _delta_kernel(
     ZERO_DQ: tl.constexpr,
 ):
     """delta[row, h] = sum_d out * grad_out, in fp32 (softmax backward), over flattened (row, head) items. ZERO_DQ:
-    also zero the contiguous fp32 dQ buffer that the dK/dV kernel then adds into (no separate fill launch)."""
+    also zero the contiguous fp32 dQ buffer that the dK/dV kernel then adds into (no separate fill launch), its first
+    num_zero_items x HEAD_DIM entries (its counter rows included)."""
     item = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = item < num_items
     row = (item // num_heads).to(tl.int64)
@@ -3045,7 +3178,7 @@ def _delta_kernel(
         tl.store(
             DQ + item.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :],
             tl.zeros([BLOCK_R, BLOCK_D], tl.float32),
-            mask=mask,
+            mask=(item < num_zero_items)[:, None] & (offs_d < HEAD_DIM)[None, :],
         )
 
 
@@ -3849,12 +3982,14 @@ def forward(p: Problem):
 
 
 def _delta(p: Problem, out, grad_out, dq=None):
-    """The softmax delta per (row, head); with `dq` (a contiguous fp32 (rows, heads, head_dim) buffer) zeroes it too."""
+    """The softmax delta per (row, head); with `dq` (a contiguous fp32 (rows, heads, head_dim) buffer of at least the
+    output's rows: its counter rows too) zeroes it too."""
     delta = torch.empty((p.total_out, p.heads), dtype=torch.float32, device=out.device)
     num_items = p.total_out * p.heads
+    num_zero_items = 0 if dq is None else dq.shape[0] * p.heads
 
     def grid(meta):
-        return (_cdiv(num_items, meta["BLOCK_R"]),)
+        return (_cdiv(max(num_items, num_zero_items), meta["BLOCK_R"]),)
 
     args = (
         out,
@@ -3862,6 +3997,7 @@ def _delta(p: Problem, out, grad_out, dq=None):
         delta,
         delta if dq is None else dq,
         num_items,
+        num_zero_items,
         out.stride(0),
         out.stride(1),
         grad_out.stride(0),
@@ -3902,8 +4038,14 @@ def _outputs(p: Problem, rows: tuple, views: bool) -> tuple:
     where `views` (the eager path), else one allocation each (a custom op's outputs may not alias)."""
     shape = (p.heads, p.head_dim)
     if views:
-        return torch.empty((sum(rows), *shape), dtype=p.q.dtype, device=p.q.device).split(rows)
+        return torch.empty((sum(rows), *shape), dtype=p.q.dtype, device=p.q.device).split_with_sizes(rows)
     return tuple(torch.empty((n, *shape), dtype=p.q.dtype, device=p.q.device) for n in rows)
+
+
+def _counter_rows(p: Problem, regions: int) -> int:
+    """Rows (of heads x head_dim fp32) past an accumulator's data that hold one counter per region and head
+    (`_last_arrival`)."""
+    return _cdiv(regions, p.head_dim)
 
 
 def _backward_one_launch(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt, views):
@@ -3934,78 +4076,81 @@ def _backward_one_launch(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt, v
 
 
 def _backward_kv_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt, views):
-    """(dq, dk, dv) from `_bwd_kv_resident_kernel`, bias gradients in place."""
+    """(dq, dk, dv) from `_bwd_kv_resident_kernel`, bias gradients in place. dK and dV accumulate in fp32 in one buffer
+    (one fill), which the kernel's last program per sequence and head casts into dk and dv (its counters in rows past
+    theirs, zeroed with it); fp32 inputs take the sums themselves, two buffers unless `views` (the custom op's outputs
+    may not alias)."""
     q, k, v = p.q, p.k, p.v
-    # dK and dV accumulate in fp32, in one buffer (one fill) unless they are the fp32 gradients themselves and may
-    # not alias; in q's dtype they go into the gradients with one copy where those are views of one allocation
     cast = k.dtype != torch.float32
+    rows = (num_kv_rows, num_kv_rows, _counter_rows(p, p.num_seqs) if cast else 0)
     if cast or views:
-        dkva = torch.zeros((2 * num_kv_rows, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
-        dka, dva = dkva.split(num_kv_rows)
+        dkva = torch.zeros((sum(rows), p.heads, p.head_dim), dtype=torch.float32, device=q.device)
+        dka, dva, _ = dkva.split_with_sizes(rows)
+        accumulators: tuple = (dkva,)
     else:
-        dka, dva = (torch.zeros((num_kv_rows, p.heads, p.head_dim), dtype=torch.float32, device=q.device) for _ in "kv")
-    if cast and views:
-        dq, dkv = _outputs(p, (p.total_out, 2 * num_kv_rows), True)
+        accumulators = dka, dva = tuple(
+            torch.zeros((n, p.heads, p.head_dim), dtype=torch.float32, device=q.device) for n in rows[:2]
+        )
+    if cast:
+        dq, dk, dv = _outputs(p, (p.total_out, num_kv_rows, num_kv_rows), views)
     else:
         dq = torch.empty((p.total_out, p.heads, p.head_dim), dtype=q.dtype, device=q.device)
+        dk, dv = dka, dva
 
     def grid(meta):
         return (_cdiv(max(p.max_q_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
     args = p.kernel_args(
-        (q, k, v, out, go, lse, dq, dka, dva),
-        (q, k, v, out, go, dq, dka),  # dV: dK's strides (one buffer or two alike)
+        (q, k, v, out, go, lse, dq, dka, dva, dk, dv),
+        (q, k, v, out, go, dq, dka),  # DVA, DK, DV: DKA's strides (one buffer or two alike)
         _bias_grad_args(p, dab, dpt, dtt),
-        tail=(p.heads,),
+        tail=(p.heads, 2 * num_kv_rows),
     )
     _KERNELS["bwd_rkv"](
         grid,
         args,
-        {**p.consts, "BLOCK_D": p.block_d, "BLOCK_N": _resident_block(p.max_kv_len)},
+        {**p.consts, "BLOCK_D": p.block_d, "BLOCK_N": _resident_block(p.max_kv_len), "CAST_DKV": cast},
         p.bucket,
         p.options,
-        reset=tuple(t for t in (dka, dva, dpt, dtt) if t is not None),
+        reset=accumulators + tuple(t for t in (dpt, dtt) if t is not None),  # the counters too
         tma=p.tma_ok(q, go, out),
     )
-    if not cast:
-        return dq, dka, dva
-    if views:
-        dk, dv = dkv.copy_(dkva).split(num_kv_rows)
-        return dq, dk, dv
-    return dq, dka.to(k.dtype), dva.to(v.dtype)
+    return dq, dk, dv
 
 
 def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt, views):
     """(dq, already summed over the key sequences where the queries are shared, dk, dv) from `_bwd_q_resident_kernel`,
-    bias gradients in place. dQ accumulates in fp32: in q's dtype it is copied into its gradient after."""
+    bias gradients in place. dQ accumulates in fp32, which the kernel's last program per region casts into dq (its
+    counters in rows past q's, zeroed with it); fp32 inputs take the sum itself."""
     q, k, v = p.q, p.k, p.v
-    dqa = torch.zeros((q.shape[0], p.heads, p.head_dim), dtype=torch.float32, device=q.device)
-    if q.dtype == torch.float32:
+    q_rows = q.shape[0]
+    cast = q.dtype != torch.float32
+    extra = _counter_rows(p, 1 if p.q_shared else p.num_seqs) if cast else 0
+    dqa = torch.zeros((q_rows + extra, p.heads, p.head_dim), dtype=torch.float32, device=q.device)
+    if cast:
+        dq, dk, dv = _outputs(p, (q_rows, num_kv_rows, num_kv_rows), views)
+    else:
         dq = dqa
         dk, dv = _outputs(p, (num_kv_rows, num_kv_rows), views)
-    else:
-        dq, dk, dv = _outputs(p, (q.shape[0], num_kv_rows, num_kv_rows), views)
 
     def grid(meta):
         return (_cdiv(max(p.max_kv_len, 1), meta["CHUNK"]), p.heads, p.num_seqs)
 
     args = p.kernel_args(
-        (q, k, v, out, go, lse, dqa, dk, dv),
-        (q, k, v, out, go, dqa, dk, dv),
+        (q, k, v, out, go, lse, dqa, dk, dv, dq),
+        (q, k, v, out, go, dqa, dk, dv),  # dQ: DQA's strides
         _bias_grad_args(p, dab, dpt, dtt),
-        tail=(p.heads,),
+        tail=(p.heads, q_rows),
     )
     _KERNELS["bwd_rq"](
         grid,
         args,
-        {**p.consts, "BLOCK_D": p.block_d, "BLOCK_M": _resident_block(p.max_q_len)},
+        {**p.consts, "BLOCK_D": p.block_d, "BLOCK_M": _resident_block(p.max_q_len), "CAST_DQ": cast},
         p.bucket,
         p.options,
-        reset=tuple(t for t in (dqa, dpt, dtt) if t is not None),
+        reset=tuple(t for t in (dqa, dpt, dtt) if t is not None),  # the counters too
         tma=p.tma_ok(k, v),
     )
-    if dq is not dqa:
-        dq.copy_(dqa)
     return dq, dk, dv
 
 
@@ -4038,15 +4183,17 @@ def backward(p: Problem, grad_out, out, lse, views: bool = False):
     elif p.one_launch():
         dq, dk, dv = _backward_one_launch(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt, views)
     else:
+        # dQ in q's dtype goes straight into its gradient: from the dQ kernel, the RoPE kernel, or the dK/dV kernel's
+        # last key block per sequence and head (`cast_dq`); the fused fp32 sum is the gradient itself for fp32 inputs,
+        # and is summed over shared queries below
+        own_dq = not fused or not (p.q_shared or q.dtype == torch.float32)
+        cast_dq = fused and own_dq and not p.rope_base
         dqa = lse  # a placeholder unless dQ is fused
         if fused:  # dQ added into an fp32 buffer, zeroed by the delta kernel where there is one (a fill launch less)
-            shape = (p.total_out, p.heads, p.head_dim)
+            shape = (p.total_out + (_counter_rows(p, p.num_seqs) if cast_dq else 0), p.heads, p.head_dim)
             dqa = (torch.empty if p.mode == 0 else torch.zeros)(shape, dtype=torch.float32, device=dev)
         # pointwise modes never read delta; launched before dK and dV are allocated, so that the GPU starts earlier
         delta = _delta(p, out, grad_out, dqa if fused else None) if p.mode == 0 else lse
-        # dQ in q's dtype goes straight into its gradient (from the dQ kernel, the RoPE kernel or one copy of the fused
-        # fp32 sum), except where the fp32 sum is the gradient itself or is summed over shared queries below
-        own_dq = not fused or not (p.q_shared or q.dtype == torch.float32)
         if own_dq:
             dq, dk, dv = _outputs(p, (p.total_out, num_kv_rows, num_kv_rows), views)
         else:
@@ -4058,24 +4205,22 @@ def backward(p: Problem, grad_out, out, lse, views: bool = False):
             return (_cdiv(max(p.max_kv_len, 1), meta["BLOCK_N"]), p.heads, p.num_seqs)
 
         args: tuple = p.kernel_args(
-            (q, k, v, out, go, lse, delta, dk, dv, dqa),
-            (q, k, v, out, go, dk, dv, dqa if fused else None),
-            tail=(p.heads,),
+            (q, k, v, out, go, lse, delta, dk, dv, dqa, dq),
+            (q, k, v, out, go, dk, dv, dqa if fused else None),  # dQ: DQA's strides
+            tail=(p.heads, p.total_out),
         )
         _KERNELS["dkdv"](
             grid_kv,
             args,
-            {**p.consts, "FUSE_DQ": fused, "DELTA_INLINE": False, "BLOCK_D": p.block_d},
+            {**p.consts, "FUSE_DQ": fused, "DELTA_INLINE": False, "BLOCK_D": p.block_d, "CAST_DQ": cast_dq},
             p.bucket,
             p.options,
-            reset=(dqa,) if fused else (),
+            reset=(dqa,) if fused else (),  # the counters too
             tma=p.tma_ok(q, go, rope_halves=True),
         )
         if fused:
             if p.rope_base:
                 _rope_dq(p, dqa, dq)
-            elif own_dq:
-                dq.copy_(dqa)
         else:
 
             def grid_q(meta):

@@ -8,8 +8,11 @@ dims nearly every shape here fits the resident-K/V kernels, so the main tests ru
 (`kernel_path`).
 """
 
+import collections
 import dataclasses
+import functools
 import importlib.util
+import itertools
 import subprocess
 from pathlib import Path
 
@@ -184,16 +187,17 @@ def test_eager_path_equals_the_custom_ops(q_lens, kv_lens, op, causal, masks, mo
     )
     case = make_case(q_lens, kv_lens, heads=HEADS, dim=DIM, bias=True, seed=len(q_lens))
     activation = "softmax" if op == "jfa" else op
-    for options in (ONE_LAUNCH, SEPARATE):  # resident kernels where they fit, then the separate launches
+    # resident kernels where they fit, then the separate launches; half precision: the kernels cast their fp32 sums
+    for options, dtype in itertools.product((ONE_LAUNCH, SEPARATE), (torch.float32, torch.float16)):
         bound.clear()
-        eager = run(case, activation, backend="triton", causal=causal, options=options, **masks)
+        eager = run(case, activation, backend="triton", causal=causal, options=options, dtype=dtype, **masks)
         # kept without tensors by the forward, bound by the backward and without them again after
         assert bound == [True, False, True]
         with _PassThrough():
-            through_ops = run(case, activation, backend="triton", causal=causal, options=options, **masks)
+            through_ops = run(case, activation, backend="triton", causal=causal, options=options, dtype=dtype, **masks)
         assert bound == [True, False, True]
         for name, a, b in zip(GRADIENTS, eager, through_ops):
-            assert (a is None and b is None) or torch.equal(a, b), (name, options)
+            assert (a is None and b is None) or torch.equal(a, b), (name, options, dtype)
 
 
 def test_a_retained_graph_runs_its_backward_twice():
@@ -228,6 +232,87 @@ def test_backward_in_separate_launches(op, monkeypatch):
     pointers = KernelOptions(one_launch=False, resident=False, tma=False)
     compare([20, 3, 40], [5, 1, 2], op=op, causal=True, seed=22, options=pointers)
     compare([9, 4], [9, 4], op=op, dim=24, bias=True, seed=23, options=pointers)
+
+
+@pytest.mark.parametrize("op", ["jfa", "silu"])
+def test_half_precision_gradients_cast_by_the_last_program(op, monkeypatch):
+    """fp16 inputs, whose fp32 sums the last program of each region casts (`_last_arrival`): dQ of the fused key-block
+    kernel, dK and dV of the resident-key kernel, dQ of the resident-query kernel (shared queries: one region per
+    head), with several programs per region, empty sequences and sequences that no program but the last reaches."""
+    monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)
+    half = {"dtype": torch.float16, "tol": 1e-2}
+    compare(EDGE, EDGE, op=op, causal=True, seed=30, options=SEPARATE, **half)
+    compare([20, 3, 40], [5, 1, 2], op=op, seed=31, options=SEPARATE, **half)
+    compare([40, 0, 70], [3, 4, 0], op=op, seed=32, options=KernelOptions(), **half)  # resident keys
+    monkeypatch.setattr(kernels_module, "RESIDENT_MAX_TILE", 16 * DIM)
+    compare([4], [40, 0, 70], op=op, seed=33, options=KernelOptions(), **half)  # resident shared queries
+    compare([3, 0, 9], [70, 5, 0], op=op, causal=True, seed=34, options=KernelOptions(), **half)
+
+
+def _host_path(fn) -> tuple[list[str], collections.Counter]:
+    """The kernels one call of `fn` launches, and the torch ops it calls beside them: the `aten::` ops called from
+    Python (none above them, nor inside a launch), on the calling thread."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    kinds = []
+    launch = kernels_module._Kernel.__call__
+
+    def recorded(self, *args, **kwargs):
+        kinds.append(self.kind)
+        with record_function("launch"):
+            return launch(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kernels_module._Kernel, "__call__", recorded)
+        with torch.autograd.set_multithreading_enabled(False), profile(activities=[ProfilerActivity.CPU]) as prof:
+            fn()
+
+    def from_python(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name == "launch" or parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return event.name.startswith("aten::") and event.name not in ("aten::resolve_conj", "aten::resolve_neg")
+
+    return kinds, collections.Counter(e.name.removeprefix("aten::") for e in prof.events() if from_python(e))
+
+
+B, C_CROSS, C_PMA = ([130, 3, 40], [130, 3, 40]), ([40, 3, 20], [5, 9, 16]), ([8], [130, 3, 40])
+
+
+@pytest.mark.parametrize(
+    "lens,op,kinds,ops",
+    [
+        (B, "jfa", ["fwd", "delta", "dkdv"], {"empty": 5, "split_with_sizes": 1}),
+        (B, "silu", ["fwd", "dkdv"], {"empty": 3, "zeros": 1, "split_with_sizes": 1}),
+        (C_CROSS, "jfa", ["fwd_rkv", "bwd_rkv"], {"empty": 3, "zeros": 1, "split_with_sizes": 2}),
+        (C_CROSS, "silu", ["fwd_rkv", "bwd_rkv"], {"empty": 3, "zeros": 1, "split_with_sizes": 2}),
+        (C_PMA, "jfa", ["fwd", "bwd_rq"], {"empty": 3, "zeros": 1, "split_with_sizes": 1}),
+        (C_PMA, "silu", ["fwd", "bwd_rq"], {"empty": 3, "zeros": 1, "split_with_sizes": 1}),
+    ],
+    ids=["B-jfa", "B-silu", "C-cross-jfa", "C-cross-silu", "C-pma-jfa", "C-pma-silu"],
+)
+def test_host_path_of_one_eager_call_on_the_benchmark_paths(lens, op, kinds, ops):
+    """One eager fwd+bwd in half precision on the paths of configs B (fused dQ), C-cross (resident keys) and C-pma
+    (resident shared queries): each launch, allocation and torch op costs the host microseconds per call (issue 16
+    item 8). The kernels it launches, and beside them only allocations (out and lse; the gradients, one; the fp32
+    sum that the kernels add into and cast from, with B's softmax delta) and a zero fill where no kernel zeroes that
+    sum: no cast, copy or reduction launched from Python."""
+    q_lens, kv_lens = lens
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(sum(q_lens), HEADS, 64, generator=gen).half().requires_grad_()
+    k, v = (torch.randn(sum(kv_lens), HEADS, 64, generator=gen).half().requires_grad_() for _ in range(2))
+    grad = torch.randn(q.shape[0] * (len(kv_lens) if len(q_lens) == 1 else 1), HEADS, 64, generator=gen).half()
+    attention = jagged_attention if op == "jfa" else functools.partial(gdpa, activation=op)
+    args = (q, k, v, offsets_of(q_lens), offsets_of(kv_lens), max(q_lens), max(kv_lens))
+
+    def call():
+        return torch.autograd.grad(attention(*args, backend="triton"), (q, k, v), grad)
+
+    call()  # the launchers' caches
+    launched, called = _host_path(call)
+    assert (launched, called) == (kinds, collections.Counter(ops))
 
 
 def test_batch_of_one_fp16_and_odd_head_dim():
