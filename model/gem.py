@@ -553,7 +553,8 @@ def model_flops(model: nn.Module, inp: ModelInput) -> dict[str, tuple[int, int]]
 
 
 def loss(output: ModelOutput, labels: torch.Tensor, task_weights=None) -> torch.Tensor:
-    """Weighted sum over tasks of the mean binary cross-entropy, plus the model's auxiliary loss."""
+    """Weighted sum over tasks of the mean binary cross-entropy, plus the model's auxiliary loss. `task_weights`: a
+    tensor on the logits' device (the trainer's; a Python list costs a synchronizing host-to-device copy a step)."""
     logits = output.logits
     if labels.shape != logits.shape:
         raise ValueError(f"labels must have the logits' shape {tuple(logits.shape)}, got {tuple(labels.shape)}")

@@ -27,7 +27,7 @@ def train_step(
     inp: ModelInput,
     labels: torch.Tensor | None,
     *,
-    task_weights: Sequence[float] | None = None,
+    task_weights: Sequence[float] | torch.Tensor | None = None,
     autocast: Callable[[], AbstractContextManager[object]] = contextlib.nullcontext,
     optimizer_step: Callable[[], object] | None = None,
     objective: Callable[[nn.Module, ModelInput], torch.Tensor] | None = None,

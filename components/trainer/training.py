@@ -82,7 +82,7 @@ class Training:
     sparse_optimizer: str  # which row-wise Adagrad runs in backward
     bf16: bool
     autocast: Callable[[], AbstractContextManager[object]]
-    task_weights: list[float]
+    task_weights: torch.Tensor  # per label, on the device: the loss reads it without a host-to-device copy
     fp8_modules: list[str]  # what train.precision = "fp8" converted (empty otherwise)
     checkpointed: list[str]  # the blocks whose activations are recomputed in backward (parallel.activation_checkpoint)
     average: WeightAverage | None = None  # the moving average of the weights (optim.weight_average > 0)
@@ -154,7 +154,7 @@ def setup_training(
         sparse_optimizer=sparse_optimizer,
         bf16=bf16,
         autocast=autocast,
-        task_weights=weights,
+        task_weights=torch.tensor(weights, device=device),
         fp8_modules=fp8_modules,
         checkpointed=checkpointed,
         average=WeightAverage(model, config.optim.weight_average) if config.optim.weight_average else None,

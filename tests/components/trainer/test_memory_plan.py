@@ -148,6 +148,19 @@ def test_one_process_training_applies_the_plan():
     assert off.checkpointed == [] and peak_memory_gib(torch.device("cpu")) is None
 
 
+def test_training_keeps_the_task_weights_as_a_tensor_the_loss_reads_as_is():
+    """A Python list would be copied host-to-device (a synchronizing copy from pageable memory) at every step."""
+    labels = list(SCHEMA.labels)
+    config = load_recipe("tiny", [*MODEL, f"train.task_weights={{{labels[0]} = 2.0}}"])
+    training = setup_training(config, SCHEMA, torch.device("cpu"), 4)
+    assert isinstance(training.task_weights, torch.Tensor)
+    weights = [2.0] + [1.0] * (len(labels) - 1)
+    assert training.task_weights.tolist() == weights
+    inp, target = random_input(SCHEMA, 4, 12, seed=3), torch.ones(4, len(labels))
+    output = training.model(inp)
+    assert torch.equal(loss(output, target, training.task_weights), loss(output, target, weights))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_checkpointing_the_sequence_tower_lowers_the_peak_on_the_gpu():
