@@ -3901,12 +3901,15 @@ class Problem:
     def fuse_dq(self) -> bool:
         return not self.has_bias and self.max_kv_len >= FUSE_DQ_MIN_KV
 
+    def small(self) -> bool:
+        """Below ONE_LAUNCH_MAX_WORK: a problem whose eager calls are bound by the host's launches."""
+        return self.num_seqs * self.max_q_len * self.max_kv_len * self.heads * self.head_dim < ONE_LAUNCH_MAX_WORK
+
     def one_launch(self) -> bool:
-        """Whether the backward is one launch (`_bwd_one_launch_kernel`): with `options.one_launch`, for
-        problems below ONE_LAUNCH_MAX_WORK with head dims up to 128 (above, its tiles spill 1.5-2.5 KB per thread on
-        sm_90), with or without score biases."""
-        work = self.num_seqs * self.max_q_len * self.max_kv_len * self.heads * self.head_dim
-        return self.options.one_launch and self.head_dim <= 128 and work < ONE_LAUNCH_MAX_WORK
+        """Whether the backward is one launch (`_bwd_one_launch_kernel`): with `options.one_launch`, for small
+        problems with head dims up to 128 (above, its tiles spill 1.5-2.5 KB per thread on sm_90), with or without
+        score biases."""
+        return self.options.one_launch and self.head_dim <= 128 and self.small()
 
     def kernel_args(self, tensors: tuple, strided: tuple, grads: tuple | None = None, *, qk_scale=False, tail=()):
         """A launch's arguments in the order every attention kernel takes them: `tensors` (q, k, v, then the outputs
@@ -4184,10 +4187,11 @@ def backward(p: Problem, grad_out, out, lse, views: bool = False):
         dq, dk, dv = _backward_one_launch(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt, views)
     else:
         # dQ in q's dtype goes straight into its gradient: from the dQ kernel, the RoPE kernel, or the dK/dV kernel's
-        # last key block per sequence and head (`cast_dq`); the fused fp32 sum is the gradient itself for fp32 inputs,
-        # and is summed over shared queries below
+        # last key block per sequence and head (`cast_dq`, small problems: one launch less; on the H200 it cost B's
+        # graph fwd+bwd 5-14%, and one program per region casting long sequences would cost more than one copy over
+        # all rows); the fused fp32 sum is the gradient itself for fp32 inputs, and is summed over shared queries below
         own_dq = not fused or not (p.q_shared or q.dtype == torch.float32)
-        cast_dq = fused and own_dq and not p.rope_base
+        cast_dq = fused and own_dq and not p.rope_base and p.small()
         dqa = lse  # a placeholder unless dQ is fused
         if fused:  # dQ added into an fp32 buffer, zeroed by the delta kernel where there is one (a fill launch less)
             shape = (p.total_out + (_counter_rows(p, p.num_seqs) if cast_dq else 0), p.heads, p.head_dim)
@@ -4221,6 +4225,8 @@ def backward(p: Problem, grad_out, out, lse, views: bool = False):
         if fused:
             if p.rope_base:
                 _rope_dq(p, dqa, dq)
+            elif own_dq and not cast_dq:
+                dq.copy_(dqa)
         else:
 
             def grid_q(meta):
