@@ -270,45 +270,6 @@ def _gemm_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in ((128, 8, 3), (256, 8, 3))]
 
 
-@triton.jit
-def _gemm_block(
-    acc,
-    a_ptr,
-    b_ptr,
-    sa_ptr,
-    sb_ptr,
-    rm,
-    rn,
-    rk,
-    a_ok,
-    m_ok,
-    n_ok,
-    k,
-    k_hi,
-    sam,
-    sak,
-    sbn,
-    sbk,
-    ssam,
-    ssak,
-    ssbn,
-    ssbk,
-    MASK_K: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-):
-    """acc plus the scaled product of the 128-deep slice [k, k + BLOCK_K) (masked past k_hi with MASK_K)."""
-    a_mask, b_mask = a_ok[:, None], n_ok[None, :]
-    if MASK_K:
-        k_ok = (k + rk) < k_hi
-        a_mask, b_mask = a_mask & k_ok[None, :], b_mask & k_ok[:, None]
-    a = tl.load(a_ptr + rm[:, None] * sam + (k + rk)[None, :] * sak, mask=a_mask, other=0.0)
-    b = tl.load(b_ptr + rn[None, :] * sbn + (k + rk)[:, None] * sbk, mask=b_mask, other=0.0)
-    kb = k // BLOCK_K
-    sa = tl.load(sa_ptr + rm * ssam + kb * ssak, mask=m_ok, other=0.0)
-    sb = tl.load(sb_ptr + rn * ssbn + kb * ssbk, mask=n_ok, other=0.0)
-    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
-
-
 @triton.autotune(configs=_gemm_configs(), key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K"])
 @triton.jit
 def _gemm_kernel(
@@ -373,60 +334,17 @@ def _gemm_kernel(
         k_lo, k_hi = tl.load(k_bounds_ptr + g), tl.load(k_bounds_ptr + g + 1)
         c_ptr += g.to(tl.int64) * scg
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_whole = k_hi if EVEN_K else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
-    for k in range(k_lo, k_whole, BLOCK_K):
-        acc = _gemm_block(
-            acc,
-            a_ptr,
-            b_ptr,
-            sa_ptr,
-            sb_ptr,
-            rm,
-            rn,
-            rk,
-            a_ok,
-            m_ok,
-            n_ok,
-            k,
-            k_hi,
-            sam,
-            sak,
-            sbn,
-            sbk,
-            ssam,
-            ssak,
-            ssbn,
-            ssbk,
-            False,
-            BLOCK_K,
-        )
-    if not EVEN_K:  # the reduction's ragged last block (a token count that is not a multiple of 128), masked alone
-        for k in range(k_whole, k_hi, BLOCK_K):
-            acc = _gemm_block(
-                acc,
-                a_ptr,
-                b_ptr,
-                sa_ptr,
-                sb_ptr,
-                rm,
-                rn,
-                rk,
-                a_ok,
-                m_ok,
-                n_ok,
-                k,
-                k_hi,
-                sam,
-                sak,
-                sbn,
-                sbk,
-                ssam,
-                ssak,
-                ssbn,
-                ssbk,
-                True,
-                BLOCK_K,
-            )
+    for k in range(k_lo, k_hi, BLOCK_K):
+        a_mask, b_mask = a_ok[:, None], n_ok[None, :]
+        if not EVEN_K:
+            k_ok = (k + rk) < k_hi
+            a_mask, b_mask = a_mask & k_ok[None, :], b_mask & k_ok[:, None]
+        a = tl.load(a_ptr + rm[:, None] * sam + (k + rk)[None, :] * sak, mask=a_mask, other=0.0)
+        b = tl.load(b_ptr + rn[None, :] * sbn + (k + rk)[:, None] * sbk, mask=b_mask, other=0.0)
+        kb = k // BLOCK_K
+        sa = tl.load(sa_ptr + rm * ssam + kb * ssak, mask=m_ok, other=0.0)
+        sb = tl.load(sb_ptr + rn * ssbn + kb * ssbk, mask=n_ok, other=0.0)
+        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(

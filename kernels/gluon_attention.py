@@ -79,42 +79,14 @@ def _key_range(pos, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
 
 
 @gluon.jit
-def _consume(
-    j,
-    j0,
-    acc,
-    m_i,
-    l_i,
-    q_s,
-    k_smem,
-    v_smem,
-    k_ready,
-    v_ready,
-    kv_empty,
-    k_desc,
-    v_desc,
-    num_blocks,
-    rows,
-    cols,
-    kv_len,
-    shift,
-    scale,
-    qk_scale,
-    zero_qk,
-    MODE: gl.constexpr,
-    CAUSAL: gl.constexpr,
-    WINDOW: gl.constexpr,
-    MASKED: gl.constexpr,
-    SCALE_POS: gl.constexpr,
-    LOADS: gl.constexpr,
-    BLOCK_N: gl.constexpr,
-    STAGES: gl.constexpr,
-    p_layout: gl.constexpr,
-    acc_rows: gl.constexpr,
-):
+def _consume(j, j0, acc, m_i, l_i, ring, k_desc, v_desc, tile, MASKED: gl.constexpr, cfg: gl.constexpr):
     """The program's key block j (block j0 + j of the sequence) into acc (online softmax in m_i, l_i for MODE 0): its
     PV product stays in flight until the next block's QK^T has been waited for. LOADS: this warpgroup also loads block
-    j + STAGES - 1, into the stage block j - 1 leaves."""
+    j + STAGES - 1, into the stage block j - 1 leaves. `ring`: q and the K/V stages with their barriers; `tile`:
+    the score tile's rows, columns and scales; `cfg`: the kernel's constants."""
+    q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks = ring
+    rows, cols, kv_len, shift, scale, qk_scale, zero_qk = tile
+    MODE, CAUSAL, WINDOW, SCALE_POS, LOADS, BLOCK_N, STAGES, p_layout, acc_rows = cfg
     s = j % STAGES
     phase = (j // STAGES) & 1
     mbarrier.wait(k_ready.index(s), phase)
@@ -242,108 +214,15 @@ def _consumer(
     n_full = gl.maximum(gl.maximum(gl.minimum(kv_len, hi_first), 0) // BLOCK_N - j0, n_mid)
     if MODE != 0 and not CAUSAL and WINDOW == 0:  # keys past the end are zeros, which every activation maps to 0
         n_full = n_mine
+    ring = (q_s, k_smem, v_smem, k_ready, v_ready, kv_empty, num_blocks)
+    tile = (rows, cols, kv_len, shift, scale, qk_scale, zero_qk)
+    cfg: gl.constexpr = (MODE, CAUSAL, WINDOW, SCALE_POS, LOADS, BLOCK_N, STAGES, p_layout, acc_rows)
     for j in range(0, n_mid):
-        acc, m_i, l_i = _consume(
-            j,
-            j0,
-            acc,
-            m_i,
-            l_i,
-            q_s,
-            k_smem,
-            v_smem,
-            k_ready,
-            v_ready,
-            kv_empty,
-            k_desc,
-            v_desc,
-            num_blocks,
-            rows,
-            cols,
-            kv_len,
-            shift,
-            scale,
-            qk_scale,
-            zero_qk,
-            MODE,
-            CAUSAL,
-            WINDOW,
-            True,
-            SCALE_POS,
-            LOADS,
-            BLOCK_N,
-            STAGES,
-            p_layout,
-            acc_rows,
-        )
+        acc, m_i, l_i = _consume(j, j0, acc, m_i, l_i, ring, k_desc, v_desc, tile, True, cfg)
     for j in range(n_mid, n_full):
-        acc, m_i, l_i = _consume(
-            j,
-            j0,
-            acc,
-            m_i,
-            l_i,
-            q_s,
-            k_smem,
-            v_smem,
-            k_ready,
-            v_ready,
-            kv_empty,
-            k_desc,
-            v_desc,
-            num_blocks,
-            rows,
-            cols,
-            kv_len,
-            shift,
-            scale,
-            qk_scale,
-            zero_qk,
-            MODE,
-            CAUSAL,
-            WINDOW,
-            False,
-            SCALE_POS,
-            LOADS,
-            BLOCK_N,
-            STAGES,
-            p_layout,
-            acc_rows,
-        )
+        acc, m_i, l_i = _consume(j, j0, acc, m_i, l_i, ring, k_desc, v_desc, tile, False, cfg)
     for j in range(n_full, n_mine):
-        acc, m_i, l_i = _consume(
-            j,
-            j0,
-            acc,
-            m_i,
-            l_i,
-            q_s,
-            k_smem,
-            v_smem,
-            k_ready,
-            v_ready,
-            kv_empty,
-            k_desc,
-            v_desc,
-            num_blocks,
-            rows,
-            cols,
-            kv_len,
-            shift,
-            scale,
-            qk_scale,
-            zero_qk,
-            MODE,
-            CAUSAL,
-            WINDOW,
-            True,
-            SCALE_POS,
-            LOADS,
-            BLOCK_N,
-            STAGES,
-            p_layout,
-            acc_rows,
-        )
+        acc, m_i, l_i = _consume(j, j0, acc, m_i, l_i, ring, k_desc, v_desc, tile, True, cfg)
     acc = warpgroup_mma_wait(0, deps=[acc])
     mbarrier.arrive(kv_empty.index((n_mine + STAGES - 1) % STAGES), count=1, pred=n_mine > 0)
 

@@ -2750,24 +2750,10 @@ def _bwd_q_resident_kernel(
     b = tl.program_id(2)
     q_start, q_len, kv_start, kv_len, o_start, dkv_start = _seq_info(q_off, kv_off, b, Q_STRIDE, KV_STRIDE)
     n_begin = tl.program_id(0) * CHUNK
+    region = (DQA, DQ, cnt_row, stride_dqat, stride_dqah, h, b, q_start, q_len, num_heads)
     if n_begin >= kv_len:
         if CAST_DQ:
-            _q_resident_done(
-                DQA,
-                DQ,
-                cnt_row,
-                stride_dqat,
-                stride_dqah,
-                h,
-                b,
-                q_start,
-                q_len,
-                num_heads,
-                Q_STRIDE,
-                HEAD_DIM,
-                BLOCK_M,
-                BLOCK_D,
-            )
+            _q_resident_done(region, Q_STRIDE, HEAD_DIM, BLOCK_M, BLOCK_D)
         return
     n_end = tl.minimum(kv_len, n_begin + CHUNK)
     shift = kv_len - q_len
@@ -2888,36 +2874,12 @@ def _bwd_q_resident_kernel(
             sem="relaxed",
         )
     if CAST_DQ:
-        _q_resident_done(
-            DQA,
-            DQ,
-            cnt_row,
-            stride_dqat,
-            stride_dqah,
-            h,
-            b,
-            q_start,
-            q_len,
-            num_heads,
-            Q_STRIDE,
-            HEAD_DIM,
-            BLOCK_M,
-            BLOCK_D,
-        )
+        _q_resident_done(region, Q_STRIDE, HEAD_DIM, BLOCK_M, BLOCK_D)
 
 
 @triton.jit
 def _q_resident_done(
-    DQA,
-    DQ,
-    cnt_row,
-    stride_t,
-    stride_h,
-    h,
-    b,
-    q_start,
-    q_len,
-    num_heads,
+    region,
     Q_STRIDE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -2925,6 +2887,7 @@ def _q_resident_done(
 ):
     """`_bwd_q_resident_kernel`'s arrival: the last program to add into a query sequence's dQ for head h (every program
     of the head for a shared query sequence, every program of the sequence otherwise) stores it in DQ's dtype."""
+    DQA, DQ, cnt_row, stride_t, stride_h, h, b, q_start, q_len, num_heads = region
     if Q_STRIDE == 0:
         slot = h
         arrivals = tl.num_programs(0) * tl.num_programs(2)
