@@ -14,6 +14,7 @@ for what it covers (`covers`): no score biases, no block mask, no RoPE, head dim
 window starts the ring at the program's first key block in the window; like the causal diagonal, its edges are masked.
 """
 
+from gemrec.kernels.triton_attention import _key_range
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -61,21 +62,6 @@ def _activation(qk, scale, MODE: gl.constexpr):
         r = gl.maximum(qk * scale, 0.0)
         a = r * r
     return a
-
-
-@gluon.jit
-def _key_range(pos, CAUSAL: gl.constexpr, WINDOW: gl.constexpr):
-    """Keys [lo, hi) a query at position `pos` sees before clipping to the sequence (`triton_attention._key_range`
-    without the block mask)."""
-    lo = pos * 0
-    hi = pos * 0 + 2**30
-    if CAUSAL:
-        hi = pos + 1
-    if WINDOW > 0:
-        lo = pos - (WINDOW - 1)
-        if not CAUSAL:
-            hi = pos + WINDOW
-    return lo, hi
 
 
 @gluon.jit
@@ -207,8 +193,8 @@ def _consumer(
     # the program's blocks j0 + [0, n_mine) this warpgroup takes: masked ones below the window's edge (some may be
     # wholly below for this warpgroup: the program's first block is the first warpgroup's), then blocks every row here
     # sees whole, then masked ones again: the causal diagonal or the window's far edge and, for softmax, the ragged end
-    lo_first, hi_first = _key_range(r0 + shift, CAUSAL, WINDOW)
-    lo_last, hi_last = _key_range(r0 + CONSUMER_ROWS - 1 + shift, CAUSAL, WINDOW)
+    lo_first, hi_first = _key_range(r0 + shift, CAUSAL, WINDOW, 0)
+    lo_last, hi_last = _key_range(r0 + CONSUMER_ROWS - 1 + shift, CAUSAL, WINDOW, 0)
     n_mine = gl.maximum(gl.cdiv(gl.maximum(gl.minimum(kv_len, hi_last), 0), BLOCK_N) - j0, 0)
     n_mid = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(lo_last, 0), BLOCK_N) - j0, 0), n_mine)
     n_full = gl.maximum(gl.maximum(gl.minimum(kv_len, hi_first), 0) // BLOCK_N - j0, n_mid)
@@ -364,8 +350,8 @@ def fwd_kernel(
     m0 = pid_m * BLOCK_M
     if m0 < q_len:
         shift = kv_len - q_len
-        lo, _ = _key_range(m0 + shift, CAUSAL, WINDOW)
-        _, hi = _key_range(m0 + BLOCK_M - 1 + shift, CAUSAL, WINDOW)
+        lo, _ = _key_range(m0 + shift, CAUSAL, WINDOW, 0)
+        _, hi = _key_range(m0 + BLOCK_M - 1 + shift, CAUSAL, WINDOW, 0)
         j0 = gl.maximum(lo, 0) // BLOCK_N
         num_blocks = gl.maximum(gl.cdiv(gl.maximum(gl.minimum(kv_len, hi), 0), BLOCK_N) - j0, 0)
         dtype: gl.constexpr = Q.dtype.element_ty
