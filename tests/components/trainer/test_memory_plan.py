@@ -163,6 +163,21 @@ def test_training_keeps_the_task_weights_as_a_tensor_the_loss_reads_as_is():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_weighted_loss_does_not_synchronize_on_the_gpu():
+    config = load_recipe("tiny", [*MODEL, f"train.task_weights={{{SCHEMA.labels[0]} = 2.0}}"])
+    training = setup_training(config, SCHEMA, torch.device("cuda"), 4)
+    inp, target = random_input(SCHEMA, 4, 12, seed=3).to("cuda"), torch.ones(4, len(SCHEMA.labels), device="cuda")
+    output = training.model(inp)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss(output, target, training.task_weights)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_checkpointing_the_sequence_tower_lowers_the_peak_on_the_gpu():
     overrides = [
         "model.d_model=512",
