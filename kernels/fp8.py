@@ -270,6 +270,24 @@ def _gemm_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in ((128, 8, 3), (256, 8, 3))]
 
 
+@triton.jit
+def _gemm_block(acc, ptrs, strides, tile, k, k_hi, MASK_K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc plus the scaled product of the 128-deep slice [k, k + BLOCK_K), masked past k_hi with MASK_K."""
+    a_ptr, b_ptr, sa_ptr, sb_ptr = ptrs
+    sam, sak, sbn, sbk, ssam, ssak, ssbn, ssbk = strides
+    rm, rn, rk, a_ok, m_ok, n_ok = tile
+    a_mask, b_mask = a_ok[:, None], n_ok[None, :]
+    if MASK_K:
+        k_ok = (k + rk) < k_hi
+        a_mask, b_mask = a_mask & k_ok[None, :], b_mask & k_ok[:, None]
+    a = tl.load(a_ptr + rm[:, None] * sam + (k + rk)[None, :] * sak, mask=a_mask, other=0.0)
+    b = tl.load(b_ptr + rn[None, :] * sbn + (k + rk)[:, None] * sbk, mask=b_mask, other=0.0)
+    kb = k // BLOCK_K
+    sa = tl.load(sa_ptr + rm * ssam + kb * ssak, mask=m_ok, other=0.0)
+    sb = tl.load(sb_ptr + rn * ssbn + kb * ssbk, mask=n_ok, other=0.0)
+    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
+
+
 @triton.autotune(configs=_gemm_configs(), key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K"])
 @triton.jit
 def _gemm_kernel(
@@ -334,17 +352,16 @@ def _gemm_kernel(
         k_lo, k_hi = tl.load(k_bounds_ptr + g), tl.load(k_bounds_ptr + g + 1)
         c_ptr += g.to(tl.int64) * scg
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        a_mask, b_mask = a_ok[:, None], n_ok[None, :]
-        if not EVEN_K:
-            k_ok = (k + rk) < k_hi
-            a_mask, b_mask = a_mask & k_ok[None, :], b_mask & k_ok[:, None]
-        a = tl.load(a_ptr + rm[:, None] * sam + (k + rk)[None, :] * sak, mask=a_mask, other=0.0)
-        b = tl.load(b_ptr + rn[None, :] * sbn + (k + rk)[:, None] * sbk, mask=b_mask, other=0.0)
-        kb = k // BLOCK_K
-        sa = tl.load(sa_ptr + rm * ssam + kb * ssak, mask=m_ok, other=0.0)
-        sb = tl.load(sb_ptr + rn * ssbn + kb * ssbk, mask=n_ok, other=0.0)
-        acc += tl.dot(a, b) * sa[:, None] * sb[None, :]
+    ptrs = (a_ptr, b_ptr, sa_ptr, sb_ptr)
+    strides = (sam, sak, sbn, sbk, ssam, ssak, ssbn, ssbk)
+    tile = (rm, rn, rk, a_ok, m_ok, n_ok)
+    # whole 128-deep blocks unmasked (a mask along K at an arbitrary token count would make every load scalar), then
+    # the ragged last one masked
+    k_whole = k_hi if EVEN_K else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
+    for k in range(k_lo, k_whole, BLOCK_K):
+        acc = _gemm_block(acc, ptrs, strides, tile, k, k_hi, False, BLOCK_K)
+    for k in range(k_whole, k_hi, BLOCK_K):
+        acc = _gemm_block(acc, ptrs, strides, tile, k, k_hi, True, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -398,6 +415,14 @@ def _carrier(fmt: Fp8Format, device: torch.device) -> torch.dtype:
 
 
 ACTIVATIONS = {"none": 0, "gelu": 1, "swiglu": 2, "gelu_bwd": 3, "swiglu_bwd": 4}
+
+
+def aligned_rows(shape: tuple[int, ...], device, dtype) -> torch.Tensor:
+    """An empty tensor of `shape` whose rows start 16-byte aligned (the last dim padded in its storage). A weight
+    gradient's GEMM reads "qt" along the token count: at a row stride that is not a multiple of 16 (most token
+    counts) Triton loads it byte by byte, without cp.async pipelining (sm_90 SASS: LDG.E.U8 instead of LDGSTS.128)."""
+    *lead, r = shape
+    return torch.empty(*lead, -(-r // 16) * 16, device=device, dtype=dtype)[..., :r]
 
 
 def quantize(
@@ -462,7 +487,7 @@ def quantize(
         s = torch.empty(nb, nrb, ncb, device=device) if tile else torch.empty(nb, ncb, r, device=device).mT
         out["q"], out["s"] = q, s
     if cols:
-        qt = torch.empty(nb, c, r, device=device, dtype=carrier)
+        qt = aligned_rows((nb, c, r), device, carrier)
         out["qt"] = qt
         if not tile:
             st = torch.empty(nb, nrb, c, device=device).mT
