@@ -84,23 +84,30 @@ def compile_launch(launch: Launch, config: dict | None = None, target=HOPPER):
     config = config or launch.candidates()[0]
     fn, tiles = launch.kernel.variant(config)
     const_names = kernels._const_names(fn)
+    constexprs = {**launch.consts, **{k: v for k, v in tiles.items() if k not in kernels.COMPILE_OPTIONS}}
+    options = {"num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 2)}
+    if "maxnreg" in config:
+        options["maxnreg"] = config["maxnreg"]
+    constants = {name: constexprs[name] for name in const_names}
+    return compile_jit(fn, launch.args, constants, options, target, gluon=bool(config.get("GLUON")))
+
+
+def compile_jit(fn, args, constants: dict, options: dict, target=HOPPER, gluon: bool = False):
+    """A `@triton.jit` (or Gluon) function compiled for `target` with its runtime `args` in order (the parameters not
+    in `constants`) specialized as triton's launcher does on a GPU: 16-byte aligned pointers and ints divisible by 16
+    marked so, ints equal to 1 made constants."""
     backend = type(make_backend(target))
-    signature, fixed, attrs = {}, {}, {}
-    runtime = [name for name in fn.arg_names if name not in const_names]
-    for name, value in zip(runtime, launch.args):
+    signature, fixed, attrs = {}, dict(constants), {}
+    runtime = [name for name in fn.arg_names if name not in constants]
+    for name, value in zip(runtime, args):
         kind, spec = native_specialize_impl(backend, value, False, True, True)
         signature[name] = kind
         if kind == "constexpr":
             fixed[name] = value
         elif isinstance(spec, str):
             attrs[(fn.arg_names.index(name),)] = backend.parse_attr(spec)
-    constexprs = {**launch.consts, **{k: v for k, v in tiles.items() if k not in kernels.COMPILE_OPTIONS}}
-    signature.update({name: "constexpr" for name in const_names})
-    fixed.update({name: constexprs[name] for name in const_names})
-    options = {"num_warps": config.get("num_warps", 4), "num_stages": config.get("num_stages", 2)}
-    if "maxnreg" in config:
-        options["maxnreg"] = config["maxnreg"]
-    source = GluonASTSource if config.get("GLUON") else triton.compiler.ASTSource
+    signature.update(dict.fromkeys(constants, "constexpr"))
+    source = GluonASTSource if gluon else triton.compiler.ASTSource
     return triton.compile(source(fn, signature, fixed, attrs), target=target, options=options)
 
 

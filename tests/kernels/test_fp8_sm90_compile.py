@@ -17,12 +17,8 @@ CONSTS = {"HAS_BIAS": False, "GROUP_M": False, "GROUP_K": False, "BLOCK_M": 128,
 def weight_gradient_sass(tokens: int) -> str:
     """SASS of `_gemm_kernel` for dW (1024 x 4096) = dY^T X over `tokens`, its operands allocated as `quantize`'s
     "qt"."""
-    from gemrec.kernels.aot import HOPPER, _cuobjdump
-    from triton._C.libtriton import native_specialize_impl
-    from triton.compiler import make_backend
+    from gemrec.kernels.aot import _cuobjdump, compile_jit
 
-    fn = fp8._gemm_kernel.fn
-    backend = type(make_backend(HOPPER))
     a, b = (fp8.aligned_rows((n, tokens), "cpu", torch.float8_e4m3fn) for n in (1024, 4096))
     c = torch.empty(1024, 4096)
     sa, sb = (torch.empty(-(-tokens // 128), n).mT for n in (1024, 4096))
@@ -30,17 +26,8 @@ def weight_gradient_sass(tokens: int) -> str:
     args = [a, b, c, sa, sb, dummy, dummy, dummy, 1024, 4096, tokens, *a.stride(), 0, *b.stride(), 0, *c.stride()]
     args += [*sa.stride(), 0, *sb.stride(), 4096, triton.next_power_of_2(tokens)]
     consts = {**CONSTS, "EVEN_K": tokens % 128 == 0, "GROUP_SIZE_M": 8}
-    signature, fixed, attrs = {}, dict(consts), {}
-    for name, value in zip([n for n in fn.arg_names if n not in consts], args):
-        kind, spec = native_specialize_impl(backend, value, False, True, True)
-        signature[name] = kind
-        if kind == "constexpr":
-            fixed[name] = value
-        elif isinstance(spec, str):
-            attrs[(fn.arg_names.index(name),)] = backend.parse_attr(spec)
-    signature.update(dict.fromkeys(consts, "constexpr"))
-    source = triton.compiler.ASTSource(fn, signature, fixed, attrs)
-    return _cuobjdump(triton.compile(source, target=HOPPER, options={"num_warps": 8, "num_stages": 3}), "--dump-sass")
+    compiled = compile_jit(fp8._gemm_kernel.fn, args, consts, {"num_warps": 8, "num_stages": 3})
+    return _cuobjdump(compiled, "--dump-sass")
 
 
 def test_weight_gradient_gemm_pipelines_whole_blocks_at_any_token_count():
