@@ -4121,8 +4121,9 @@ def _backward_q_resident(p: Problem, go, out, lse, num_kv_rows, dab, dpt, dtt, v
 
 
 def backward(p: Problem, grad_out, out, lse, views: bool = False):
-    """Gradients (dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); bias grads None when absent. views: dq, dk and
-    dv may be views of one allocation (the eager path; the custom op's outputs may not alias)."""
+    """Gradients (dq, dk, dv, d_attn_bias, d_pos_table, d_time_table); bias grads None when absent. views: the eager
+    path (the kernels launched straight from Python): dq, dk and dv may be views of one allocation (the custom op's
+    outputs may not alias), and a small problem's fused dQ is cast in-kernel (its launches bound the call)."""
     q, k, v = p.q, p.k, p.v
     dev = q.device
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
@@ -4150,11 +4151,12 @@ def backward(p: Problem, grad_out, out, lse, views: bool = False):
         dq, dk, dv = _backward_one_launch(p, grad_out, out, lse, num_kv_rows, dab, dpt, dtt, views)
     else:
         # dQ in q's dtype goes straight into its gradient: from the dQ kernel, the RoPE kernel, or the dK/dV kernel's
-        # last key block per sequence and head (`cast_dq`, small problems: one launch less; on the H200 it cost B's
-        # graph fwd+bwd 5-14%, and one program per region casting long sequences would cost more than one copy over
-        # all rows); the fused fp32 sum is the gradient itself for fp32 inputs, and is summed over shared queries below
+        # last key block per sequence and head (`cast_dq`: small problems on the eager path, one launch less; on the
+        # H200 it cost B's device time 5-14%, so compiled steps, whose host runs ahead, and long sequences, which one
+        # program would cast alone, copy the fp32 sum after the kernel); the fused fp32 sum is the gradient itself for
+        # fp32 inputs, and is summed over shared queries below
         own_dq = not fused or not (p.q_shared or q.dtype == torch.float32)
-        cast_dq = fused and own_dq and not p.rope_base and p.small()
+        cast_dq = fused and own_dq and not p.rope_base and views and p.small()
         dqa = lse  # a placeholder unless dQ is fused
         if fused:  # dQ added into an fp32 buffer, zeroed by the delta kernel where there is one (a fill launch less)
             shape = (p.total_out + (_counter_rows(p, p.num_seqs) if cast_dq else 0), p.heads, p.head_dim)

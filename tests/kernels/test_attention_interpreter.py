@@ -239,7 +239,7 @@ def test_half_precision_gradients_cast_by_the_last_program(op, monkeypatch):
     """fp16 inputs, whose fp32 sums the last program of each region casts (`_last_arrival`): dQ of the fused key-block
     kernel, dK and dV of the resident-key kernel, dQ of the resident-query kernel (shared queries: one region per
     head), with several programs per region, empty sequences and sequences that no program but the last reaches; and
-    the fused dQ of a large problem, cast by one copy after the kernel."""
+    the fused dQ of the custom ops and of a large problem, cast by one copy after the kernel."""
     monkeypatch.setattr(kernels_module, "FUSE_DQ_MIN_KV", 0)
     half = {"dtype": torch.float16, "tol": 1e-2}
     compare(EDGE, EDGE, op=op, causal=True, seed=30, options=SEPARATE, **half)
@@ -248,7 +248,9 @@ def test_half_precision_gradients_cast_by_the_last_program(op, monkeypatch):
     monkeypatch.setattr(kernels_module, "RESIDENT_MAX_TILE", 16 * DIM)
     compare([4], [40, 0, 70], op=op, seed=33, options=KernelOptions(), **half)  # resident shared queries
     compare([3, 0, 9], [70, 5, 0], op=op, causal=True, seed=34, options=KernelOptions(), **half)
-    monkeypatch.setattr(kernels_module, "ONE_LAUNCH_MAX_WORK", 0)  # a large problem: the fused dQ copied after
+    with _PassThrough():  # the custom ops (what compiled steps call): the fused dQ copied after the kernel
+        compare(EDGE, EDGE, op=op, causal=True, seed=36, options=SEPARATE, **half)
+    monkeypatch.setattr(kernels_module, "ONE_LAUNCH_MAX_WORK", 0)  # a large problem: copied after it too
     compare(EDGE, EDGE, op=op, causal=True, seed=35, options=SEPARATE, **half)
 
 
