@@ -120,6 +120,15 @@ def check_moe(model, device: torch.device) -> float | None:
     return rel_error(fast, reference)
 
 
+SYNC_WARNING = "called a synchronizing CUDA operation"  # c10's warning in sync debug mode "warn"
+
+
+def sync_sites(caught: Iterable[warnings.WarningMessage]) -> tuple[int, list[str]]:
+    """The host syncs among recorded warnings, and where they came from (not the mode's own "prototype" notice)."""
+    syncs = [w for w in caught if str(w.message).startswith(SYNC_WARNING)]
+    return len(syncs), sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+
+
 def count_host_syncs(step) -> tuple[int, list[str]]:
     """Host syncs CUDA's sync debug mode reports during one step (with where they came from)."""
     with warnings.catch_warnings(record=True) as caught:
@@ -130,8 +139,7 @@ def count_host_syncs(step) -> tuple[int, list[str]]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
-    syncs = [w for w in caught if "synchroniz" in str(w.message)]
-    return len(syncs), sorted({f"{Path(w.filename).name}:{w.lineno}" for w in syncs})
+    return sync_sites(caught)
 
 
 def _first_tensor(out) -> torch.Tensor:

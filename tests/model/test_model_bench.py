@@ -1,6 +1,7 @@
 import json
+import warnings
 
-from gemrec.model.bench import main
+from gemrec.model.bench import SYNC_WARNING, main, sync_sites
 
 
 def test_bench_model_runs_on_cpu_and_writes_its_report(tmp_path):
@@ -47,3 +48,17 @@ def test_bench_model_runs_on_cpu_and_writes_its_report(tmp_path):
     # On the CPU both sides of each check are the same reference, up to bf16 input rounding.
     assert max(report["check_attention_rel_error"].values()) < 2e-2
     assert report["check_moe_grouped_rel_error"] < 1e-5
+
+
+def test_sync_sites_count_syncs_not_the_debug_modes_own_notice():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        warnings.warn(
+            "Synchronization debug mode is a prototype feature and does not yet detect all synchronizing operations",
+            stacklevel=1,
+        )
+        warnings.warn(f"{SYNC_WARNING} (Triggered internally at CUDAFunctions.cpp:170.)", stacklevel=1)
+        warnings.warn(SYNC_WARNING, stacklevel=1)
+    count, sites = sync_sites(caught)
+    assert count == 2
+    assert sites == [f"test_model_bench.py:{caught[1].lineno}", f"test_model_bench.py:{caught[2].lineno}"]
