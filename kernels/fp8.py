@@ -128,14 +128,14 @@ def _gelu_grad_tl(h):
 
 @triton.jit
 def _to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, q_ptr):
-    """y saturated to +-FP8_MAX and rounded to the fp8 grid, in fp32: by the cast to `q_ptr`'s float8 carrier (on
-    sm_90 the same values as torch's cast; rounding in fp32 arithmetic before it gave the 128x128-tile kernel's
-    transposed copy corrupt bytes, NaN among them), or by `_round_fp8` where the carrier is fp32."""
-    y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
+    """y saturated to +-FP8_MAX and rounded to the fp8 grid, in `q_ptr`'s carrier dtype: float8 by the hardware's
+    saturating cast alone (sm_90 F2FP.SATFINITE: torch's values for the clamped y, NaN kept; no fp32 copy back for
+    the stores, and no rounding in fp32 arithmetic before it, which once gave the 128x128-tile kernel's transposed
+    copy corrupt bytes, NaN among them), fp32 by `_round_fp8` of the clamped y."""
     if q_ptr.dtype.element_ty == tl.float32:
-        return _round_fp8(y, MANT, EMIN)
+        return _round_fp8(tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX), MANT, EMIN)
     else:
-        return y.to(q_ptr.dtype.element_ty).to(tl.float32)
+        return y.to(q_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -153,6 +153,7 @@ def _quantize_kernel(
     R,
     C,
     HALF,
+    RT,
     sxb,
     sxr,
     sxc,
@@ -190,6 +191,9 @@ def _quantize_kernel(
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     valid = (rows[:, None] < R) & (cols[None, :] < C)
+    # qt's rows padded to RT, a multiple of 16 (`aligned_rows`): the padding gets zeros and the transposed stores stay
+    # 16 bytes wide at any R (masked at R they were byte stores)
+    valid_t = (rows[:, None] < RT) & (cols[None, :] < C)
     if ACT == 4:
         # C = 2 * HALF output columns [dh1 | dh3] from x = dg (R, HALF) and gate = [h1 | h3] (R, 2 * HALF)
         j = tl.where(cols < HALF, cols, cols - HALF)
@@ -227,11 +231,11 @@ def _quantize_kernel(
             scale_t = tl.where(fixed > 0, fixed, scale_t)
         y = tl.div_rn(x, scale_t)
         q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
-        tl.store(q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc, q.to(q_ptr.dtype.element_ty), valid)
+        tl.store(q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc, q, valid)
         tl.store(s_ptr + pid_b * ssb + pid_r * ssr + pid_c * ssc, scale_t)
         if COLS:
             qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
-            tl.store(qt_ptrs, q.to(qt_ptr.dtype.element_ty), valid)
+            tl.store(qt_ptrs, q, valid_t)
     else:
         if ROWS:
             amax_r = tl.max(ax, 1)
@@ -241,7 +245,7 @@ def _quantize_kernel(
             y = tl.div_rn(x, scale_r[:, None])
             q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
             q_ptrs = q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc
-            tl.store(q_ptrs, q.to(q_ptr.dtype.element_ty), valid)
+            tl.store(q_ptrs, q, valid)
             tl.store(s_ptr + pid_b * ssb + rows * ssr + pid_c * ssc, scale_r, rows < R)
         if COLS:
             amax_c = tl.max(ax, 0)
@@ -251,7 +255,7 @@ def _quantize_kernel(
             y_c = tl.div_rn(x, scale_c[None, :])
             q_c = _to_fp8(y_c, FP8_MAX, MANT, EMIN, qt_ptr)
             qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
-            tl.store(qt_ptrs, q_c.to(qt_ptr.dtype.element_ty), valid)
+            tl.store(qt_ptrs, q_c, valid_t)
             tl.store(st_ptr + pid_b * sstb + cols * sstc + pid_r * sstr, scale_c, cols < C)
             if not ROWS:
                 y, q = y_c, q_c
@@ -259,7 +263,7 @@ def _quantize_kernel(
         finite = (x == x) & (ax < float("inf"))
         nonzero = valid & finite & (x != 0.0)
         tl.atomic_add(stats_ptr + 0, tl.sum(tl.sum((nonzero & (tl.abs(y) > OVERFLOW)).to(tl.int64), 1), 0))
-        tl.atomic_add(stats_ptr + 1, tl.sum(tl.sum((nonzero & (q == 0.0)).to(tl.int64), 1), 0))
+        tl.atomic_add(stats_ptr + 1, tl.sum(tl.sum((nonzero & (q.to(tl.float32) == 0.0)).to(tl.int64), 1), 0))
         tl.atomic_add(stats_ptr + 2, tl.sum(tl.sum(nonzero.to(tl.int64), 1), 0))
         tl.atomic_add(stats_ptr + 3, tl.sum(tl.sum((valid & ~finite).to(tl.int64), 1), 0))
 
@@ -513,6 +517,7 @@ def quantize(
         r,
         c,
         half,
+        qt.stride(-2) if qt is not dummy else 0,
         *xb.stride(),
         *g.stride(),
         *(q.stride() if q is not dummy else (0, 0, 0)),
@@ -533,7 +538,9 @@ def quantize(
         COLSUM=colsum,
         BLOCK_R=BLOCK,
         BLOCK_C=BLOCK,
-        num_warps=8,
+        # a 128x128 tile per program is 64 fp32 values a thread at 8 warps (~240 registers on sm_90: one 8-warp
+        # program an SM); 16 warps hold 32 each in <= 128 registers, unspilled: twice the warps to hide latency
+        num_warps=16,
     )
     if tile and cols:
         out["st"] = out["s"].transpose(-1, -2)

@@ -1,5 +1,7 @@
-"""The FP8 GEMM compiled for Hopper (sm_90) without a GPU, as triton's launcher specializes it on one: a weight
-gradient's reduction over an arbitrary token count streams its whole 128-deep blocks through cp.async."""
+"""The FP8 kernels compiled for Hopper (sm_90) without a GPU, as triton's launcher specializes them on one: a weight
+gradient's reduction over an arbitrary token count streams its whole 128-deep blocks through cp.async; quantization
+at an arbitrary token count loads and stores 16 bytes at a time (the transposed copy too), unspilled, with no fp32
+copy of its fp8 values."""
 
 import re
 
@@ -34,3 +36,55 @@ def test_weight_gradient_gemm_pipelines_whole_blocks_at_any_token_count():
     ragged = weight_gradient_sass(191_237)
     assert len(re.findall(r"LDGSTS\.E\.BYPASS\.128", ragged)) >= 16  # A and B tiles by cp.async, 16 bytes at a time
     assert len(re.findall(r"LDG\.E\.U8", ragged)) <= 128  # byte loads in the masked last block only
+
+
+TOKENS = 191_237  # a jagged token count: no multiple of 16
+BF16 = torch.bfloat16
+QUANTIZE_MODES = {
+    "x": lambda: ((torch.empty(TOKENS, 1024, dtype=BF16), fp8.E4M3), {"cols": True}),
+    "gelu": lambda: ((torch.empty(TOKENS, 4096, dtype=BF16), fp8.E4M3), {"cols": True, "act": "gelu"}),
+    "gelu_bwd": lambda: (
+        (torch.empty(TOKENS, 4096, dtype=BF16), fp8.E5M2),
+        {"cols": True, "act": "gelu_bwd", "gate": torch.empty(TOKENS, 4096, dtype=BF16), "colsum": True},
+    ),
+    "swiglu_bwd": lambda: (
+        (torch.empty(TOKENS, 2048, dtype=BF16), fp8.E4M3),
+        {"cols": True, "act": "swiglu_bwd", "gate": torch.empty(TOKENS, 4096, dtype=BF16)},
+    ),
+    "weight_tiles": lambda: ((torch.empty(4096, 1024), fp8.E4M3), {"tile": True, "cols": True}),
+}
+
+
+def quantize_build(mode: str):
+    """`_quantize_kernel` compiled as `quantize` launches it on CUDA tensors shaped like the mode's: the launch is
+    recorded (on CPU tensors, with the GPU's float8 carriers), not run."""
+    from gemrec.kernels.aot import compile_jit
+
+    (x, fmt), kwargs = QUANTIZE_MODES[mode]()
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **consts: launches.append((args, consts))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp8, "_quantize_kernel", Recorder())
+        patch.setattr(fp8, "_carrier", lambda fmt, device: fmt.dtype)
+        fp8.quantize(x, fmt, **kwargs)
+    (args, consts), *_ = launches
+    options = {"num_warps": consts.pop("num_warps")}
+    return compile_jit(fp8._quantize_kernel, args, consts, options)
+
+
+@pytest.mark.parametrize("mode", list(QUANTIZE_MODES))
+def test_quantize_moves_16_bytes_at_a_time_unspilled(mode):
+    from gemrec.kernels.aot import _cuobjdump, resource_usage
+
+    compiled = quantize_build(mode)
+    sass = _cuobjdump(compiled, "--dump-sass")
+    assert resource_usage(compiled)["stack_bytes"] == 0  # no spills
+    assert re.search(r"LDG\.E\.128", sass) and not re.search(r"LDG\.E\.(U8|U16|S16)\b", sass)
+    # q and the transposed qt: 16-byte stores at a token count that is no multiple of 16 (byte stores before)
+    assert len(re.findall(r"STG\.E\.128", sass)) >= 4 and not re.search(r"STG\.E\.(U8|U16)\b", sass)
+    # the saturating cast straight to fp8 and no fp8 -> fp32 copy back (it cost ~7 instructions a value)
+    assert re.search(r"F2FP\.SATFINITE\.E[45]M[23]", sass) and not re.search(r"F2FP\.F16\.E[45]M[23]\.UNPACK", sass)
