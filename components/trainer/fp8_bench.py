@@ -6,7 +6,8 @@ Peers: torchao 0.18's float8 training where it imports (Float8Linear row-wise an
 Checks first (the FP8 ops against the fp32 result of the same quantized operands and against the exact fp32
 block). Timings: triton.testing.do_bench medians; TFLOP/s count 2 FLOPs per multiply-add of the GEMMs alone.
 
-    python -m gemrec.components.trainer.fp8_bench --out DIR [--tokens 196608] [--moe-tokens 13312]
+    python -m gemrec.components.trainer.fp8_bench --out DIR [--tokens 196608] [--moe-tokens 13312] [--quick]
+    python -m gemrec.components.trainer.fp8_bench --out DIR --quantize-only [--tokens 191237]   # per mode vs bytes
     python -m gemrec.components.trainer.fp8_bench --compare BF16/gpu_bench.json FP8/gpu_bench.json --out DIR \
         [--tracking-uri URI]     # (on any machine) the two gpu_bench runs' loss curves in one PNG, QPS and MFU ratios
 """
@@ -183,13 +184,52 @@ def gemm_bench(device, tokens, log) -> list[dict]:
             )
             log(f"gemm {tokens}x{k}->{n} {name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TFLOP/s err={error}")
         del variants, ref
-    x = torch.randn(tokens, 4096, device=device, generator=gen, dtype=torch.bfloat16)
-    for name, kw in (("rows+cols", {"rows": True, "cols": True}), ("gelu rows+cols", {"act": "gelu", "cols": True})):
-        ms = timed(lambda kw=kw: fp8.quantize(x, fp8.E4M3, **kw))
-        moved = x.numel() * (2 + 2 * 1)
-        rows.append({"quantize": f"{tokens}x4096 bf16 {name}", "ms": ms, "gbps": moved / ms / 1e6})
-        log(f"quantize {name} {tokens}x4096: {ms:.3f} ms {moved / ms / 1e6:.0f} GB/s")
     return rows
+
+
+def measured_copy_rate(device) -> float:
+    """Bytes per second read plus written by a copy of 1 GiB of bf16."""
+    src = torch.empty(2**29, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * src.element_size() / timed(lambda: dst.copy_(src)) * 1e3
+
+
+def quantize_bench(device, tokens, moe_tokens, log) -> list[dict]:
+    """`fp8.quantize` in each mode the training step calls, at its shapes (MLP: `tokens` x 1024 -> 4096; experts:
+    `moe_tokens` x top-2 of 8 rows padded per expert, 4096 hidden), against the time its bytes take at the copy rate
+    measured here (a bf16 copy of 1 GiB): inputs read once, q and qt written once (fp8; scales and sums aside)."""
+    copy_rate = measured_copy_rate(device)
+    log(f"quantize: copy rate {copy_rate / 1e12:.2f} TB/s (bf16 copy of 1 GiB)")
+    gen = torch.Generator(device=device).manual_seed(3)
+
+    def randn(*shape, dtype=torch.bfloat16):
+        return torch.randn(*shape, device=device, generator=gen, dtype=dtype)
+
+    expert_rows = -(-(moe_tokens * 2 + 8 * 127) // 128) * 128  # as `fp8.group_layout` pads them
+    x, dy = randn(tokens, 1024), randn(tokens, 1024)
+    h, dg = randn(tokens, 4096), randn(tokens, 4096)
+    h13, dg_e = randn(expert_rows, 2 * 4096), randn(expert_rows, 4096)
+    e4m3 = fp8.E4M3
+    cases: dict[str, tuple[torch.Tensor, dict[str, Any]]] = {  # name -> (input, keyword arguments)
+        "x rows+cols": (x, {"cols": True}),
+        "gelu rows+cols": (h, {"cols": True, "act": "gelu"}),
+        "grad_out rows+cols+colsum": (dy, {"cols": True, "colsum": True}),
+        "gelu_bwd rows+cols+colsum": (dg, {"cols": True, "act": "gelu_bwd", "gate": h, "colsum": True}),
+        "weight tile+cols (fp32)": (randn(4096, 1024, dtype=torch.float32), {"tile": True, "cols": True}),
+        "swiglu rows+cols": (h13[:, :4096], {"cols": True, "act": "swiglu", "gate": h13[:, 4096:]}),
+        "swiglu_bwd rows+cols": (dg_e, {"cols": True, "act": "swiglu_bwd", "gate": h13}),
+    }
+    out = []
+    for name, (inp, kw) in cases.items():
+        gate = kw.get("gate")
+        read = inp.numel() * inp.element_size() + (gate.numel() * gate.element_size() if gate is not None else 0)
+        written = 2 * inp.numel() * (2 if kw.get("act") == "swiglu_bwd" else 1)
+        ms = timed(lambda inp=inp, kw=kw: fp8.quantize(inp, e4m3, **kw))
+        ideal = (read + written) / copy_rate * 1e3
+        shape = "x".join(map(str, inp.shape))
+        out.append({"quantize": name, "shape": shape, "ms": ms, "ideal_ms": ideal, "gb": (read + written) / 1e9})
+        log(f"quantize {name} {shape}: {ms:.3f} ms; its bytes at the copy rate {ideal:.3f} ms ({ms / ideal:.1f}x)")
+    return out
 
 
 def torchao_blocks(dim, hidden, device, log) -> dict[str, nn.Module]:
@@ -339,6 +379,7 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=196_608, help="MLP block rows (h200-bench: 512 x 384)")
     parser.add_argument("--moe-tokens", type=int, default=13_312, help="MoE rows (h200-bench: 512 x 26 tokens)")
     parser.add_argument("--quick", action="store_true", help="e4m3 dynamic only: no peers, no GEMM-alone table")
+    parser.add_argument("--quantize-only", action="store_true", help="only the quantization kernel per mode")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BF16_JSON", "FP8_JSON"), help="gpu_bench runs")
     parser.add_argument("--tracking-uri", help="with --compare: log the overlay and ratios to this MLflow store")
     args = parser.parse_args(argv)
@@ -358,9 +399,13 @@ def run(argv: list[str] | None = None) -> dict:
             f.write(text + "\n")
 
     log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    result: dict[str, Any] = {"checks": checks(device, log, full=not args.quick)}
-    result["blocks"] = block_bench(device, args.tokens, args.moe_tokens, log, not args.quick, args.out)
-    result["gemms"] = None if args.quick else gemm_bench(device, args.tokens, log)
+    result: dict[str, Any] = {}
+    if not args.quantize_only:
+        result["checks"] = checks(device, log, full=not args.quick)
+        result["blocks"] = block_bench(device, args.tokens, args.moe_tokens, log, not args.quick, args.out)
+        result["gemms"] = None if args.quick else gemm_bench(device, args.tokens, log)
+    if args.quantize_only or not args.quick:
+        result["quantize"] = quantize_bench(device, args.tokens, args.moe_tokens, log)
     (args.out / "fp8_bench.json").write_text(json.dumps(result, indent=2))
     return result
 
