@@ -419,6 +419,11 @@ def _carrier(fmt: Fp8Format, device: torch.device) -> torch.dtype:
 
 
 ACTIVATIONS = {"none": 0, "gelu": 1, "swiglu": 2, "gelu_bwd": 3, "swiglu_bwd": 4}
+# Warps of a quantization program (one 128x128 tile). sm_90 SASS (tests/kernels/test_fp8_sm90_compile.py): at 8
+# warps a thread holds 64 fp32 values in ~240 registers, one 8-warp program an SM; at 16, 32 values in <= 128
+# registers, unspilled, twice the warps to hide latency for ~10-20% more instructions a value (the per-row and
+# per-column work is repeated by more threads). `fp8_bench --quantize-only` times both.
+QUANTIZE_WARPS = 16
 
 
 def aligned_rows(shape: tuple[int, ...], device, dtype) -> torch.Tensor:
@@ -538,9 +543,7 @@ def quantize(
         COLSUM=colsum,
         BLOCK_R=BLOCK,
         BLOCK_C=BLOCK,
-        # a 128x128 tile per program is 64 fp32 values a thread at 8 warps (~240 registers on sm_90: one 8-warp
-        # program an SM); 16 warps hold 32 each in <= 128 registers, unspilled: twice the warps to hide latency
-        num_warps=16,
+        num_warps=QUANTIZE_WARPS,
     )
     if tile and cols:
         out["st"] = out["s"].transpose(-1, -2)

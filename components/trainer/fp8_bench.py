@@ -197,7 +197,8 @@ def measured_copy_rate(device) -> float:
 def quantize_bench(device, tokens, moe_tokens, log) -> list[dict]:
     """`fp8.quantize` in each mode the training step calls, at its shapes (MLP: `tokens` x 1024 -> 4096; experts:
     `moe_tokens` x top-2 of 8 rows padded per expert, 4096 hidden), against the time its bytes take at the copy rate
-    measured here (a bf16 copy of 1 GiB): inputs read once, q and qt written once (fp8; scales and sums aside)."""
+    measured here (a bf16 copy of 1 GiB): inputs read once, q and qt written once (fp8; scales and sums aside). At 8
+    and 16 warps a program (`fp8.QUANTIZE_WARPS`)."""
     copy_rate = measured_copy_rate(device)
     log(f"quantize: copy rate {copy_rate / 1e12:.2f} TB/s (bf16 copy of 1 GiB)")
     gen = torch.Generator(device=device).manual_seed(3)
@@ -220,15 +221,25 @@ def quantize_bench(device, tokens, moe_tokens, log) -> list[dict]:
         "swiglu_bwd rows+cols": (dg_e, {"cols": True, "act": "swiglu_bwd", "gate": h13}),
     }
     out = []
+    chosen = fp8.QUANTIZE_WARPS
     for name, (inp, kw) in cases.items():
         gate = kw.get("gate")
         read = inp.numel() * inp.element_size() + (gate.numel() * gate.element_size() if gate is not None else 0)
         written = 2 * inp.numel() * (2 if kw.get("act") == "swiglu_bwd" else 1)
-        ms = timed(lambda inp=inp, kw=kw: fp8.quantize(inp, e4m3, **kw))
         ideal = (read + written) / copy_rate * 1e3
         shape = "x".join(map(str, inp.shape))
-        out.append({"quantize": name, "shape": shape, "ms": ms, "ideal_ms": ideal, "gb": (read + written) / 1e9})
-        log(f"quantize {name} {shape}: {ms:.3f} ms; its bytes at the copy rate {ideal:.3f} ms ({ms / ideal:.1f}x)")
+        for warps in dict.fromkeys((chosen, 8, 16)):  # the module's choice first, then the alternative
+            fp8.QUANTIZE_WARPS = warps
+            try:
+                ms = timed(lambda inp=inp, kw=kw: fp8.quantize(inp, e4m3, **kw))
+            finally:
+                fp8.QUANTIZE_WARPS = chosen
+            row = {"quantize": name, "shape": shape, "warps": warps, "ms": ms, "ideal_ms": ideal}
+            out.append({**row, "gb": (read + written) / 1e9})
+            log(
+                f"quantize {name} {shape} {warps} warps: {ms:.3f} ms; its bytes at the copy rate {ideal:.3f} ms "
+                f"({ms / ideal:.1f}x)"
+            )
     return out
 
 
