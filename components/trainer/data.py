@@ -364,7 +364,7 @@ class DeviceFeed:
             self._done, self._error = True, item
             return next(self)
         host, on_device, copied, state = item
-        if copied is not None:
+        if self.compute_stream is not None:  # CUDA: the step's stream waits for the copy, on the device
             self.compute_stream.wait_event(copied)
         self._room.release()  # the reader reads on once this `next` is done
         self.waits.append(waited)

@@ -8,7 +8,8 @@
 #   scaling  scaling_bench with the h200-bench recipe's [parallel] layout (compiled, ZeRO-2, bf16 all-gather and
 #            reduction) at 2 then 1 GPUs (the 2-GPU run warms the compile cache) with nothing else running, and its
 #            report
-#   services the real path on GPU 0: `gemrec data synth --profile h200-bench`, `gemrec serve features` and
+#   services the trainer data path's GPU tests (also with services-long), then the real path on GPU 0:
+#            `gemrec data synth --profile h200-bench`, `gemrec serve features` and
 #            `gemrec serve data` as processes on this machine's CPUs, the compiled h200-bench step trained through
 #            --data-addr (no MLflow), then gpu_bench compiled on batches of the same dataset staged on the GPU;
 #            services_report.json: E2E MFU through the services vs staged, the wait for data (share, p50/p99),
@@ -162,10 +163,10 @@ print(json.dumps(report, indent=2))
 PY
   unset CUDA_VISIBLE_DEVICES
 }
-if want services; then
+if want services || want services-long; then  # the feed's CUDA path (pin, copies on its thread), once
   run services_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/components/trainer/test_trainer_data.py
-  real_path services h200-bench 50061
 fi
+if want services; then real_path services h200-bench 50061; fi
 if want services-long; then real_path services_long h200-long 50071; fi
 
 cat "$out/status.txt"
