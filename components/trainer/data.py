@@ -284,7 +284,7 @@ class TrainingInput:
     labels: torch.Tensor  # on the device
     state: dict  # the stream's resume state right after this batch (what a checkpoint after it holds)
     build_cpu_s: float = 0.0  # the data service's CPU seconds for this batch (0 when read in process)
-    in_flight: int = 0  # batches read ahead (pinned or copying) when this one was handed out
+    in_flight: int = 0  # batches pinned and copying, ready behind this one when it was handed out
 
 
 class DeviceFeed:
@@ -297,7 +297,7 @@ class DeviceFeed:
     host work (the data client's receive and decode, pinning, the copies' launches) runs beside the step, not
     inside `next`, where it would hold the GIL against it. On the CPU, batches pass through (the device batch is
     the host batch). `waits` holds the seconds each `next` blocked for a batch (what the step waited for data);
-    `in_flight` the batches read ahead (pinned and copying) when the last one was handed out.
+    `in_flight` the batches ready behind the last one handed out (pinned and copying; at most `depth - 1`).
     """
 
     def __init__(self, source: Iterable[tuple[Batch, object]], device: torch.device, depth: int = 2):
@@ -366,9 +366,9 @@ class DeviceFeed:
         host, on_device, copied, state = item
         if self.compute_stream is not None:  # CUDA: the step's stream waits for the copy, on the device
             self.compute_stream.wait_event(copied)
+        self.in_flight = self._ready.qsize()
         self._room.release()  # the reader reads on once this `next` is done
         self.waits.append(waited)
-        self.in_flight = self._ready.qsize()
         return host, on_device, state
 
     def close(self) -> None:

@@ -69,6 +69,8 @@ def test_read_ahead_is_bounded_by_depth():
     next(feed)
     time.sleep(0.3)  # the reader fills what it may
     assert len(reads) == 1 + 3  # handed out 1, depth read (pinned and copying) ahead; the reader waits for room
+    next(feed)
+    assert feed.in_flight == 2  # the 2 read behind it (the reader reads the next once `next` is done)
     feed.close()
     assert not any(t.name == "device-feed" and t.is_alive() for t in threading.enumerate())
 
