@@ -139,6 +139,40 @@ def _to_fp8(y, FP8_MAX: tl.constexpr, MANT: tl.constexpr, EMIN: tl.constexpr, q_
 
 
 @triton.jit
+def _fast_division_ok(s, amax):
+    """Blocks whose quotients `_divide` takes by div.rn's fast path: scale s in [2^-64, 2^64] and amax <= 2^64 s (no
+    quotient overflows; a NaN or inf amax or scale fails)."""
+    return (s >= 5.421010862427522e-20) & (s <= 1.8446744073709552e19) & (amax <= s * 1.8446744073709552e19)
+
+
+@triton.jit
+def _reciprocal(s):
+    """div.rn's reciprocal on sm_90 (its SASS: MUFU.RCP, then one Newton step in two FFMAs), for s in normal range."""
+    r = tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [s], dtype=tl.float32, is_pure=True, pack=1)
+    return tl.fma(r, tl.fma(-s, r, 1.0), r)
+
+
+@triton.jit
+def _divide(x, s, r, fast, FMA: tl.constexpr):
+    """x / s correctly rounded, as `tl.div_rn`, with s and r = `_reciprocal(s)` per block broadcast against x.
+    div.rn on sm_90 is MUFU.RCP, five FFMAs, an FCHK range check and a branch to a slow path, ten instructions a value;
+    its fast path alone, with the reciprocal shared by the block, is three: q = x r, y = q + r (x - s q) (as
+    q - r (s q - x): the same roundings, and the sign of a zero kept). Where `fast` (every block of the tile passed
+    `_fast_division_ok`) the values that would leave the fast path are |x| < 2^-96 only, whose quotients (< 2^-32)
+    every fp8 format flushes to zero either way; otherwise, or without real FMAs (FMA: the interpreter rounds
+    twice and has no PTX), tl.div_rn."""
+    if FMA:
+        if fast:
+            q = x * r
+            y = tl.fma(-r, tl.fma(s, q, -x), q)
+        else:
+            y = tl.div_rn(x, s)
+    else:
+        y = tl.div_rn(x, s)
+    return y
+
+
+@triton.jit
 def _quantize_kernel(
     x_ptr,
     gate_ptr,
@@ -184,6 +218,7 @@ def _quantize_kernel(
     AMAX: tl.constexpr,
     STATS: tl.constexpr,
     COLSUM: tl.constexpr,
+    FMA: tl.constexpr,  # compiled for the GPU (not the interpreter): `_divide` may take div.rn's fast path
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
 ):
@@ -229,7 +264,8 @@ def _quantize_kernel(
         scale_t = tl.where(amax_t == 0, 1.0, tl.div_rn(amax_t, FP8_MAX))
         if FIXED:
             scale_t = tl.where(fixed > 0, fixed, scale_t)
-        y = tl.div_rn(x, scale_t)
+        fast_t = _fast_division_ok(scale_t, amax_t)
+        y = _divide(x, scale_t, _reciprocal(scale_t) if FMA else scale_t, fast_t, FMA)
         q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
         tl.store(q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc, q, valid)
         tl.store(s_ptr + pid_b * ssb + pid_r * ssr + pid_c * ssc, scale_t)
@@ -242,7 +278,9 @@ def _quantize_kernel(
             scale_r = tl.where(amax_r == 0, 1.0, tl.div_rn(amax_r, FP8_MAX))
             if FIXED:
                 scale_r = tl.where(fixed > 0, fixed, scale_r)
-            y = tl.div_rn(x, scale_r[:, None])
+            fast_r = tl.min(_fast_division_ok(scale_r, amax_r).to(tl.int32), 0) != 0
+            recip_r = _reciprocal(scale_r) if FMA else scale_r
+            y = _divide(x, scale_r[:, None], recip_r[:, None], fast_r, FMA)
             q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
             q_ptrs = q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc
             tl.store(q_ptrs, q, valid)
@@ -252,7 +290,9 @@ def _quantize_kernel(
             scale_c = tl.where(amax_c == 0, 1.0, tl.div_rn(amax_c, FP8_MAX))
             if FIXED:
                 scale_c = tl.where(fixed > 0, fixed, scale_c)
-            y_c = tl.div_rn(x, scale_c[None, :])
+            fast_c = tl.min(_fast_division_ok(scale_c, amax_c).to(tl.int32), 0) != 0
+            recip_c = _reciprocal(scale_c) if FMA else scale_c
+            y_c = _divide(x, scale_c[None, :], recip_c[None, :], fast_c, FMA)
             q_c = _to_fp8(y_c, FP8_MAX, MANT, EMIN, qt_ptr)
             qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
             tl.store(qt_ptrs, q_c, valid_t)
@@ -541,6 +581,7 @@ def quantize(
         AMAX=stats is not None and stats.delayed,
         STATS=collect,
         COLSUM=colsum,
+        FMA=not INTERPRET,
         BLOCK_R=BLOCK,
         BLOCK_C=BLOCK,
         num_warps=QUANTIZE_WARPS,

@@ -33,6 +33,32 @@ def test_quantize_matches_reference(fmt, mode, shape, dtype):
         assert torch.equal(t[key].float(), r[key].float()), key
 
 
+@pytest.mark.parametrize("fmt", [fp8.E4M3, fp8.E5M2], ids=lambda f: f.name)
+def test_quantize_divides_exactly_at_rounding_midpoints(fmt):
+    """Values whose quotients by their block's scale are midpoints between two fp8 values (ties) or one fp32 ulp off
+    one: a division off by an ulp rounds some of them the other way (the kernel divides by div.rn's fast path with a
+    reciprocal per block, `fp8._divide`). One 128-row group per scale; 2^-70 and 2^70 take the tile's fallback."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    grid = torch.arange(256, dtype=torch.uint8, device="cuda").view(fmt.dtype).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    groups = []
+    for exponent in (-70, -40, -20, -8, 0, 8, 20, 70):
+        # a 20-bit mantissa: fmt.max * s0 (the block's amax) is exact, so the scale is s0 exactly and so is mid * s0
+        s0 = torch.randint(2**19, 2**20, (), device="cuda", generator=gen).float() * 2.0 ** (exponent - 19)
+        x = mids[torch.randint(len(mids), (128, 127), device="cuda", generator=gen)] * s0
+        step = torch.randint(-1, 2, x.shape, device="cuda", generator=gen).float()
+        x = torch.where(step == 0, x, torch.nextafter(x, step * float("inf")))
+        x = x * (torch.randint(0, 2, x.shape, device="cuda", generator=gen) * 2 - 1)
+        groups.append(torch.cat([torch.full((128, 1), fmt.max, device="cuda") * s0, x], dim=1))
+    x = torch.cat(groups)
+    for mode in ({"cols": True}, {"tile": True}):
+        t = fp8.quantize(x, fmt, **mode)
+        r = fp8.quantize(x, fmt, **mode, backend="reference")
+        for key in t:
+            assert torch.equal(t[key].float(), r[key].float()), (mode, key)
+
+
 def test_gemm_matches_dequantized_fp32():
     a = fp8.quantize(torch.randn(3000, 1100, device="cuda"), fp8.E4M3)
     w = fp8.quantize(torch.randn(520, 1100, device="cuda"), fp8.E4M3, tile=True)
