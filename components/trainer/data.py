@@ -284,20 +284,20 @@ class TrainingInput:
     labels: torch.Tensor  # on the device
     state: dict  # the stream's resume state right after this batch (what a checkpoint after it holds)
     build_cpu_s: float = 0.0  # the data service's CPU seconds for this batch (0 when read in process)
-    in_flight: int = 0  # batches pinned and copying, ready behind this one when it was handed out
+    in_flight: int = 0  # batches on the device, ready behind this one when it was handed out
 
 
 class DeviceFeed:
     """`(host_batch, device_batch, state)` for each `(batch, state)` of `source`, in order, each once.
 
-    A background thread reads `source`, and on CUDA pins each batch (page-locked memory), issues its host->device
-    copies on a side stream and marks the copies as used by the compute stream (the stream current when the feed
-    was made), up to `depth` batches ahead. The consumer's `next` only takes the oldest batch and makes the compute
-    stream wait for its copy on the device (never the host), and only then lets the thread read on: the reader's
-    host work (the data client's receive and decode, pinning, the copies' launches) runs beside the step, not
-    inside `next`, where it would hold the GIL against it. On the CPU, batches pass through (the device batch is
-    the host batch). `waits` holds the seconds each `next` blocked for a batch (what the step waited for data);
-    `in_flight` the batches ready behind the last one handed out (pinned and copying; at most `depth - 1`).
+    A background thread reads `source`, and on CUDA pins each batch (page-locked memory), copies it to the device
+    on a side stream, marks the copies as used by the compute stream (the stream current when the feed was made)
+    and waits for the copy to finish (the reader, never the step), up to `depth` batches ahead. The consumer's
+    `next` only takes the oldest batch, which is on the device already (no CUDA call), and then lets the thread
+    read on: the readers' host work (the data client's receive and decode, pinning, the copies' launches) runs
+    beside the step, not inside `next`, where it would hold the GIL against it. On the CPU, batches pass through
+    (the device batch is the host batch). `waits` holds the seconds each `next` blocked for a batch (what the step
+    waited for data); `in_flight` the batches ready behind the last one handed out (at most `depth - 1`).
     """
 
     def __init__(self, source: Iterable[tuple[Batch, object]], device: torch.device, depth: int = 2):
@@ -312,7 +312,7 @@ class DeviceFeed:
         self.compute_stream = torch.cuda.current_stream(self.device) if self.cuda else None
         self.waits: list[float] = []
         self.in_flight = 0
-        self._ready: queue.Queue = queue.Queue()  # (host, device, state, copied event); `_room` bounds it
+        self._ready: queue.Queue = queue.Queue()  # (host, device, state); `_room` bounds it
         self._room = threading.Semaphore(depth)  # taken by the reader per batch, given back by `next`
         self._done = False
         self._error: Exception | None = None
@@ -337,17 +337,18 @@ class DeviceFeed:
             if not isinstance(item, tuple):
                 return
 
-    def _to_device(self, batch: Batch) -> tuple[Batch, Batch, torch.cuda.Event | None]:
-        """(pinned host batch, its copy on the device, the copy's event); on the CPU the batch itself twice."""
+    def _to_device(self, batch: Batch) -> tuple[Batch, Batch]:
+        """(pinned host batch, its finished copy on the device); on the CPU the batch itself twice."""
         if not self.cuda:
-            return batch, batch, None
+            return batch, batch
         host = batch.pin_memory()
         with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
             on_device = host.to(self.device, non_blocking=True)
             on_device.record_stream(self.compute_stream)  # its memory is not reused before the step is done with it
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event(blocking=True)  # waited for by sleeping, not spinning
             copied.record(self.copy_stream)
-        return host, on_device, copied
+        copied.synchronize()  # done: any stream may read it, the compute stream needs no wait on the device
+        return host, on_device
 
     def __iter__(self) -> DeviceFeed:
         return self
@@ -363,9 +364,7 @@ class DeviceFeed:
         if not isinstance(item, tuple):  # the end, or the source's error (raised after the batches before it)
             self._done, self._error = True, item
             return next(self)
-        host, on_device, copied, state = item
-        if self.compute_stream is not None:  # CUDA: the step's stream waits for the copy, on the device
-            self.compute_stream.wait_event(copied)
+        host, on_device, state = item
         self.in_flight = self._ready.qsize()
         self._room.release()  # the reader reads on once this `next` is done
         self.waits.append(waited)

@@ -76,13 +76,13 @@ def test_read_ahead_is_bounded_by_depth():
 
 
 def test_the_consumer_thread_only_takes_batches(monkeypatch):
-    """Reading the source and moving batches to the device (pin, copy launches) run on the reader thread: `next`
-    only takes a batch that is ready (on CUDA it also makes the compute stream wait for the copy's event)."""
+    """Reading the source and moving batches to the device (pin, copy, the wait for it) run on the reader thread:
+    `next` only takes a batch that is ready."""
     moved, read = [], []
 
     def to_device(self, batch):
         moved.append(threading.current_thread())
-        return batch, batch, None
+        return batch, batch
 
     def recorded(n):
         for item in source(n):
