@@ -315,11 +315,22 @@ def _gemm_configs() -> list[triton.Config]:
 
 
 @triton.jit
-def _gemm_block(acc, ptrs, strides, tile, k, k_hi, MASK_K: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemm_block(
+    acc,
+    ptrs,
+    strides,
+    tile,
+    k,
+    k_hi,
+    MASK_K: tl.constexpr,
+    TILE_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     """acc plus the scaled product of the 128-deep slice [k, k + BLOCK_K), masked past k_hi with MASK_K."""
     a_ptr, b_ptr, sa_ptr, sb_ptr = ptrs
     sam, sak, sbn, sbk, ssam, ssak, ssbn, ssbk = strides
-    rm, rn, rk, a_ok, m_ok, n_ok = tile
+    rm, rn, rk, a_ok, m_ok, n_ok, n_tile = tile
     a_mask, b_mask = a_ok[:, None], n_ok[None, :]
     if MASK_K:
         k_ok = (k + rk) < k_hi
@@ -328,11 +339,18 @@ def _gemm_block(acc, ptrs, strides, tile, k, k_hi, MASK_K: tl.constexpr, BLOCK_K
     b = tl.load(b_ptr + rn[None, :] * sbn + (k + rk)[:, None] * sbk, mask=b_mask, other=0.0)
     kb = k // BLOCK_K
     sa = tl.load(sa_ptr + rm * ssam + kb * ssak, mask=m_ok, other=0.0)
-    sb = tl.load(sb_ptr + rn * ssbn + kb * ssbk, mask=n_ok, other=0.0)
-    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
+    if TILE_B and BLOCK_N == BLOCK_K:
+        # the output tile under one of b's tile scales: one multiply-add a value (sm_90: an FMUL and an FFMA
+        # a value with per-column scales, and 32 scalar scale loads a thread)
+        sb_tile = tl.load(sb_ptr + n_tile * ssbn + kb * ssbk)
+        acc = acc + tl.dot(a, b) * (sa * sb_tile)[:, None]
+    else:
+        sb = tl.load(sb_ptr + (rn // BLOCK_K if TILE_B else rn) * ssbn + kb * ssbk, mask=n_ok, other=0.0)
+        acc = acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
+    return acc
 
 
-@triton.autotune(configs=_gemm_configs(), key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K"])
+@triton.autotune(configs=_gemm_configs(), key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K", "TILE_B"])
 @triton.jit
 def _gemm_kernel(
     a_ptr,
@@ -365,6 +383,7 @@ def _gemm_kernel(
     GROUP_M: tl.constexpr,  # b, sb indexed by the group of the M tile (tile_group[pid_m]; -1: zeros)
     EVEN_K: tl.constexpr,  # every K range a whole number of 128-blocks: no masks along K
     GROUP_K: tl.constexpr,  # program_id(2) = group g reduces k in [k_bounds[g], k_bounds[g + 1]) into c[g]
+    TILE_B: tl.constexpr,  # sb holds b's 128x128 tile scales (N/128, K/128), not one per row
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -398,14 +417,14 @@ def _gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ptrs = (a_ptr, b_ptr, sa_ptr, sb_ptr)
     strides = (sam, sak, sbn, sbk, ssam, ssak, ssbn, ssbk)
-    tile = (rm, rn, rk, a_ok, m_ok, n_ok)
+    tile = (rm, rn, rk, a_ok, m_ok, n_ok, pid_n * (BLOCK_N // BLOCK_K))
     # whole 128-deep blocks unmasked (a mask along K at an arbitrary token count would make every load scalar), then
     # the ragged last one masked
     k_whole = k_hi if EVEN_K else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
     for k in range(k_lo, k_whole, BLOCK_K):
-        acc = _gemm_block(acc, ptrs, strides, tile, k, k_hi, False, BLOCK_K)
+        acc = _gemm_block(acc, ptrs, strides, tile, k, k_hi, False, TILE_B, BLOCK_N, BLOCK_K)
     for k in range(k_whole, k_hi, BLOCK_K):
-        acc = _gemm_block(acc, ptrs, strides, tile, k, k_hi, True, BLOCK_K)
+        acc = _gemm_block(acc, ptrs, strides, tile, k, k_hi, True, TILE_B, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -646,7 +665,8 @@ def _quantize_ref(x, fmt, rows, cols, tile, act, gate, colsum, stats, role, fixe
 
 
 def _expand_tile_scales(s: torch.Tensor, rows: int) -> torch.Tensor:
-    """(..., R/128, K/128) tile scales -> (..., R, K/128) per-row scales (column-major), the form the GEMM reads."""
+    """(..., R/128, K/128) tile scales -> (..., R, K/128) per-row scales (column-major), as the reference GEMM reads
+    them."""
     return s.mT.repeat_interleave(BLOCK, dim=-1)[..., :rows].mT
 
 
@@ -660,11 +680,13 @@ def gemm(
     bias: torch.Tensor | None = None,
     tile_group: torch.Tensor | None = None,
     k_bounds: torch.Tensor | None = None,
+    b_tiles: bool = False,
     backend: str = "triton",
 ) -> torch.Tensor:
-    """a (M, K) @ b (N, K)^T with per-row 1x128-block scales sa (M, K/128), sb (N, K/128) (weights' tiles
-    expanded per row). Grouped: `tile_group` (M/128,) picks b[g] (G, N, K) for each 128-row tile (-1 skips it);
-    `k_bounds` (G + 1,) splits K into groups and returns (G, M, N), one product per group."""
+    """a (M, K) @ b (N, K)^T with per-row 1x128-block scales sa (M, K/128), sb (N, K/128), or with `b_tiles` b's
+    128x128 tile scales sb (N/128, K/128) (a weight's: one scale per output tile and K block, read as they are).
+    Grouped: `tile_group` (M/128,) picks b[g] (G, N, K) and sb[g] for each 128-row tile (-1 skips it); `k_bounds`
+    (G + 1,) splits K into groups and returns (G, M, N), one product per group."""
     m, k = a.shape
     n = b.shape[-2]
     if k_bounds is not None:
@@ -672,7 +694,7 @@ def gemm(
     else:
         out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if backend == "reference":
-        return _gemm_ref(a, sa, b, sb, out, bias, tile_group, k_bounds)
+        return _gemm_ref(a, sa, b, _expand_tile_scales(sb, n) if b_tiles else sb, out, bias, tile_group, k_bounds)
     dummy = torch.empty(1, device=a.device, dtype=torch.int32)
     grouped_b = tile_group is not None
 
@@ -707,6 +729,7 @@ def gemm(
         HAS_BIAS=bias is not None,
         GROUP_M=grouped_b,
         GROUP_K=k_bounds is not None,
+        TILE_B=b_tiles,
         EVEN_K=k_bounds is not None or k % BLOCK == 0,
         BLOCK_M=BLOCK,
         BLOCK_K=BLOCK,
@@ -774,7 +797,7 @@ def _weight_gemm(a, sa, w, w_tiles, out_dtype, recipe: Fp8Recipe, bias=None) -> 
     """a (M, K) 1x128-scaled @ w (N, K)^T with 128x128 tile scales `w_tiles` (N/128, K/128)."""
     n = w.shape[0]
     if not _cublas_fits(a, n, recipe):
-        return gemm(a, sa, w, _expand_tile_scales(w_tiles, n), out_dtype, bias=bias, backend=recipe.backend)
+        return gemm(a, sa, w, w_tiles, out_dtype, bias=bias, b_tiles=True, backend=recipe.backend)
     scale_b = w_tiles.contiguous().mT  # (K/128, N/128), K-major; cuBLAS wants its K blocks padded to a multiple of 4
     pad = -scale_b.shape[0] % 4
     if pad:
@@ -911,17 +934,16 @@ class _Fp8GroupedSwiglu(torch.autograd.Function):
             xq["q"],
             xq["s"],
             w13q["qt"],
-            _expand_tile_scales(w13q["st"], 2 * hidden),
+            w13q["st"],
             dtype,
             tile_group=tile_group,
+            b_tiles=True,
             backend=be,
         )
         h1, h3 = h13[:, :hidden], h13[:, hidden:]
         gq = quantize(h1, E4M3, rows=True, cols=True, act="swiglu", gate=h3, stats=stats, role=2, backend=be)
         w2q = quantize(w2.detach(), E4M3, tile=True, cols=True, stats=stats, role=3, backend=be)  # (E, H, dim)
-        y = gemm(
-            gq["q"], gq["s"], w2q["qt"], _expand_tile_scales(w2q["st"], dim), dtype, tile_group=tile_group, backend=be
-        )
+        y = gemm(gq["q"], gq["s"], w2q["qt"], w2q["st"], dtype, tile_group=tile_group, b_tiles=True, backend=be)
         ctx.save_for_backward(
             dest, tile_group, k_bounds, xq["qt"], xq["st"], h13, gq["qt"], gq["st"], w13q["q"], w13q["s"], w2q["q"]
         )
@@ -939,9 +961,7 @@ class _Fp8GroupedSwiglu(torch.autograd.Function):
         dyp = dy.new_zeros(capacity, dim).index_copy(0, dest, dy)
         dyq = quantize(dyp, fmt, rows=True, cols=True, stats=stats, role=4, backend=be)
         # dgrad of w2: reduce over dim; w2 (E, H, dim) is K-major for that
-        dg = gemm(
-            dyq["q"], dyq["s"], w2q, _expand_tile_scales(ctx.w2s, hidden), h13.dtype, tile_group=tile_group, backend=be
-        )
+        dg = gemm(dyq["q"], dyq["s"], w2q, ctx.w2s, h13.dtype, tile_group=tile_group, b_tiles=True, backend=be)
         dw2 = gemm(gqt, gst, dyq["qt"], dyq["st"], torch.float32, k_bounds=k_bounds, backend=be)  # (E, H, dim)
         # SwiGLU's backward and both quantizations of [dh1 | dh3] in one pass over dg and h13
         dhq = quantize(dg, fmt, rows=True, cols=True, act="swiglu_bwd", gate=h13, stats=stats, role=5, backend=be)
@@ -949,9 +969,10 @@ class _Fp8GroupedSwiglu(torch.autograd.Function):
             dhq["q"],
             dhq["s"],
             w13q,
-            _expand_tile_scales(w13s, dim),
+            w13s,
             torch.float32,
             tile_group=tile_group,
+            b_tiles=True,
             backend=be,
         )
         dw13 = gemm(xqt, xst, dhq["qt"], dhq["st"], torch.float32, k_bounds=k_bounds, backend=be)  # (E, dim, 2H)

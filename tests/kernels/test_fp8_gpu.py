@@ -59,13 +59,14 @@ def test_quantize_divides_exactly_at_rounding_midpoints(fmt):
             assert torch.equal(t[key].float(), r[key].float()), (mode, key)
 
 
-def test_gemm_matches_dequantized_fp32():
+@pytest.mark.parametrize("b_tiles", [False, True], ids=["row_scales", "tile_scales"])
+def test_gemm_matches_dequantized_fp32(b_tiles):
     a = fp8.quantize(torch.randn(3000, 1100, device="cuda"), fp8.E4M3)
     w = fp8.quantize(torch.randn(520, 1100, device="cuda"), fp8.E4M3, tile=True)
-    sw = w["s"].repeat_interleave(128, 0)[:520]
+    sw = w["s"] if b_tiles else w["s"].repeat_interleave(128, 0)[:520]
     bias = torch.randn(520, device="cuda")
-    got = fp8.gemm(a["q"], a["s"], w["q"], sw, torch.bfloat16, bias=bias)
-    ref = fp8.gemm(a["q"], a["s"], w["q"], sw, torch.float32, bias=bias, backend="reference")
+    got = fp8.gemm(a["q"], a["s"], w["q"], sw, torch.bfloat16, bias=bias, b_tiles=b_tiles)
+    ref = fp8.gemm(a["q"], a["s"], w["q"], sw, torch.float32, bias=bias, b_tiles=b_tiles, backend="reference")
     assert _rel(got, ref) < 5e-3  # bf16 output rounding
 
 

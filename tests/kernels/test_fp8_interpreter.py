@@ -77,13 +77,16 @@ def test_gemm_plain_grouped_m_and_grouped_k(k):
     bias = torch.randn(140, generator=gen)
     t, r = (fp8.gemm(a["q"], a["s"], b["q"], sb, torch.float32, bias=bias, backend=be) for be in fp8.BACKENDS)
     assert _rel(t, r) < 1e-6
+    # b's tile scales read as they are (one per output tile and K block), against the per-row form
+    tiles = fp8.gemm(a["q"], a["s"], b["q"], b["s"], torch.float32, bias=bias, b_tiles=True)
+    assert _rel(tiles, r) < 1e-6
     # grouped by M tile: 3 tiles of 128 rows, the last past every group
     a = fp8.quantize(torch.randn(384, 96, generator=gen), fp8.E4M3, backend="reference")
     w = fp8.quantize(torch.randn(2, 80, 96, generator=gen), fp8.E4M3, tile=True, backend="reference")
-    sw = w["s"].repeat_interleave(128, -2)[:, :80]
     tile_group = torch.tensor([1, 0, -1], dtype=torch.int32)
     t, r = (
-        fp8.gemm(a["q"], a["s"], w["q"], sw, torch.float32, tile_group=tile_group, backend=be) for be in fp8.BACKENDS
+        fp8.gemm(a["q"], a["s"], w["q"], w["s"], torch.float32, tile_group=tile_group, b_tiles=True, backend=be)
+        for be in fp8.BACKENDS
     )
     assert _rel(t, r) < 1e-6 and t[256:].eq(0).all()
     # grouped by K range: two groups of rows

@@ -1,5 +1,6 @@
 """The FP8 kernels compiled for Hopper (sm_90) without a GPU, as triton's launcher specializes them on one: a weight
-gradient's reduction over an arbitrary token count streams its whole 128-deep blocks through cp.async; quantization
+gradient's reduction over an arbitrary token count streams its whole 128-deep blocks through cp.async; a GEMM with a
+weight's tile scales loads one scale per K block and scales with one multiply-add a value, unspilled; quantization
 at an arbitrary token count loads and stores 16 bytes at a time (the transposed copy too), unspilled, with no fp32
 copy of its fp8 values."""
 
@@ -13,7 +14,8 @@ from gemrec.kernels.triton_attention import INTERPRET
 
 pytestmark = pytest.mark.skipif(INTERPRET, reason="needs triton's compiler, not its interpreter")
 
-CONSTS = {"HAS_BIAS": False, "GROUP_M": False, "GROUP_K": False, "BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}
+CONSTS = {"HAS_BIAS": False, "GROUP_M": False, "GROUP_K": False, "TILE_B": False}
+CONSTS |= {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128}
 
 
 def weight_gradient_sass(tokens: int) -> str:
@@ -36,6 +38,26 @@ def test_weight_gradient_gemm_pipelines_whole_blocks_at_any_token_count():
     ragged = weight_gradient_sass(191_237)
     assert len(re.findall(r"LDGSTS\.E\.BYPASS\.128", ragged)) >= 16  # A and B tiles by cp.async, 16 bytes at a time
     assert len(re.findall(r"LDG\.E\.U8", ragged)) <= 128  # byte loads in the masked last block only
+
+
+def test_weight_gemm_reads_one_tile_scale_per_block_unspilled():
+    """fc1 at the step's shapes (191,237 tokens x 1024 -> 4096) with w1's 128x128 tile scales as they are."""
+    from gemrec.kernels.aot import _cuobjdump, compile_jit, resource_usage
+
+    m, n, k = 191_237, 4096, 1024
+    a, b = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    c, bias = torch.empty(m, n, dtype=torch.bfloat16), torch.empty(n)
+    sa, sb = torch.empty(k // 128, m).mT, torch.empty(n // 128, k // 128)
+    dummy = torch.empty(1, dtype=torch.int32)
+    args = [a, b, c, sa, sb, bias, dummy, dummy, m, n, k, *a.stride(), 0, *b.stride(), 0, *c.stride()]
+    args += [*sa.stride(), 0, *sb.stride(), n, k]
+    consts = {**CONSTS, "HAS_BIAS": True, "EVEN_K": True, "TILE_B": True, "GROUP_SIZE_M": 8}
+    compiled = compile_jit(fp8._gemm_kernel.fn, args, consts, {"num_warps": 8, "num_stages": 3})
+    sass = _cuobjdump(compiled, "--dump-sass")
+    assert resource_usage(compiled)["stack_bytes"] == 0  # per-row b scales: 255 registers and a spill
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) >= 4
+    # per K block: a's row scales and one tile scale (per-row b scales: 34 loads and 64 FMULs a thread)
+    assert len(re.findall(r"LDG\.E\s", sass)) <= 4 and len(re.findall(r"\bFMUL\b", sass)) <= 4
 
 
 TOKENS = 191_237  # a jagged token count: no multiple of 16
