@@ -164,7 +164,8 @@ def _divide(x, s, r, fast, FMA: tl.constexpr):
     if FMA:
         if fast:
             q = x * r
-            y = tl.fma(-r, tl.fma(s, q, -x), q)
+            # times -1, not unary minus: triton's -x is 0 - x, an FADD a value where LLVM's fneg folds into the FFMA
+            y = tl.fma(r * -1.0, tl.fma(s, q, x * -1.0), q)
         else:
             y = tl.div_rn(x, s)
     else:
