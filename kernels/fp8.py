@@ -158,9 +158,9 @@ def _divide(x, s, r, fast, FMA: tl.constexpr):
     div.rn on sm_90 is MUFU.RCP, five FFMAs, an FCHK range check and a branch to a slow path, ten instructions a value;
     its fast path alone, with the reciprocal shared by the block, is three: q = x r, y = q + r (x - s q) (as
     q - r (s q - x): the same roundings, and the sign of a zero kept). Where `fast` (every block of the tile passed
-    `_fast_division_ok`) the values that would leave the fast path are |x| < 2^-96 only, whose quotients (< 2^-32)
-    every fp8 format flushes to zero either way; otherwise, or without real FMAs (FMA: the interpreter rounds
-    twice and has no PTX), tl.div_rn."""
+    `_fast_division_ok`) scales and reciprocals are normal and quotients at most 2^64, so the remainder s q - x is
+    exact and the result correctly rounded unless |x| < 2^-96, whose quotients (< 2^-32) every fp8 format flushes to
+    zero either way; otherwise, or without real FMAs (FMA: the interpreter rounds twice and has no PTX), tl.div_rn."""
     if FMA:
         if fast:
             q = x * r
