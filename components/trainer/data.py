@@ -6,8 +6,8 @@
   run continues exactly where the checkpoint stopped.
 - `RemoteStream`: batches from the gRPC data service (`--data-addr`); the cursor is the opaque
   `Batch.cursor` of the last batch consumed, handed back to the service on resume.
-- `DeviceFeed`: the host->device pipeline between either stream and the step: batches read, pinned and copied to
-  the GPU on a side stream by a background thread ahead of use, and the time the step waited for each.
+- `DeviceFeed`: the host->device pipeline between either stream and the step: batches pinned in a background
+  thread, copied to the GPU on a side stream ahead of use, and the time the step waited for each.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -284,20 +285,18 @@ class TrainingInput:
     labels: torch.Tensor  # on the device
     state: dict  # the stream's resume state right after this batch (what a checkpoint after it holds)
     build_cpu_s: float = 0.0  # the data service's CPU seconds for this batch (0 when read in process)
-    in_flight: int = 0  # batches on the device, ready behind this one when it was handed out
+    in_flight: int = 0  # batches read ahead (pinned or copying) when this one was handed out
 
 
 class DeviceFeed:
     """`(host_batch, device_batch, state)` for each `(batch, state)` of `source`, in order, each once.
 
-    A background thread reads `source`, and on CUDA pins each batch (page-locked memory), copies it to the device
-    on a side stream, marks the copies as used by the compute stream (the stream current when the feed was made)
-    and waits for the copy to finish (the reader, never the step), up to `depth` batches ahead. The consumer's
-    `next` only takes the oldest batch, which is on the device already (no CUDA call), and then lets the thread
-    read on: the readers' host work (the data client's receive and decode, pinning, the copies' launches) runs
-    beside the step, not inside `next`, where it would hold the GIL against it. On the CPU, batches pass through
-    (the device batch is the host batch). `waits` holds the seconds each `next` blocked for a batch (what the step
-    waited for data); `in_flight` the batches ready behind the last one handed out (at most `depth - 1`).
+    A background thread reads `source` and pins each batch (page-locked memory), up to `depth` ahead. On CUDA
+    the consumer issues the host->device copies of up to `depth` batches on a side stream before it hands
+    out the oldest, so each copy overlaps the steps queued before it; the compute stream waits for the copy
+    on the device, never the host. On the CPU, batches pass through (the device batch is the host batch).
+    `waits` holds the seconds each `next` blocked for a batch (what the step waited for data); `in_flight`
+    the batches read ahead (pinned or copying) when the last one was handed out.
     """
 
     def __init__(self, source: Iterable[tuple[Batch, object]], device: torch.device, depth: int = 2):
@@ -306,14 +305,11 @@ class DeviceFeed:
         self.device = torch.device(device)
         self.depth = depth
         self.cuda = self.device.type == "cuda"
-        if self.cuda and self.device.index is None:  # the reader thread's current device is not the caller's
-            self.device = torch.device("cuda", torch.cuda.current_device())
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.compute_stream = torch.cuda.current_stream(self.device) if self.cuda else None
         self.waits: list[float] = []
         self.in_flight = 0
-        self._ready: queue.Queue = queue.Queue()  # (host, device, state); `_room` bounds it
-        self._room = threading.Semaphore(depth)  # taken by the reader per batch, given back by `next`
+        self._pinned: queue.Queue = queue.Queue(maxsize=depth)
+        self._copies: deque = deque()  # (host, device, state, copied event), oldest first
         self._done = False
         self._error: Exception | None = None
         self._stop = threading.Event()
@@ -321,53 +317,68 @@ class DeviceFeed:
         self._thread.start()
 
     def _read(self, source: Iterator) -> None:
-        """Background: read, pin and copy; the end of `source` is None, its error the exception itself."""
+        """Background: read and pin; the end of `source` is None, its error the exception itself."""
         while not self._stop.is_set():
-            if not self._room.acquire(timeout=0.1):
-                continue
-            item: tuple[Any, ...] | Exception | None
+            item: tuple[Any, Any] | Exception | None
             try:
                 batch, state = next(source)
-                item = (*self._to_device(batch), state)
+                item = (batch.pin_memory() if self.cuda else batch, state)
             except StopIteration:
                 item = None
             except Exception as err:  # noqa: BLE001 - handed to the consumer, re-raised there
                 item = err
-            self._ready.put(item)
+            _put(self._pinned, item, self._stop)
             if not isinstance(item, tuple):
                 return
 
-    def _to_device(self, batch: Batch) -> tuple[Batch, Batch]:
-        """(pinned host batch, its finished copy on the device); on the CPU the batch itself twice."""
+    def _take(self, block: bool):
+        """The next pinned item, or None when none is ready (`block=False`) or `source` ended or failed."""
+        if self._done:
+            return None
+        try:
+            item = self._pinned.get(block=block)
+        except queue.Empty:
+            return None
+        if not isinstance(item, tuple):  # the end, or the source's error (raised after the batches before it)
+            self._done, self._error = True, item
+            return None
+        return item
+
+    def _start_copy(self, host: Batch, state) -> None:
         if not self.cuda:
-            return batch, batch
-        host = batch.pin_memory()
-        with torch.cuda.device(self.device), torch.cuda.stream(self.copy_stream):
+            self._copies.append((host, host, state, None))
+            return
+        with torch.cuda.stream(self.copy_stream):
             on_device = host.to(self.device, non_blocking=True)
-            on_device.record_stream(self.compute_stream)  # its memory is not reused before the step is done with it
-            copied = torch.cuda.Event(blocking=True)  # waited for by sleeping, not spinning
+            copied = torch.cuda.Event()
             copied.record(self.copy_stream)
-        copied.synchronize()  # done: any stream may read it, the compute stream needs no wait on the device
-        return host, on_device
+        self._copies.append((host, on_device, state, copied))
 
     def __iter__(self) -> DeviceFeed:
         return self
 
     def __next__(self) -> tuple[Batch, Batch, object]:
-        if self._done:
-            if self._error is not None:
-                raise self._error
-            raise StopIteration
         start = time.perf_counter()
-        item = self._ready.get()
+        if not self._copies:
+            item = self._take(block=True)
+            if item is None:
+                if self._error is not None:
+                    raise self._error
+                raise StopIteration
+            self._start_copy(*item)
         waited = time.perf_counter() - start
-        if not isinstance(item, tuple):  # the end, or the source's error (raised after the batches before it)
-            self._done, self._error = True, item
-            return next(self)
-        host, on_device, state = item
-        self.in_flight = self._ready.qsize()
-        self._room.release()  # the reader reads on once this `next` is done
+        while len(self._copies) < self.depth:  # queue the copies of what is already pinned
+            item = self._take(block=False)
+            if item is None:
+                break
+            self._start_copy(*item)
+        host, on_device, state, copied = self._copies.popleft()
+        if copied is not None:
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_event(copied)
+            on_device.record_stream(compute)  # its memory is not reused before the step is done with it
         self.waits.append(waited)
+        self.in_flight = len(self._copies) + self._pinned.qsize()
         return host, on_device, state
 
     def close(self) -> None:

@@ -68,33 +68,10 @@ def test_read_ahead_is_bounded_by_depth():
     feed = DeviceFeed(source(50, reads), "cpu", depth=3)
     next(feed)
     time.sleep(0.3)  # the reader fills what it may
-    assert len(reads) == 1 + 3  # handed out 1, depth read (pinned and copying) ahead; the reader waits for room
-    next(feed)
-    assert feed.in_flight == 2  # the 2 read behind it (the reader reads the next once `next` is done)
+    # handed out 1; up to depth copying and depth pinned; one more held by the reader, waiting for room
+    assert 1 + 3 <= len(reads) <= 1 + 2 * 3 + 1
     feed.close()
     assert not any(t.name == "device-feed" and t.is_alive() for t in threading.enumerate())
-
-
-def test_the_consumer_thread_only_takes_batches(monkeypatch):
-    """Reading the source and moving batches to the device (pin, copy, the wait for it) run on the reader thread:
-    `next` only takes a batch that is ready."""
-    moved, read = [], []
-
-    def to_device(self, batch):
-        moved.append(threading.current_thread())
-        return batch, batch
-
-    def recorded(n):
-        for item in source(n):
-            read.append(threading.current_thread())
-            yield item
-
-    monkeypatch.setattr(DeviceFeed, "_to_device", to_device)
-    feed = DeviceFeed(recorded(9), "cpu", depth=2)
-    assert [int(host.user_ids[0]) for host, _, _ in feed] == list(range(9))
-    feed.close()
-    assert len(moved) == len(read) == 9
-    assert {t.name for t in moved + read} == {"device-feed"}
 
 
 def test_waits_measure_a_slow_source():
@@ -120,7 +97,6 @@ def test_depth_must_be_positive():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_copies_are_the_pinned_batches_in_order():
     feed = DeviceFeed(source(12), "cuda", depth=3)
-    assert feed.device.index == torch.cuda.current_device()  # the reader thread copies to the caller's device
     for i, (host, on_device, state) in enumerate(feed):
         assert host.user_ids.is_pinned() and on_device.user_ids.is_cuda and state["position"] == i + 1
         assert on_device.sparse_features.values().is_cuda
