@@ -479,11 +479,10 @@ def _carrier(fmt: Fp8Format, device: torch.device) -> torch.dtype:
 
 
 ACTIVATIONS = {"none": 0, "gelu": 1, "swiglu": 2, "gelu_bwd": 3, "swiglu_bwd": 4}
-# Warps of a quantization program (one 128x128 tile). sm_90 SASS (tests/kernels/test_fp8_sm90_compile.py): at 8
-# warps a thread holds 64 fp32 values in ~240 registers, one 8-warp program an SM; at 16, 32 values in <= 128
-# registers, unspilled, twice the warps to hide latency for ~10-20% more instructions a value (the per-row and
-# per-column work is repeated by more threads). `fp8_bench --quantize-only` times both.
-QUANTIZE_WARPS = 16
+# Warps of a quantization program (one 128x128 tile). 16 warps hold half the values a thread (<= 128 registers) for
+# ~10-20% more instructions a value; on the H200 8 were faster in 5 of 7 modes at the step's shapes (docs/benchmarks.md,
+# `fp8_bench --quantize-only`), unspilled either way (tests/kernels/test_fp8_sm90_compile.py).
+QUANTIZE_WARPS = 8
 
 
 def aligned_rows(shape: tuple[int, ...], device, dtype) -> torch.Tensor:
