@@ -15,7 +15,7 @@ fp32 matmul), so the same ops and scaling run and are tested without a GPU.
 
 Ops (autograd, weights stay fp32/bf16 masters, outputs in the autocast dtype):
   fp8_mlp(x, w1, b1, w2, b2)                         fc2(gelu(fc1(x))); gelu and both quantizations of its output
-                                                     in one kernel
+                                                     in fc1's epilogue (`gemm_gelu_quantize`)
   fp8_grouped_swiglu(x_sorted, counts, w1, w3, w2)   MoE experts: (silu(x w1[e]) * x w3[e]) w2[e] over rows grouped
                                                      by expert; groups padded to 128 rows so tiles never straddle two
 Counters per quantized tensor (`Fp8Stats`): values that overflowed the format (only possible with delayed scales),
@@ -254,6 +254,86 @@ def _quantize_kernel(
                 x = x * _gelu_grad_tl(gate)
     if COLSUM:
         tl.atomic_add(colsum_ptr + pid_b * C + cols, tl.sum(x, 0), mask=cols < C)
+    _quantize_blocks(
+        x,
+        valid,
+        valid_t,
+        rows,
+        cols,
+        R,
+        C,
+        pid_r,
+        pid_c,
+        q_ptr + pid_b * sqb,
+        s_ptr + pid_b * ssb,
+        qt_ptr + pid_b * stb,
+        st_ptr + pid_b * sstb,
+        fixed_ptr,
+        amax_ptr,
+        stats_ptr,
+        sqr,
+        sqc,
+        ssr,
+        ssc,
+        stc,
+        str_,
+        sstc,
+        sstr,
+        FP8_MAX,
+        OVERFLOW,
+        MANT,
+        EMIN,
+        ROWS,
+        COLS,
+        TILE,
+        FIXED,
+        AMAX,
+        STATS,
+        FMA,
+    )
+
+
+@triton.jit
+def _quantize_blocks(
+    x,
+    valid,
+    valid_t,
+    rows,
+    cols,
+    R,
+    C,
+    pid_r,
+    pid_c,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    fixed_ptr,
+    amax_ptr,
+    stats_ptr,
+    sqr,
+    sqc,
+    ssr,
+    ssc,
+    stc,
+    str_,
+    sstc,
+    sstr,
+    FP8_MAX: tl.constexpr,
+    OVERFLOW: tl.constexpr,
+    MANT: tl.constexpr,
+    EMIN: tl.constexpr,
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    TILE: tl.constexpr,
+    FIXED: tl.constexpr,
+    AMAX: tl.constexpr,
+    STATS: tl.constexpr,
+    FMA: tl.constexpr,
+):
+    """Quantize the 128x128 tile `x` (rows, cols; zeros where not `valid`) of tile (pid_r, pid_c) as `_quantize_kernel`
+    documents its modes, into pointers at the tile's batch; counters and amax too. Shared by `_quantize_kernel` and
+    the fc1 GEMM's epilogue (`_gemm_kernel`'s GELU_Q)."""
     ax = tl.where(x == x, tl.abs(x), float("inf"))  # NaN -> an infinite amax: the block's scale turns non-finite
     if AMAX:
         tl.atomic_max(amax_ptr, tl.max(tl.max(ax, 1), 0))
@@ -268,10 +348,10 @@ def _quantize_kernel(
         fast_t = _fast_division_ok(scale_t, amax_t)
         y = _divide(x, scale_t, _reciprocal(scale_t) if FMA else scale_t, fast_t, FMA)
         q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
-        tl.store(q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc, q, valid)
-        tl.store(s_ptr + pid_b * ssb + pid_r * ssr + pid_c * ssc, scale_t)
+        tl.store(q_ptr + rows[:, None] * sqr + cols[None, :] * sqc, q, valid)
+        tl.store(s_ptr + pid_r * ssr + pid_c * ssc, scale_t)
         if COLS:
-            qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
+            qt_ptrs = qt_ptr + cols[None, :] * stc + rows[:, None] * str_
             tl.store(qt_ptrs, q, valid_t)
     else:
         if ROWS:
@@ -283,9 +363,9 @@ def _quantize_kernel(
             recip_r = _reciprocal(scale_r) if FMA else scale_r
             y = _divide(x, scale_r[:, None], recip_r[:, None], fast_r, FMA)
             q = _to_fp8(y, FP8_MAX, MANT, EMIN, q_ptr)
-            q_ptrs = q_ptr + pid_b * sqb + rows[:, None] * sqr + cols[None, :] * sqc
+            q_ptrs = q_ptr + rows[:, None] * sqr + cols[None, :] * sqc
             tl.store(q_ptrs, q, valid)
-            tl.store(s_ptr + pid_b * ssb + rows * ssr + pid_c * ssc, scale_r, rows < R)
+            tl.store(s_ptr + rows * ssr + pid_c * ssc, scale_r, rows < R)
         if COLS:
             amax_c = tl.max(ax, 0)
             scale_c = tl.where(amax_c == 0, 1.0, tl.div_rn(amax_c, FP8_MAX))
@@ -295,9 +375,9 @@ def _quantize_kernel(
             recip_c = _reciprocal(scale_c) if FMA else scale_c
             y_c = _divide(x, scale_c[None, :], recip_c[None, :], fast_c, FMA)
             q_c = _to_fp8(y_c, FP8_MAX, MANT, EMIN, qt_ptr)
-            qt_ptrs = qt_ptr + pid_b * stb + cols[None, :] * stc + rows[:, None] * str_
+            qt_ptrs = qt_ptr + cols[None, :] * stc + rows[:, None] * str_
             tl.store(qt_ptrs, q_c, valid_t)
-            tl.store(st_ptr + pid_b * sstb + cols * sstc + pid_r * sstr, scale_c, cols < C)
+            tl.store(st_ptr + cols * sstc + pid_r * sstr, scale_c, cols < C)
             if not ROWS:
                 y, q = y_c, q_c
     if STATS:
@@ -380,6 +460,22 @@ def _gemm_kernel(
     ssbk,
     TUNE_N,
     TUNE_K,
+    q_ptr,
+    s_ptr,
+    qt_ptr,
+    st_ptr,
+    fixed_ptr,
+    amax_ptr,
+    stats_ptr,
+    RT,
+    sqr,
+    sqc,
+    ssr,
+    ssc,
+    stc,
+    str_,
+    sstc,
+    sstr,
     HAS_BIAS: tl.constexpr,
     GROUP_M: tl.constexpr,  # b, sb indexed by the group of the M tile (tile_group[pid_m]; -1: zeros)
     EVEN_K: tl.constexpr,  # every K range a whole number of 128-blocks: no masks along K
@@ -389,9 +485,20 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    GELU_Q: tl.constexpr = False,  # also gelu(c) quantized both ways (`gemm_gelu_quantize`; 128x128 tiles)
+    FP8_MAX: tl.constexpr = 448.0,
+    OVERFLOW: tl.constexpr = 464.0,
+    MANT: tl.constexpr = 3,
+    EMIN: tl.constexpr = -6,
+    FIXED: tl.constexpr = False,
+    AMAX: tl.constexpr = False,
+    STATS: tl.constexpr = False,
+    FMA: tl.constexpr = False,
 ):
     """c[m, n] = sum over 128-blocks kb of sa[m, kb] * sb[n, kb] * sum_{k in kb} a[m, k] b[n, k] (+ bias[n]);
-    each block's dot is accumulated in fp32 and scaled before it is added."""
+    each block's dot is accumulated in fp32 and scaled before it is added. With GELU_Q the epilogue also quantizes
+    gelu(c), c as stored (rounded to c's dtype), into q, s, qt, st as `_quantize_kernel` does with ROWS and COLS: the
+    tile holds each of its rows' 1x128 block and each of its columns' 128x1 block whole."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_SIZE_M * num_n
@@ -428,9 +535,50 @@ def _gemm_kernel(
         acc = _gemm_block(acc, ptrs, strides, tile, k, k_hi, True, TILE_B, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), m_ok[:, None] & n_ok[None, :]
-    )
+    c = acc.to(c_ptr.dtype.element_ty)
+    valid = m_ok[:, None] & n_ok[None, :]
+    tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, c, valid)
+    if GELU_Q:
+        # rows past M (their acc is the bias) as `quantize` loads them: zeros; qt's padding rows up to RT get them
+        x = _gelu(tl.where(valid, c.to(tl.float32), 0.0))
+        valid_t = (rm < RT)[:, None] & n_ok[None, :]
+        _quantize_blocks(
+            x,
+            valid,
+            valid_t,
+            rm,
+            rn,
+            M,
+            N,
+            pid_m,
+            pid_n,
+            q_ptr,
+            s_ptr,
+            qt_ptr,
+            st_ptr,
+            fixed_ptr,
+            amax_ptr,
+            stats_ptr,
+            sqr,
+            sqc,
+            ssr,
+            ssc,
+            stc,
+            str_,
+            sstc,
+            sstr,
+            FP8_MAX,
+            OVERFLOW,
+            MANT,
+            EMIN,
+            True,
+            True,
+            False,
+            FIXED,
+            AMAX,
+            STATS,
+            FMA,
+        )
 
 
 # -- launchers -----------------------------------------------------------------------------------------------
@@ -493,6 +641,34 @@ def aligned_rows(shape: tuple[int, ...], device, dtype) -> torch.Tensor:
     return torch.empty(*lead, -(-r // 16) * 16, device=device, dtype=dtype)[..., :r]
 
 
+def _quantize_buffers(
+    shape: tuple[int, int, int], fmt: Fp8Format, device, *, rows: bool, cols: bool, tile: bool, colsum: bool
+) -> dict[str, torch.Tensor]:
+    """`quantize`'s outputs for a batch (nb, R, C), allocated; a tile's "st" ("s" transposed) is left to the caller."""
+    nb, r, c = shape
+    nrb, ncb = triton.cdiv(r, BLOCK), triton.cdiv(c, BLOCK)
+    carrier = _carrier(fmt, device)
+    out = {}
+    if rows or tile:
+        out["q"] = torch.empty(nb, r, c, device=device, dtype=carrier)
+        out["s"] = torch.empty(nb, nrb, ncb, device=device) if tile else torch.empty(nb, ncb, r, device=device).mT
+    if cols:
+        out["qt"] = aligned_rows((nb, c, r), device, carrier)
+        if not tile:
+            out["st"] = torch.empty(nb, nrb, c, device=device).mT
+    if colsum:
+        out["colsum"] = torch.zeros(nb, c, device=device)
+    return out
+
+
+def _stats_buffers(stats: Fp8Stats | None, role: int, dummy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(amax, counts) of `role` that a quantization updates: delayed scaling's amax, and the counters when collecting
+    (`dummy` where not)."""
+    amax = stats.amax[role : role + 1] if stats is not None and stats.delayed else dummy
+    counts = stats.counts[role] if stats is not None and stats.collect else dummy
+    return amax, counts
+
+
 def quantize(
     x: torch.Tensor,
     fmt: Fp8Format,
@@ -545,27 +721,10 @@ def quantize(
     if wide:
         c = 2 * c
     nrb, ncb = triton.cdiv(r, BLOCK), triton.cdiv(c, BLOCK)
-    carrier = _carrier(fmt, x.device)
-    device = x.device
-    out = {}
-    dummy = torch.empty(1, device=device, dtype=torch.float32)
-    q = s = qt = st = sums = dummy
-    if rows or tile:
-        q = torch.empty(nb, r, c, device=device, dtype=carrier)
-        s = torch.empty(nb, nrb, ncb, device=device) if tile else torch.empty(nb, ncb, r, device=device).mT
-        out["q"], out["s"] = q, s
-    if cols:
-        qt = aligned_rows((nb, c, r), device, carrier)
-        out["qt"] = qt
-        if not tile:
-            st = torch.empty(nb, nrb, c, device=device).mT
-            out["st"] = st
-    if colsum:
-        sums = torch.zeros(nb, c, device=device)
-        out["colsum"] = sums
-    collect = stats is not None and stats.collect
-    amax = stats.amax[role : role + 1] if stats is not None and stats.delayed else dummy
-    counts = stats.counts[role] if stats is not None and stats.collect else dummy
+    out = _quantize_buffers((nb, r, c), fmt, x.device, rows=rows, cols=cols, tile=tile, colsum=colsum)
+    dummy = torch.empty(1, device=x.device, dtype=torch.float32)
+    q, s, qt, st, sums = (out.get(key, dummy) for key in ("q", "s", "qt", "st", "colsum"))
+    amax, counts = _stats_buffers(stats, role, dummy)
     g = gb if gb is not None else xb
     _quantize_kernel[(nrb, ncb, nb)](
         xb,
@@ -597,8 +756,8 @@ def quantize(
         COLS=cols,
         TILE=tile,
         FIXED=fixed is not None,
-        AMAX=stats is not None and stats.delayed,
-        STATS=collect,
+        AMAX=amax is not dummy,
+        STATS=counts is not dummy,
         COLSUM=colsum,
         FMA=not INTERPRET,
         BLOCK_R=BLOCK,
@@ -695,6 +854,46 @@ def gemm(
         out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if backend == "reference":
         return _gemm_ref(a, sa, b, _expand_tile_scales(sb, n) if b_tiles else sb, out, bias, tile_group, k_bounds)
+    _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles)
+    return out
+
+
+# the fc1 GEMM with its GELU-and-quantize epilogue: 128x128 tiles (whole scaling blocks both ways), not autotuned
+GELU_Q_CONFIG = {"num_warps": 8, "num_stages": 3}
+
+
+def gemm_gelu_quantize(
+    a: torch.Tensor,
+    sa: torch.Tensor,
+    b: torch.Tensor,
+    sb: torch.Tensor,
+    out_dtype: torch.dtype,
+    fmt: Fp8Format,
+    *,
+    bias: torch.Tensor | None = None,
+    b_tiles: bool = False,
+    stats: Fp8Stats | None = None,
+    role: int = 0,
+    backend: str = "triton",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """h = `gemm`(a, sa, b, sb, out_dtype, bias, b_tiles) and `quantize(h, fmt, cols=True, act="gelu", stats, role)`
+    from one kernel: the GEMM's epilogue quantizes gelu of h as it stores it (h is not read back). Bit for bit the
+    two calls' results."""
+    if backend == "reference":
+        h = gemm(a, sa, b, sb, out_dtype, bias=bias, b_tiles=b_tiles, backend=backend)
+        return h, quantize(h, fmt, cols=True, act="gelu", stats=stats, role=role, backend=backend)
+    m, n = a.shape[0], b.shape[-2]
+    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    quantized = _quantize_buffers((1, m, n), fmt, a.device, rows=True, cols=True, tile=False, colsum=False)
+    quantized = {key: v[0] for key, v in quantized.items()}
+    _launch_gemm(a, sa, b, sb, out, bias, None, None, b_tiles, (fmt, quantized, stats, role))
+    return out, quantized
+
+
+def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, gelu_q=None) -> None:
+    """`_gemm_kernel` into `out`; `gelu_q` (fmt, quantize's outputs q, s, qt, st, stats, role): its GELU_Q epilogue."""
+    m, k = a.shape
+    n = b.shape[-2]
     dummy = torch.empty(1, device=a.device, dtype=torch.int32)
     grouped_b = tile_group is not None
 
@@ -703,8 +902,20 @@ def gemm(
             n, meta["BLOCK_N"]
         ), k_bounds.numel() - 1 if k_bounds is not None else 1
 
+    kernel, quant_args, quant_consts = _gemm_kernel, [dummy] * 7 + [0] * 9, {}
+    if gelu_q is not None:
+        fmt, qo, stats, role = gelu_q
+        fixed = stats.scale(role, fmt) if stats is not None else None
+        amax, counts = _stats_buffers(stats, role, dummy)
+        q, s, qt, st = qo["q"], qo["s"], qo["qt"], qo["st"]
+        quant_args = [q, s, qt, st, fixed if fixed is not None else dummy, amax, counts, qt.stride(0)]
+        quant_args += [*q.stride(), *s.stride(), *qt.stride(), *st.stride()]
+        quant_consts = {"GELU_Q": True, "FP8_MAX": fmt.max, "OVERFLOW": fmt.overflow, "MANT": fmt.mantissa}
+        quant_consts |= {"EMIN": fmt.min_exp, "FIXED": fixed is not None, "AMAX": amax is not dummy}
+        quant_consts |= {"STATS": counts is not dummy, "FMA": not INTERPRET, "BLOCK_N": BLOCK, **GELU_Q_CONFIG}
+        kernel = _gemm_kernel.fn  # BLOCK_N forced, and no autotuning runs (they would repeat the counters' atomics)
     # tiles tuned once per output width and reduction depth (a power-of-two bucket of it: token counts vary)
-    _gemm_kernel[grid](
+    kernel[grid](
         a,
         b,
         out,
@@ -726,6 +937,7 @@ def gemm(
         *sb.stride()[-2:],
         n,
         m if k_bounds is not None else triton.next_power_of_2(k),  # a weight gradient reduces over the token count
+        *quant_args,
         HAS_BIAS=bias is not None,
         GROUP_M=grouped_b,
         GROUP_K=k_bounds is not None,
@@ -734,8 +946,8 @@ def gemm(
         BLOCK_M=BLOCK,
         BLOCK_K=BLOCK,
         GROUP_SIZE_M=8,
+        **quant_consts,
     )
-    return out
 
 
 def _dequant_rows(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
@@ -842,8 +1054,23 @@ class _Fp8Mlp(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         xq = quantize(x2, E4M3, rows=True, cols=True, stats=stats, role=0, backend=be)
         w1q = quantize(w1.detach(), E4M3, tile=True, cols=True, stats=stats, role=1, backend=be)
-        h = _weight_gemm(xq["q"], xq["s"], w1q["q"], w1q["s"], dtype, recipe, bias=b1)
-        gq = quantize(h, E4M3, rows=True, cols=True, act="gelu", stats=stats, role=2, backend=be)
+        if _cublas_fits(xq["q"], w1.shape[0], recipe):
+            h = _weight_gemm(xq["q"], xq["s"], w1q["q"], w1q["s"], dtype, recipe, bias=b1)
+            gq = quantize(h, E4M3, rows=True, cols=True, act="gelu", stats=stats, role=2, backend=be)
+        else:  # gelu and both its quantizations in fc1's epilogue: h is stored (the backward's), not read back
+            h, gq = gemm_gelu_quantize(
+                xq["q"],
+                xq["s"],
+                w1q["q"],
+                w1q["s"],
+                dtype,
+                E4M3,
+                bias=b1,
+                b_tiles=True,
+                stats=stats,
+                role=2,
+                backend=be,
+            )
         w2q = quantize(w2.detach(), E4M3, tile=True, cols=True, stats=stats, role=3, backend=be)
         y = _weight_gemm(gq["q"], gq["s"], w2q["q"], w2q["s"], dtype, recipe, bias=b2)
         ctx.save_for_backward(xq["qt"], xq["st"], h, gq["qt"], gq["st"], w1q["qt"], w1q["st"], w2q["qt"], w2q["st"])
