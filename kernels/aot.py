@@ -95,8 +95,10 @@ def compile_launch(launch: Launch, config: dict | None = None, target=HOPPER):
 def compile_jit(fn, args, constants: dict, options: dict, target=HOPPER, gluon: bool = False):
     """A `@triton.jit` (or Gluon) function compiled for `target` with its runtime `args` in order (the parameters not
     in `constants`) specialized as triton's launcher does on a GPU: 16-byte aligned pointers and ints divisible by 16
-    marked so, ints equal to 1 made constants."""
+    marked so, ints equal to 1 made constants; constexpr parameters left out of `constants` take their defaults."""
     backend = type(make_backend(target))
+    defaults = {p.name: p.default for p in fn.params if p.is_constexpr and p.has_default and p.name not in constants}
+    constants = {**constants, **defaults}
     signature, fixed, attrs = {}, dict(constants), {}
     runtime = [name for name in fn.arg_names if name not in constants]
     for name, value in zip(runtime, args):

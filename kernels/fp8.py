@@ -15,7 +15,8 @@ fp32 matmul), so the same ops and scaling run and are tested without a GPU.
 
 Ops (autograd, weights stay fp32/bf16 masters, outputs in the autocast dtype):
   fp8_mlp(x, w1, b1, w2, b2)                         fc2(gelu(fc1(x))); gelu and both quantizations of its output
-                                                     in fc1's epilogue (`gemm_gelu_quantize`)
+                                                     in fc1's epilogue (`gemm_quantize`), gelu's
+                                                     backward in fc2's dgrad's
   fp8_grouped_swiglu(x_sorted, counts, w1, w3, w2)   MoE experts: (silu(x w1[e]) * x w3[e]) w2[e] over rows grouped
                                                      by expert; groups padded to 128 rows so tiles never straddle two
 Counters per quantized tensor (`Fp8Stats`): values that overflowed the format (only possible with delayed scales),
@@ -333,7 +334,7 @@ def _quantize_blocks(
 ):
     """Quantize the 128x128 tile `x` (rows, cols; zeros where not `valid`) of tile (pid_r, pid_c) as `_quantize_kernel`
     documents its modes, into pointers at the tile's batch; counters and amax too. Shared by `_quantize_kernel` and
-    the fc1 GEMM's epilogue (`_gemm_kernel`'s GELU_Q)."""
+    the quantizing epilogue of `_gemm_kernel` (QUANT_ACT)."""
     ax = tl.where(x == x, tl.abs(x), float("inf"))  # NaN -> an infinite amax: the block's scale turns non-finite
     if AMAX:
         tl.atomic_max(amax_ptr, tl.max(tl.max(ax, 1), 0))
@@ -467,6 +468,8 @@ def _gemm_kernel(
     fixed_ptr,
     amax_ptr,
     stats_ptr,
+    gate_ptr,
+    colsum_ptr,
     RT,
     sqr,
     sqc,
@@ -476,6 +479,8 @@ def _gemm_kernel(
     str_,
     sstc,
     sstr,
+    sgr,
+    sgc,
     HAS_BIAS: tl.constexpr,
     GROUP_M: tl.constexpr,  # b, sb indexed by the group of the M tile (tile_group[pid_m]; -1: zeros)
     EVEN_K: tl.constexpr,  # every K range a whole number of 128-blocks: no masks along K
@@ -485,7 +490,8 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
-    GELU_Q: tl.constexpr = False,  # also gelu(c) quantized both ways (`gemm_gelu_quantize`; 128x128 tiles)
+    QUANT_ACT: tl.constexpr = 0,  # 1: c and gelu(c) quantized both ways; 3: c * gelu'(gate) so (`gemm_quantize`)
+    COLSUM: tl.constexpr = False,
     FP8_MAX: tl.constexpr = 448.0,
     OVERFLOW: tl.constexpr = 464.0,
     MANT: tl.constexpr = 3,
@@ -496,8 +502,9 @@ def _gemm_kernel(
     FMA: tl.constexpr = False,
 ):
     """c[m, n] = sum over 128-blocks kb of sa[m, kb] * sb[n, kb] * sum_{k in kb} a[m, k] b[n, k] (+ bias[n]);
-    each block's dot is accumulated in fp32 and scaled before it is added. With GELU_Q the epilogue also quantizes
-    gelu(c), c as stored (rounded to c's dtype), into q, s, qt, st as `_quantize_kernel` does with ROWS and COLS: the
+    each block's dot is accumulated in fp32 and scaled before it is added. With QUANT_ACT (128x128 tiles) the
+    epilogue quantizes act(c), c rounded to c's dtype, into q, s, qt, st as `_quantize_kernel` does with ROWS, COLS
+    and its ACT (gelu: c stored too; gelu_bwd: times gelu'(gate), c not stored, COLSUM: act(c)'s column sums): the
     tile holds each of its rows' 1x128 block and each of its columns' 128x1 block whole."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
@@ -537,10 +544,18 @@ def _gemm_kernel(
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c = acc.to(c_ptr.dtype.element_ty)
     valid = m_ok[:, None] & n_ok[None, :]
-    tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, c, valid)
-    if GELU_Q:
+    if QUANT_ACT != 3:
+        tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, c, valid)
+    if QUANT_ACT != 0:
         # rows past M (their acc is the bias) as `quantize` loads them: zeros; qt's padding rows up to RT get them
-        x = _gelu(tl.where(valid, c.to(tl.float32), 0.0))
+        x = tl.where(valid, c.to(tl.float32), 0.0)
+        if QUANT_ACT == 1:
+            x = _gelu(x)
+        else:
+            gate = tl.load(gate_ptr + rm[:, None] * sgr + rn[None, :] * sgc, mask=valid, other=0.0).to(tl.float32)
+            x = x * _gelu_grad_tl(gate)
+        if COLSUM:
+            tl.atomic_add(colsum_ptr + rn, tl.sum(x, 0), mask=n_ok)
         valid_t = (rm < RT)[:, None] & n_ok[None, :]
         _quantize_blocks(
             x,
@@ -858,11 +873,12 @@ def gemm(
     return out
 
 
-# the fc1 GEMM with its GELU-and-quantize epilogue: 128x128 tiles (whole scaling blocks both ways), not autotuned
-GELU_Q_CONFIG = {"num_warps": 8, "num_stages": 3}
+# GEMMs with a quantizing epilogue: 128x128 tiles (whole scaling blocks both ways), not autotuned
+QUANT_EPILOGUE_CONFIG = {"num_warps": 8, "num_stages": 3}
+EPILOGUE_ACTS = ("gelu", "gelu_bwd")
 
 
-def gemm_gelu_quantize(
+def gemm_quantize(
     a: torch.Tensor,
     sa: torch.Tensor,
     b: torch.Tensor,
@@ -870,28 +886,41 @@ def gemm_gelu_quantize(
     out_dtype: torch.dtype,
     fmt: Fp8Format,
     *,
+    act: str,
+    gate: torch.Tensor | None = None,
+    colsum: bool = False,
     bias: torch.Tensor | None = None,
     b_tiles: bool = False,
     stats: Fp8Stats | None = None,
     role: int = 0,
     backend: str = "triton",
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """h = `gemm`(a, sa, b, sb, out_dtype, bias, b_tiles) and `quantize(h, fmt, cols=True, act="gelu", stats, role)`
-    from one kernel: the GEMM's epilogue quantizes gelu of h as it stores it (h is not read back). Bit for bit the
-    two calls' results."""
+) -> dict[str, torch.Tensor]:
+    """c = `gemm`(a, sa, b, sb, out_dtype, bias, b_tiles) and `quantize(c, fmt, cols=True, act, gate, colsum, stats,
+    role)` from one kernel, bit for bit the two calls' results (colsum up to the order of its fp32 additions): the
+    GEMM's epilogue quantizes c as rounded to out_dtype, without storing and reading it back. act "gelu" (fc1: c is
+    h, stored too, as "c": the backward reads it) or "gelu_bwd" (fc2's dgrad times gelu'(gate); c is not stored)."""
+    if act not in EPILOGUE_ACTS:
+        raise ValueError(f"gemm_quantize: act must be one of {EPILOGUE_ACTS}, got {act!r}")
     if backend == "reference":
-        h = gemm(a, sa, b, sb, out_dtype, bias=bias, b_tiles=b_tiles, backend=backend)
-        return h, quantize(h, fmt, cols=True, act="gelu", stats=stats, role=role, backend=backend)
+        c = gemm(a, sa, b, sb, out_dtype, bias=bias, b_tiles=b_tiles, backend=backend)
+        out = quantize(c, fmt, cols=True, act=act, gate=gate, colsum=colsum, stats=stats, role=role, backend=backend)
+        return {**out, "c": c} if act == "gelu" else out
     m, n = a.shape[0], b.shape[-2]
-    out = torch.empty(m, n, device=a.device, dtype=out_dtype)
-    quantized = _quantize_buffers((1, m, n), fmt, a.device, rows=True, cols=True, tile=False, colsum=False)
-    quantized = {key: v[0] for key, v in quantized.items()}
-    _launch_gemm(a, sa, b, sb, out, bias, None, None, b_tiles, (fmt, quantized, stats, role))
-    return out, quantized
+    store = act == "gelu"
+    c = (
+        torch.empty(m, n, device=a.device, dtype=out_dtype)
+        if store
+        else torch.empty(1, 1, device=a.device, dtype=out_dtype)
+    )
+    out = _quantize_buffers((1, m, n), fmt, a.device, rows=True, cols=True, tile=False, colsum=colsum)
+    out = {key: v[0] for key, v in out.items()}
+    _launch_gemm(a, sa, b, sb, c, bias, None, None, b_tiles, (act, fmt, out, gate, stats, role))
+    return {**out, "c": c} if store else out
 
 
-def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, gelu_q=None) -> None:
-    """`_gemm_kernel` into `out`; `gelu_q` (fmt, quantize's outputs q, s, qt, st, stats, role): its GELU_Q epilogue."""
+def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, epilogue=None) -> None:
+    """`_gemm_kernel` into `out`; `epilogue` (act, fmt, quantize's outputs, gate, stats, role): its quantizing
+    epilogue (QUANT_ACT), `out` then a 1x1 dummy of the output's dtype where c is not stored."""
     m, k = a.shape
     n = b.shape[-2]
     dummy = torch.empty(1, device=a.device, dtype=torch.int32)
@@ -902,17 +931,19 @@ def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, gelu_q=
             n, meta["BLOCK_N"]
         ), k_bounds.numel() - 1 if k_bounds is not None else 1
 
-    kernel, quant_args, quant_consts = _gemm_kernel, [dummy] * 7 + [0] * 9, {}
-    if gelu_q is not None:
-        fmt, qo, stats, role = gelu_q
+    kernel, quant_args, quant_consts = _gemm_kernel, [dummy] * 9 + [0] * 11, {}
+    if epilogue is not None:
+        act, fmt, qo, gate, stats, role = epilogue
         fixed = stats.scale(role, fmt) if stats is not None else None
         amax, counts = _stats_buffers(stats, role, dummy)
         q, s, qt, st = qo["q"], qo["s"], qo["qt"], qo["st"]
-        quant_args = [q, s, qt, st, fixed if fixed is not None else dummy, amax, counts, qt.stride(0)]
-        quant_args += [*q.stride(), *s.stride(), *qt.stride(), *st.stride()]
-        quant_consts = {"GELU_Q": True, "FP8_MAX": fmt.max, "OVERFLOW": fmt.overflow, "MANT": fmt.mantissa}
-        quant_consts |= {"EMIN": fmt.min_exp, "FIXED": fixed is not None, "AMAX": amax is not dummy}
-        quant_consts |= {"STATS": counts is not dummy, "FMA": not INTERPRET, "BLOCK_N": BLOCK, **GELU_Q_CONFIG}
+        g, sums = gate if gate is not None else q, qo.get("colsum", dummy)
+        quant_args = [q, s, qt, st, fixed if fixed is not None else dummy, amax, counts, g, sums, qt.stride(0)]
+        quant_args += [*q.stride(), *s.stride(), *qt.stride(), *st.stride(), *g.stride()]
+        quant_consts = {"QUANT_ACT": ACTIVATIONS[act], "FP8_MAX": fmt.max, "OVERFLOW": fmt.overflow}
+        quant_consts |= {"MANT": fmt.mantissa, "EMIN": fmt.min_exp, "FIXED": fixed is not None}
+        quant_consts |= {"AMAX": amax is not dummy, "STATS": counts is not dummy, "COLSUM": sums is not dummy}
+        quant_consts |= {"FMA": not INTERPRET, "BLOCK_N": BLOCK, **QUANT_EPILOGUE_CONFIG}
         kernel = _gemm_kernel.fn  # BLOCK_N forced, and no autotuning runs (they would repeat the counters' atomics)
     # tiles tuned once per output width and reduction depth (a power-of-two bucket of it: token counts vary)
     kernel[grid](
@@ -1058,19 +1089,9 @@ class _Fp8Mlp(torch.autograd.Function):
             h = _weight_gemm(xq["q"], xq["s"], w1q["q"], w1q["s"], dtype, recipe, bias=b1)
             gq = quantize(h, E4M3, rows=True, cols=True, act="gelu", stats=stats, role=2, backend=be)
         else:  # gelu and both its quantizations in fc1's epilogue: h is stored (the backward's), not read back
-            h, gq = gemm_gelu_quantize(
-                xq["q"],
-                xq["s"],
-                w1q["q"],
-                w1q["s"],
-                dtype,
-                E4M3,
-                bias=b1,
-                b_tiles=True,
-                stats=stats,
-                role=2,
-                backend=be,
-            )
+            fc1 = {"bias": b1, "b_tiles": True, "stats": stats, "role": 2, "backend": be}
+            gq = gemm_quantize(xq["q"], xq["s"], w1q["q"], w1q["s"], dtype, E4M3, act="gelu", **fc1)
+            h = gq["c"]
         w2q = quantize(w2.detach(), E4M3, tile=True, cols=True, stats=stats, role=3, backend=be)
         y = _weight_gemm(gq["q"], gq["s"], w2q["q"], w2q["s"], dtype, recipe, bias=b2)
         ctx.save_for_backward(xq["qt"], xq["st"], h, gq["qt"], gq["st"], w1q["qt"], w1q["st"], w2q["qt"], w2q["st"])
@@ -1085,22 +1106,16 @@ class _Fp8Mlp(torch.autograd.Function):
         recipe, stats, be, fmt = ctx.recipe, ctx.stats, ctx.recipe.backend, ctx.recipe.grad_format
         dy2 = dy.reshape(-1, dy.shape[-1])
         dyq = quantize(dy2, fmt, rows=True, cols=True, colsum=ctx.has_bias[1], stats=stats, role=4, backend=be)
-        # dgrad of fc2 reduces over its outputs: w2^T's tiles, scales per row of w2^T
-        dg = _weight_gemm(dyq["q"], dyq["s"], w2qt, w2st, h.dtype, recipe)
         dw2 = _rows_gemm(dyq["qt"], dyq["st"], gqt, gst, torch.float32, recipe)
-        # gelu's backward, both quantizations of dh and the bias gradient in one pass over dg and h
-        dhq = quantize(
-            dg,
-            fmt,
-            rows=True,
-            cols=True,
-            act="gelu_bwd",
-            gate=h,
-            colsum=ctx.has_bias[0],
-            stats=stats,
-            role=5,
-            backend=be,
-        )
+        # dgrad of fc2 reduces over its outputs: w2^T's tiles, scales per row of w2^T; then gelu's backward, both
+        # quantizations of dh and the bias gradient: in the GEMM's epilogue (dg not stored), or after cuBLAS's GEMM
+        # in one pass over dg and h
+        bwd = {"act": "gelu_bwd", "gate": h, "colsum": ctx.has_bias[0], "stats": stats, "role": 5, "backend": be}
+        if _cublas_fits(dyq["q"], w2qt.shape[0], recipe):
+            dg = _weight_gemm(dyq["q"], dyq["s"], w2qt, w2st, h.dtype, recipe)
+            dhq = quantize(dg, fmt, rows=True, cols=True, **bwd)
+        else:
+            dhq = gemm_quantize(dyq["q"], dyq["s"], w2qt, w2st, h.dtype, fmt, b_tiles=True, **bwd)
         dx = _weight_gemm(dhq["q"], dhq["s"], w1qt, w1st, ctx.x_dtype, recipe)
         dw1 = _rows_gemm(dhq["qt"], dhq["st"], xqt, xst, torch.float32, recipe)
         db1 = dhq.get("colsum")

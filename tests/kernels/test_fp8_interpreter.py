@@ -100,29 +100,38 @@ def test_gemm_plain_grouped_m_and_grouped_k(k):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
-def test_gemm_gelu_quantize_epilogue_is_the_unfused_path_bit_for_bit(out_dtype):
-    """fc1's epilogue (gelu of h as stored, quantized both ways) against gemm then quantize, at a jagged row count:
-    the last row tile masked, qt's padding rows zero; delayed scales and counters too."""
+@pytest.mark.parametrize("act", ["gelu", "gelu_bwd"])
+def test_gemm_quantize_epilogue_is_the_unfused_path_bit_for_bit(act, out_dtype):
+    """The GEMM's quantizing epilogue (fc1: gelu of h as stored; fc2's dgrad: times gelu'(h), with the bias gradient)
+    against gemm then quantize, at a jagged row count: the last row tile masked, qt's padding rows zero; delayed
+    scales and counters too."""
     gen = torch.Generator().manual_seed(5)
     a = fp8.quantize(torch.randn(300, 256, generator=gen), fp8.E4M3, backend="reference")
     w = fp8.quantize(torch.randn(384, 256, generator=gen) / 8, fp8.E4M3, tile=True, backend="reference")
-    bias = torch.randn(384, generator=gen)
+    bias = torch.randn(384, generator=gen) if act == "gelu" else None
+    gate = torch.randn(300, 384, generator=gen).to(out_dtype) if act == "gelu_bwd" else None
+    kwargs = {"act": act, "gate": gate, "colsum": act == "gelu_bwd"}
     runs = []
     for fused in (True, False):
         stats = fp8.Fp8Stats(("act",), 2, a["q"].device, collect=True)
         stats.history[0, 0] = 1.5  # a delayed scale that saturates some values
         if fused:
-            h, q = fp8.gemm_gelu_quantize(
-                a["q"], a["s"], w["q"], w["s"], out_dtype, fp8.E4M3, bias=bias, b_tiles=True, stats=stats
+            q = fp8.gemm_quantize(
+                a["q"], a["s"], w["q"], w["s"], out_dtype, fp8.E4M3, bias=bias, b_tiles=True, stats=stats, **kwargs
             )
         else:
-            h = fp8.gemm(a["q"], a["s"], w["q"], w["s"], out_dtype, bias=bias, b_tiles=True)
-            q = fp8.quantize(h, fp8.E4M3, cols=True, act="gelu", stats=stats)
-        runs.append((h, q, stats))
-    (h, q, stats), (h_ref, q_ref, stats_ref) = runs
-    assert torch.equal(h, h_ref) and q.keys() == q_ref.keys() == {"q", "s", "qt", "st"}
+            c = fp8.gemm(a["q"], a["s"], w["q"], w["s"], out_dtype, bias=bias, b_tiles=True)
+            q = fp8.quantize(c, fp8.E4M3, cols=True, stats=stats, **kwargs)
+            if act == "gelu":
+                q["c"] = c
+        runs.append((q, stats))
+    (q, stats), (q_ref, stats_ref) = runs
+    assert q.keys() == q_ref.keys() == {"q", "s", "qt", "st", "c" if act == "gelu" else "colsum"}
     for key in q:
-        assert torch.equal(q[key], q_ref[key]), key
+        if key == "colsum":  # fp32 sums of the tiles' column sums, added in another order
+            assert torch.allclose(q[key], q_ref[key], rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(q[key], q_ref[key]), key
     padded = q["qt"].as_strided((384, q["qt"].stride(0)), q["qt"].stride())
     assert padded.shape[1] == 304 and padded[:, 300:].eq(0).all()
     assert torch.equal(stats.counts, stats_ref.counts) and int(stats.counts[0, 0]) > 0

@@ -28,7 +28,7 @@ def weight_gradient_sass(tokens: int) -> str:
     sa, sb = (torch.empty(-(-tokens // 128), n).mT for n in (1024, 4096))
     dummy = torch.empty(1, dtype=torch.int32)
     args = [a, b, c, sa, sb, dummy, dummy, dummy, 1024, 4096, tokens, *a.stride(), 0, *b.stride(), 0, *c.stride()]
-    args += [*sa.stride(), 0, *sb.stride(), 4096, triton.next_power_of_2(tokens), *[dummy] * 7, *[0] * 9]
+    args += [*sa.stride(), 0, *sb.stride(), 4096, triton.next_power_of_2(tokens), *[dummy] * 9, *[0] * 11]
     consts = {**CONSTS, "EVEN_K": tokens % 128 == 0, "GROUP_SIZE_M": 8}
     compiled = compile_jit(fp8._gemm_kernel.fn, args, consts, {"num_warps": 8, "num_stages": 3})
     return _cuobjdump(compiled, "--dump-sass")
@@ -50,7 +50,7 @@ def test_weight_gemm_reads_one_tile_scale_per_block_unspilled():
     sa, sb = torch.empty(k // 128, m).mT, torch.empty(n // 128, k // 128)
     dummy = torch.empty(1, dtype=torch.int32)
     args = [a, b, c, sa, sb, bias, dummy, dummy, m, n, k, *a.stride(), 0, *b.stride(), 0, *c.stride()]
-    args += [*sa.stride(), 0, *sb.stride(), n, k, *[dummy] * 7, *[0] * 9]  # no GELU_Q epilogue
+    args += [*sa.stride(), 0, *sb.stride(), n, k, *[dummy] * 9, *[0] * 11]  # no GELU_Q epilogue
     consts = {**CONSTS, "HAS_BIAS": True, "EVEN_K": True, "TILE_B": True, "GROUP_SIZE_M": 8}
     compiled = compile_jit(fp8._gemm_kernel.fn, args, consts, {"num_warps": 8, "num_stages": 3})
     sass = _cuobjdump(compiled, "--dump-sass")
@@ -61,17 +61,36 @@ def test_weight_gemm_reads_one_tile_scale_per_block_unspilled():
 
 
 TOKENS = 191_237  # a jagged token count: no multiple of 16
+BF16 = torch.bfloat16
 
 
-def test_fc1_gelu_quantize_epilogue_compiles_unspilled():
-    """fc1 at the step's shapes with its epilogue (`gemm_gelu_quantize`), compiled as the launcher launches it on
-    CUDA tensors (recorded on CPU ones with the GPU's float8 carriers): GELU and both quantizations in registers, fp8
-    straight from the saturating cast, 16-byte stores of q and the transposed qt, no spills."""
-    from gemrec.kernels.aot import _cuobjdump, compile_jit, resource_usage
+@pytest.mark.parametrize("act", ["gelu", "gelu_bwd"])
+def test_quantizing_epilogue_compiles_unspilled(act):
+    """fc1 (gelu; 191,237 tokens x 1024 -> 4096, bias) and fc2's dgrad (gelu_bwd; x 1024 -> 4096 times gelu'(h), e5m2,
+    bias gradient) with their epilogues (`gemm_quantize`), compiled as the launcher launches them on CUDA tensors
+    (recorded on CPU ones with the GPU's float8 carriers): activation and both quantizations in registers, fp8
+    straight from the saturating cast, 16-byte stores of q and the transposed qt."""
+    from gemrec.kernels.aot import _cuobjdump, resource_usage
+
+    compiled = epilogue_build(act)
+    sass = _cuobjdump(compiled, "--dump-sass")
+    # gelu_bwd: 200 bytes spilled in the epilogue (the x tile kept in two layouts, for the transposed copy) at 4, 8
+    # or 16 warps and 1-4 stages; gelu: none
+    assert resource_usage(compiled)["stack_bytes"] <= (0 if act == "gelu" else 200)
+    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E[45]M[23]\.E4M3", sass)) >= 4
+    assert re.search(r"F2FP\.SATFINITE\.E[45]M[23]", sass) and not re.search(r"F2FP\.F16\.E[45]M[23]\.UNPACK", sass)
+    assert len(re.findall(r"STG\.E\.128", sass)) >= 8 and not re.search(r"STG\.E\.(U8|U16)\b", sass)
+
+
+def epilogue_build(act: str):
+    """`_gemm_kernel` with its quantizing epilogue as `gemm_quantize` launches it at the step's shapes."""
+    from gemrec.kernels.aot import compile_jit
 
     m, n, k = TOKENS, 4096, 1024
-    a, b = torch.empty(m, k, dtype=torch.float8_e4m3fn), torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    sa, sb, bias = torch.empty(k // 128, m).mT, torch.empty(n // 128, k // 128), torch.empty(n)
+    fmt = fp8.E4M3 if act == "gelu" else fp8.E5M2
+    a, b = torch.empty(m, k, dtype=fmt.dtype), torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    sa, sb = torch.empty(k // 128, m).mT, torch.empty(n // 128, k // 128)
+    kwargs = {"bias": torch.empty(n)} if act == "gelu" else {"gate": torch.empty(m, n, dtype=BF16), "colsum": True}
     launches = []
 
     class Recorder:
@@ -84,19 +103,13 @@ def test_fc1_gelu_quantize_epilogue_compiles_unspilled():
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(fp8, "_gemm_kernel", Recorder())
         patch.setattr(fp8, "_carrier", lambda fmt, device: fmt.dtype)
-        fp8.gemm_gelu_quantize(a, sa, b, sb, torch.bfloat16, fp8.E4M3, bias=bias, b_tiles=True)
+        fp8.gemm_quantize(a, sa, b, sb, BF16, fmt, act=act, b_tiles=True, **kwargs)
     ((args, consts),) = launches
     options = {key: consts.pop(key) for key in ("num_warps", "num_stages")}
-    assert consts["GELU_Q"] and consts["FMA"] and consts["BLOCK_N"] == 128
-    compiled = compile_jit(kernel, args, consts, options)
-    sass = _cuobjdump(compiled, "--dump-sass")
-    assert resource_usage(compiled)["stack_bytes"] == 0  # no spills
-    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E4M3\.E4M3", sass)) >= 4
-    assert re.search(r"F2FP\.SATFINITE\.E4M3", sass) and not re.search(r"F2FP\.F16\.E4M3\.UNPACK", sass)
-    assert len(re.findall(r"STG\.E\.128", sass)) >= 4 and not re.search(r"STG\.E\.U8\b", sass)
+    assert consts["QUANT_ACT"] == fp8.ACTIVATIONS[act] and consts["FMA"] and consts["BLOCK_N"] == 128
+    return compile_jit(kernel, args, consts, options)
 
 
-BF16 = torch.bfloat16
 QUANTIZE_MODES = {
     "x": lambda: ((torch.empty(TOKENS, 1024, dtype=BF16), fp8.E4M3), {"cols": True}),
     "gelu": lambda: ((torch.empty(TOKENS, 4096, dtype=BF16), fp8.E4M3), {"cols": True, "act": "gelu"}),
