@@ -257,84 +257,44 @@ def _quantize_kernel(
         tl.atomic_add(colsum_ptr + pid_b * C + cols, tl.sum(x, 0), mask=cols < C)
     _quantize_blocks(
         x,
-        valid,
-        valid_t,
-        rows,
-        cols,
-        R,
-        C,
-        pid_r,
-        pid_c,
-        q_ptr + pid_b * sqb,
-        s_ptr + pid_b * ssb,
-        qt_ptr + pid_b * stb,
-        st_ptr + pid_b * sstb,
-        fixed_ptr,
-        amax_ptr,
-        stats_ptr,
-        sqr,
-        sqc,
-        ssr,
-        ssc,
-        stc,
-        str_,
-        sstc,
-        sstr,
-        FP8_MAX,
-        OVERFLOW,
-        MANT,
-        EMIN,
-        ROWS,
-        COLS,
-        TILE,
-        FIXED,
-        AMAX,
-        STATS,
-        FMA,
+        (valid, valid_t),
+        (rows, cols, R, C, pid_r, pid_c),
+        (q_ptr + pid_b * sqb, s_ptr + pid_b * ssb, qt_ptr + pid_b * stb, st_ptr + pid_b * sstb),
+        (fixed_ptr, amax_ptr, stats_ptr),
+        (sqr, sqc, ssr, ssc, stc, str_, sstc, sstr),
+        (FP8_MAX, OVERFLOW, MANT, EMIN, ROWS, COLS, TILE, FIXED, AMAX, STATS, FMA),
     )
 
 
 @triton.jit
 def _quantize_blocks(
     x,
-    valid,
-    valid_t,
-    rows,
-    cols,
-    R,
-    C,
-    pid_r,
-    pid_c,
-    q_ptr,
-    s_ptr,
-    qt_ptr,
-    st_ptr,
-    fixed_ptr,
-    amax_ptr,
-    stats_ptr,
-    sqr,
-    sqc,
-    ssr,
-    ssc,
-    stc,
-    str_,
-    sstc,
-    sstr,
-    FP8_MAX: tl.constexpr,
-    OVERFLOW: tl.constexpr,
-    MANT: tl.constexpr,
-    EMIN: tl.constexpr,
-    ROWS: tl.constexpr,
-    COLS: tl.constexpr,
-    TILE: tl.constexpr,
-    FIXED: tl.constexpr,
-    AMAX: tl.constexpr,
-    STATS: tl.constexpr,
-    FMA: tl.constexpr,
+    masks,
+    tile,
+    outs,
+    counters,
+    strides,
+    MODES: tl.constexpr,  # (FP8_MAX, OVERFLOW, MANT, EMIN, ROWS, COLS, TILE, FIXED, AMAX, STATS, FMA)
 ):
     """Quantize the 128x128 tile `x` (rows, cols; zeros where not `valid`) of tile (pid_r, pid_c) as `_quantize_kernel`
     documents its modes, into pointers at the tile's batch; counters and amax too. Shared by `_quantize_kernel` and
     the quantizing epilogue of `_gemm_kernel` (QUANT_ACT)."""
+    valid, valid_t = masks
+    rows, cols, R, C, pid_r, pid_c = tile
+    q_ptr, s_ptr, qt_ptr, st_ptr = outs
+    fixed_ptr, amax_ptr, stats_ptr = counters
+    sqr, sqc, ssr, ssc, stc, str_, sstc, sstr = strides
+    FP8_MAX: tl.constexpr = MODES[0]
+    OVERFLOW: tl.constexpr = MODES[1]
+    MANT: tl.constexpr = MODES[2]
+    EMIN: tl.constexpr = MODES[3]
+    ROWS: tl.constexpr = MODES[4]
+    COLS: tl.constexpr = MODES[5]
+    TILE: tl.constexpr = MODES[6]
+    FIXED: tl.constexpr = MODES[7]
+    AMAX: tl.constexpr = MODES[8]
+    STATS: tl.constexpr = MODES[9]
+    FMA: tl.constexpr = MODES[10]
     ax = tl.where(x == x, tl.abs(x), float("inf"))  # NaN -> an infinite amax: the block's scale turns non-finite
     if AMAX:
         tl.atomic_max(amax_ptr, tl.max(tl.max(ax, 1), 0))
@@ -557,43 +517,11 @@ def _gemm_kernel(
         if COLSUM:
             tl.atomic_add(colsum_ptr + rn, tl.sum(x, 0), mask=n_ok)
         valid_t = (rm < RT)[:, None] & n_ok[None, :]
-        _quantize_blocks(
-            x,
-            valid,
-            valid_t,
-            rm,
-            rn,
-            M,
-            N,
-            pid_m,
-            pid_n,
-            q_ptr,
-            s_ptr,
-            qt_ptr,
-            st_ptr,
-            fixed_ptr,
-            amax_ptr,
-            stats_ptr,
-            sqr,
-            sqc,
-            ssr,
-            ssc,
-            stc,
-            str_,
-            sstc,
-            sstr,
-            FP8_MAX,
-            OVERFLOW,
-            MANT,
-            EMIN,
-            True,
-            True,
-            False,
-            FIXED,
-            AMAX,
-            STATS,
-            FMA,
-        )
+        masks, tile = (valid, valid_t), (rm, rn, M, N, pid_m, pid_n)
+        outs, counters = (q_ptr, s_ptr, qt_ptr, st_ptr), (fixed_ptr, amax_ptr, stats_ptr)
+        strides = (sqr, sqc, ssr, ssc, stc, str_, sstc, sstr)
+        modes: tl.constexpr = (FP8_MAX, OVERFLOW, MANT, EMIN, True, True, False, FIXED, AMAX, STATS, FMA)
+        _quantize_blocks(x, masks, tile, outs, counters, strides, modes)
 
 
 # -- launchers -----------------------------------------------------------------------------------------------
