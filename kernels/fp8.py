@@ -517,11 +517,11 @@ def _gemm_kernel(
         if COLSUM:
             tl.atomic_add(colsum_ptr + rn, tl.sum(x, 0), mask=n_ok)
         valid_t = (rm < RT)[:, None] & n_ok[None, :]
-        masks, tile = (valid, valid_t), (rm, rn, M, N, pid_m, pid_n)
+        masks, out_tile = (valid, valid_t), (rm, rn, M, N, pid_m, pid_n)
         outs, counters = (q_ptr, s_ptr, qt_ptr, st_ptr), (fixed_ptr, amax_ptr, stats_ptr)
-        strides = (sqr, sqc, ssr, ssc, stc, str_, sstc, sstr)
+        out_strides = (sqr, sqc, ssr, ssc, stc, str_, sstc, sstr)
         modes: tl.constexpr = (FP8_MAX, OVERFLOW, MANT, EMIN, True, True, False, FIXED, AMAX, STATS, FMA)
-        _quantize_blocks(x, masks, tile, outs, counters, strides, modes)
+        _quantize_blocks(x, masks, out_tile, outs, counters, out_strides, modes)
 
 
 # -- launchers -----------------------------------------------------------------------------------------------
