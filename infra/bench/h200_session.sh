@@ -163,7 +163,7 @@ print(json.dumps(report, indent=2))
 PY
   unset CUDA_VISIBLE_DEVICES
 }
-if want services || want services-long; then  # the feed's CUDA path (pin, copies on its thread), once
+if want services || want services-long; then  # the feed's CUDA path (pinned batches, copies on a side stream), once
   run services_tests python3 -m pytest -q -p no:cacheprovider -m gpu tests/components/trainer/test_trainer_data.py
 fi
 if want services; then real_path services h200-bench 50061; fi
