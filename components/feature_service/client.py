@@ -28,7 +28,8 @@ class DatasetMismatch(FailedPrecondition):
 
 
 class FeatureClient:
-    """Blocking client; every call has a deadline and idempotent calls retry UNAVAILABLE with backoff."""
+    """Blocking client; every call has a deadline and idempotent calls retry UNAVAILABLE with backoff, and CANCELLED
+    unless this client closed its channel (a server that stops cancels the calls in flight: an outage too)."""
 
     def __init__(
         self,
@@ -48,6 +49,7 @@ class FeatureClient:
         self.timeout_s = timeout_s
         self.retries = retries
         self._metadata = call_metadata(token)
+        self._closed = False
         self._channel = open_channel(address, tls_ca, max_message_mb)
         self._stub = features_pb2_grpc.FeatureServiceStub(self._channel)
 
@@ -64,7 +66,8 @@ class FeatureClient:
             try:
                 return method(request, timeout=self.timeout_s, metadata=self._metadata)
             except grpc.RpcError as err:
-                if err.code() not in RETRYABLE or attempt == self.retries:
+                restarted = err.code() == grpc.StatusCode.CANCELLED and not self._closed
+                if not (err.code() in RETRYABLE or restarted) or attempt == self.retries:
                     raise
                 time.sleep(min(2.0, 0.05 * 2**attempt) * (0.5 + random.random()))
         raise AssertionError("unreachable")
@@ -128,6 +131,7 @@ class FeatureClient:
         }
 
     def close(self) -> None:
+        self._closed = True
         self._channel.close()
 
     def __enter__(self) -> FeatureClient:

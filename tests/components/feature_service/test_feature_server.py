@@ -2,6 +2,7 @@
 
 import json
 import logging
+import threading
 
 import grpc
 import numpy as np
@@ -189,3 +190,44 @@ def test_redis_backed_server_answers_like_memory(memory, redis_url):
     finally:
         server.stop(0)
         store.close()
+
+
+class _GatedStore(MemoryStore):
+    """The real store, whose item lookups wait for `gate` once `hold` is set: a call stays in flight on demand."""
+
+    def __init__(self, dataset):
+        super().__init__(dataset)
+        self.hold, self.entered, self.gate = threading.Event(), threading.Event(), threading.Event()
+
+    def lookup(self, entity, ids, names=None):
+        if self.hold.is_set():
+            self.entered.set()
+            self.gate.wait(30)
+        return super().lookup(entity, ids, names)
+
+
+def test_a_call_in_flight_when_the_server_stops_is_retried_on_its_restart(movielens_dataset, memory, free_port):
+    gated = _GatedStore(movielens_dataset)
+    gated.hold.set()
+    address = f"127.0.0.1:{free_port}"
+    first = Server(ServerOptions(port=free_port), register(FeatureServiceCore(gated)))
+    second = None
+    result: dict = {}
+    try:
+        with FeatureClient(address, timeout_s=20) as client:
+            caller = threading.Thread(target=lambda: result.update(client.lookup("item", np.array([1, 2]))))
+            caller.start()
+            assert gated.entered.wait(20)
+            first.stop(0)  # cancels the call in flight: the client sees CANCELLED
+            second = Server(ServerOptions(port=free_port), register(FeatureServiceCore(memory)))
+            caller.join(30)
+            assert not caller.is_alive()
+        want = memory.lookup("item", np.array([1, 2]))
+        assert sorted(result) == sorted(want)
+        for name, (values, lengths) in want.items():
+            assert np.array_equal(result[name][0], values) and np.array_equal(result[name][1], lengths)
+    finally:
+        gated.gate.set()
+        first.stop(0)
+        if second is not None:
+            second.stop(0)
