@@ -168,15 +168,6 @@ class Tracker:
         """One training window's numbers (`step` plus loss, qps, mfu, ...) as `train/*`."""
         self.history.append(record)
         self.log_metrics({f"train/{k}": v for k, v in record.items() if k != "step"}, step=record["step"])
-        log.info(
-            "step %d: loss %.4f, %.0f QPS, MFU %.2f%%, data wait p50 %.2f ms (%.1f%% of the window)",
-            record["step"],
-            record["loss"],
-            record["qps"],
-            100 * record["mfu"],
-            record["data_wait_ms_p50"],
-            100 * record["data_wait_share"],
-        )
 
     def log_eval(self, step: int, result: dict | None, split: str = "eval") -> None:
         """An evaluation of `split` (`Evaluator.evaluate`'s result; None on ranks other than 0) as

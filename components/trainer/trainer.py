@@ -637,6 +637,16 @@ class Trainer:
         record.update(self.training.fp8_counters(collect_next=False))  # this rank's fp8/* counters
         self.tracker.log_train(record)
         bar.set_postfix(loss=f"{loss:.4f}", qps=f"{record['qps']:.0f}", mfu=f"{100 * record['mfu']:.2f}%")
+        if bar.disable:  # no bar to show the window: one log line, so a run stopped early still shows its progress
+            log.info(
+                "step %d: loss %.4f, %.0f QPS, MFU %.2f%%, data wait p50 %.2f ms (%.1f%% of the window)",
+                self.step,
+                loss,
+                record["qps"],
+                100 * record["mfu"],
+                record["data_wait_ms_p50"],
+                100 * record["data_wait_share"],
+            )
 
     def _finish(self, final_eval: dict | None, totals: dict[str, float], last_input) -> dict:
         """Local MFU, the exported model and the report (all ranks take part; the summary on rank 0)."""

@@ -27,19 +27,3 @@ def test_processes_creating_one_sqlite_store_at_once_all_log(tmp_path):
     client = MlflowClient(uri)
     runs = client.search_runs([client.get_experiment_by_name("shared").experiment_id])
     assert sorted(r.data.metrics["index"] for r in runs) == [0.0, 1.0, 2.0]
-
-
-def test_each_training_window_is_logged_without_mlflow(caplog):
-    tracker = Tracker(False, "", "unused", run_name="off")
-    record = {
-        "step": 40,
-        "loss": 0.5,
-        "qps": 1234.4,
-        "mfu": 0.4012,
-        "data_wait_ms_p50": 4.33,
-        "data_wait_share": 0.0306,
-    }
-    with caplog.at_level("INFO", logger="gemrec"):
-        tracker.log_train(record)
-    assert tracker.history == [record]
-    assert "step 40: loss 0.5000, 1234 QPS, MFU 40.12%, data wait p50 4.33 ms (3.1% of the window)" in caplog.text

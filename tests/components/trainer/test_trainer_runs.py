@@ -56,9 +56,10 @@ def tracking_uri(tmp_path_factory) -> str:
     return f"sqlite:///{tmp_path_factory.mktemp('mlflow') / 'mlruns.db'}"
 
 
-def test_train_logs_everything_to_mlflow_and_metrics_json(movielens_dataset, tmp_path):
+def test_train_logs_everything_to_mlflow_and_metrics_json(movielens_dataset, tmp_path, caplog):
     import mlflow
 
+    caplog.set_level("INFO", logger="gemrec")
     uri = f"sqlite:///{tmp_path / 'mlruns.db'}"
     metrics_out = tmp_path / "metrics.json"
     config = load_recipe("tiny")
@@ -105,6 +106,10 @@ def test_train_logs_everything_to_mlflow_and_metrics_json(movielens_dataset, tmp
         assert key in run.data.metrics, key
     history = client.get_metric_history(run.info.run_id, "train/loss")
     assert [m.step for m in history] == list(range(10, config.train.steps + 1, 10))
+    # without a progress bar each window is one log line
+    assert [int(s) for s in re.findall(r"step (\d+): loss [\d.]+, \d+ QPS, MFU", caplog.text)] == list(
+        range(10, config.train.steps + 1, 10)
+    )
     artifacts = {a.path for a in client.list_artifacts(run.info.run_id, "plots")}
     assert artifacts == {"plots/loss_ne_curves.png", "plots/layer_mfu.png", "plots/seq_length_hist.png"}
     assert client.list_artifacts(run.info.run_id, "config")[0].path == "config/config.json"
