@@ -92,14 +92,6 @@ class JaggedFeatures:
     def to(self, device: torch.device | str, non_blocking: bool = False) -> JaggedFeatures:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
-    def pin_memory(self) -> JaggedFeatures:
-        """A copy in page-locked host memory (for asynchronous copies to the GPU)."""
-        return self._map(torch.Tensor.pin_memory)
-
-    def record_stream(self, stream) -> None:
-        """Mark the tensors as used on `stream` (copied on one CUDA stream, used on another)."""
-        self._map(lambda t: t.record_stream(stream) or t)
-
     def __getitem__(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
         """`(values, lengths)` of one key (a host sync: for inspection and tests, not the forward)."""
         if key not in self._keys:

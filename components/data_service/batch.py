@@ -11,6 +11,7 @@ has no torchrec.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -72,13 +73,69 @@ class Batch:
             moved[f.name] = value
         return replace(self, **moved)
 
+    def _tensors(self) -> list[torch.Tensor]:
+        """Every tensor of the batch, keyed jagged features' values, lengths and weights included, in a fixed order."""
+        out: list[torch.Tensor] = []
+        self._map_tensors(lambda t: out.append(t) or t)
+        return out
+
+    def _map_tensors(self, fn) -> Batch:
+        """A copy with `fn` applied to every tensor, in `_tensors`' order."""
+
+        def apply(value):
+            if isinstance(value, torch.Tensor):
+                return fn(value)
+            values, lengths, weights = fn(value.values()), fn(value.lengths()), value.weights_or_none()
+            weights = None if weights is None else fn(weights)
+            if isinstance(value, JaggedFeatures):
+                return JaggedFeatures(value.keys(), values, lengths, value.stride(), weights)
+            return KeyedJaggedTensor(
+                keys=value.keys(), values=values, lengths=lengths, stride=value.stride(), weights=weights
+            )
+
+        return self._map(apply)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
         return self._map(lambda value: value.to(device, non_blocking=non_blocking))
 
-    def pin_memory(self) -> Batch:
-        """A copy in page-locked host memory, so that `to(cuda, non_blocking=True)` is an asynchronous copy."""
-        return self._map(lambda value: value.pin_memory())
+    def packed(self, pin: bool = False) -> PackedBatch:
+        """This batch copied into one contiguous byte buffer (page-locked when `pin`): moving it to the GPU is then
+        one asynchronous copy and one allocation, not one per tensor (`PackedBatch.to`)."""
+        tensors = self._tensors()
+        layout, size = [], 0
+        for t in tensors:
+            layout.append((size, t.dtype, tuple(t.shape)))
+            size += -(-t.numel() * t.element_size() // _PACK_ALIGN) * _PACK_ALIGN
+        buffer = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        views = _views(buffer, layout)
+        for view, t in zip(views, tensors, strict=True):
+            view.copy_(t)
+        it = iter(views)
+        return PackedBatch(self._map_tensors(lambda _: next(it)), buffer, tuple(layout))
 
-    def record_stream(self, stream) -> None:
-        """Mark every device tensor as used on `stream` (a batch copied on a side stream, used on another)."""
-        self._map(lambda value: value.record_stream(stream) or value)
+
+_PACK_ALIGN = 16  # bytes: every packed tensor starts aligned for any dtype and for vectorized loads
+
+
+def _views(buffer: torch.Tensor, layout) -> list[torch.Tensor]:
+    out = []
+    for offset, dtype, shape in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        out.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
+    return out
+
+
+@dataclass
+class PackedBatch:
+    """A batch whose tensors are views into one byte buffer (`Batch.packed`)."""
+
+    batch: Batch  # views into `buffer`
+    buffer: torch.Tensor  # uint8
+    layout: tuple[tuple[int, torch.dtype, tuple[int, ...]], ...]  # per tensor of `Batch._tensors`: offset, dtype, shape
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> tuple[Batch, torch.Tensor]:
+        """The batch on `device` through one copy of the buffer, and that copy (its storage holds every tensor:
+        `record_stream` on it covers the batch)."""
+        buffer = self.buffer.to(device, non_blocking=non_blocking)
+        it = iter(_views(buffer, self.layout))
+        return self.batch._map_tensors(lambda _: next(it)), buffer

@@ -6,8 +6,9 @@
   run continues exactly where the checkpoint stopped.
 - `RemoteStream`: batches from the gRPC data service (`--data-addr`); the cursor is the opaque
   `Batch.cursor` of the last batch consumed, handed back to the service on resume.
-- `DeviceFeed`: the host->device pipeline between either stream and the step: batches pinned in a background
-  thread, copied to the GPU on a side stream ahead of use, and the time the step waited for each.
+- `DeviceFeed`: the host->device pipeline between either stream and the step: each batch packed into one pinned
+  buffer in a background thread, copied to the GPU (one copy) on a side stream ahead of use, and the time the step
+  waited for each.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from gemrec.components.data_service.batch import Batch
+from gemrec.components.data_service.batch import Batch, PackedBatch
 from gemrec.model import ModelInput
 
 TRAIN_SPLIT = "train"
@@ -291,10 +292,10 @@ class TrainingInput:
 class DeviceFeed:
     """`(host_batch, device_batch, state)` for each `(batch, state)` of `source`, in order, each once.
 
-    A background thread reads `source` and pins each batch (page-locked memory), up to `depth` ahead. On CUDA
-    the consumer issues the host->device copies of up to `depth` batches on a side stream before it hands
-    out the oldest, so each copy overlaps the steps queued before it; the compute stream waits for the copy
-    on the device, never the host. On the CPU, batches pass through (the device batch is the host batch).
+    A background thread reads `source` and packs each batch into one page-locked buffer, up to `depth` ahead. On
+    CUDA the consumer issues the host->device copies (one per batch) of up to `depth` batches on a side stream
+    before it hands out the oldest, so each copy overlaps the steps queued before it; the compute stream waits for
+    the copy on the device, never the host. On the CPU, batches pass through (the device batch is the host batch).
     `waits` holds the seconds each `next` blocked for a batch (what the step waited for data); `in_flight`
     the batches read ahead (pinned or copying) when the last one was handed out.
     """
@@ -309,7 +310,7 @@ class DeviceFeed:
         self.waits: list[float] = []
         self.in_flight = 0
         self._pinned: queue.Queue = queue.Queue(maxsize=depth)
-        self._copies: deque = deque()  # (host, device, state, copied event), oldest first
+        self._copies: deque = deque()  # (host, device, device buffer, state, copied event), oldest first
         self._done = False
         self._error: Exception | None = None
         self._stop = threading.Event()
@@ -317,12 +318,12 @@ class DeviceFeed:
         self._thread.start()
 
     def _read(self, source: Iterator) -> None:
-        """Background: read and pin; the end of `source` is None, its error the exception itself."""
+        """Background: read and pack (pinned); the end of `source` is None, its error the exception itself."""
         while not self._stop.is_set():
             item: tuple[Any, Any] | Exception | None
             try:
                 batch, state = next(source)
-                item = (batch.pin_memory() if self.cuda else batch, state)
+                item = (batch.packed(pin=True) if self.cuda else batch, state)
             except StopIteration:
                 item = None
             except Exception as err:  # noqa: BLE001 - handed to the consumer, re-raised there
@@ -344,15 +345,15 @@ class DeviceFeed:
             return None
         return item
 
-    def _start_copy(self, host: Batch, state) -> None:
-        if not self.cuda:
-            self._copies.append((host, host, state, None))
+    def _start_copy(self, host: Batch | PackedBatch, state) -> None:
+        if not isinstance(host, PackedBatch):
+            self._copies.append((host, host, None, state, None))
             return
         with torch.cuda.stream(self.copy_stream):
-            on_device = host.to(self.device, non_blocking=True)
+            on_device, buffer = host.to(self.device, non_blocking=True)
             copied = torch.cuda.Event()
             copied.record(self.copy_stream)
-        self._copies.append((host, on_device, state, copied))
+        self._copies.append((host.batch, on_device, buffer, state, copied))
 
     def __iter__(self) -> DeviceFeed:
         return self
@@ -372,11 +373,11 @@ class DeviceFeed:
             if item is None:
                 break
             self._start_copy(*item)
-        host, on_device, state, copied = self._copies.popleft()
+        host, on_device, buffer, state, copied = self._copies.popleft()
         if copied is not None:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_event(copied)
-            on_device.record_stream(compute)  # its memory is not reused before the step is done with it
+            buffer.record_stream(compute)  # the batch's memory is not reused before the step is done with it
         self.waits.append(waited)
         self.in_flight = len(self._copies) + self._pinned.qsize()
         return host, on_device, state

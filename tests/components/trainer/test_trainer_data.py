@@ -151,3 +151,48 @@ def test_remote_stream_through_the_feed_gives_full_batches_once_per_epoch_and_re
         assert [keys(b) for _, b in zip(range(5), local)] == [keys(b) for b in first]
     finally:
         server.stop(0)
+
+
+def _tensors_equal(a, b) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_packed_batch_is_one_buffer_holding_every_tensor_as_before():
+    lengths = torch.tensor([3, 0, 2, 1, 1, 0])
+    features = JaggedFeatures(["a", "b"], torch.arange(7, dtype=torch.int32), lengths, 3, torch.rand(7))
+    batch = make_batch(5)
+    batch.labels = torch.tensor([[1.0, 0.0, 1.0], [0.0, 1.0, 1.0]])
+    batch.seq_actions = torch.ones(2, 3, dtype=torch.bool)  # 6 bytes: the next tensor starts realigned
+    batch.seq_item_features = features
+    packed = batch.packed()
+    assert packed.buffer.dtype == torch.uint8 and packed.buffer.dim() == 1
+    again, buffer = packed.to("cpu")
+    for name in ("user_ids", "labels", "dense_features", "seq_offsets", "seq_actions", "seq_timestamps"):
+        for got in (getattr(packed.batch, name), getattr(again, name)):
+            assert _tensors_equal(got, getattr(batch, name)), name
+            assert got.untyped_storage().data_ptr() in (
+                packed.buffer.untyped_storage().data_ptr(),
+                buffer.untyped_storage().data_ptr(),
+            )
+            assert got.data_ptr() % 16 == 0
+    for got in (packed.batch.seq_item_features, again.seq_item_features):
+        assert isinstance(got, JaggedFeatures) and got.keys() == ["a", "b"] and got.stride() == 3
+        assert _tensors_equal(got.values(), features.values()) and _tensors_equal(got.lengths(), lengths)
+        assert _tensors_equal(got.weights_or_none(), features.weights_or_none())
+    assert again.max_seq_len == batch.max_seq_len and again.cursor == batch.cursor
+    # writing the original afterwards leaves the packed copy alone
+    batch.user_ids += 1
+    assert int(packed.batch.user_ids[0]) == 5
+
+
+def test_packed_batch_keeps_torchrec_keyed_jagged_tensors():
+    pytest.importorskip("torchrec")
+    from gemrec.components.data_service.batch import keyed_jagged
+
+    batch = make_batch(2)
+    batch.sparse_features = keyed_jagged(["u", "i"], torch.arange(5), torch.tensor([2, 1, 0, 2]), stride=2)
+    again, _ = batch.packed().to("cpu")
+    got = again.sparse_features
+    assert type(got) is type(batch.sparse_features) and got.keys() == ["u", "i"] and got.stride() == 2
+    assert _tensors_equal(got.values(), torch.arange(5)) and got.weights_or_none() is None
+    assert _tensors_equal(got.lengths(), torch.tensor([2, 1, 0, 2]))
