@@ -292,10 +292,11 @@ class TrainingInput:
 class DeviceFeed:
     """`(host_batch, device_batch, state)` for each `(batch, state)` of `source`, in order, each once.
 
-    A background thread reads `source` and packs each batch into one page-locked buffer, up to `depth` ahead. On
-    CUDA the consumer issues the host->device copies (one per batch) of up to `depth` batches on a side stream
-    before it hands out the oldest, so each copy overlaps the steps queued before it; the compute stream waits for
-    the copy on the device, never the host. On the CPU, batches pass through (the device batch is the host batch).
+    A background thread reads `source` and packs each batch into one page-locked buffer, up to `2 * depth` batches
+    ahead. On CUDA the consumer issues the host->device copies (one per batch) of up to `depth` batches on a side
+    stream before it hands out the oldest, so each copy overlaps the steps queued before it; the compute stream
+    waits for the copy on the device, never the host. On the CPU, batches pass through (the device batch is the
+    host batch).
     `waits` holds the seconds each `next` blocked for a batch (what the step waited for data); `in_flight`
     the batches read ahead (pinned or copying) when the last one was handed out.
     """
@@ -309,7 +310,10 @@ class DeviceFeed:
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.waits: list[float] = []
         self.in_flight = 0
-        self._pinned: queue.Queue = queue.Queue(maxsize=depth)
+        # Read-ahead (packed, or copying) is bounded by `2 * depth` batches. A handed-out batch frees its room at the
+        # end of `next`, so the reader wakes as the step starts, not while `next` still needs the GIL.
+        self._room = threading.Semaphore(2 * depth)
+        self._pinned: queue.Queue = queue.Queue()
         self._copies: deque = deque()  # (host, device, device buffer, state, copied event), oldest first
         self._done = False
         self._error: Exception | None = None
@@ -320,6 +324,8 @@ class DeviceFeed:
     def _read(self, source: Iterator) -> None:
         """Background: read and pack (pinned); the end of `source` is None, its error the exception itself."""
         while not self._stop.is_set():
+            if not self._room.acquire(timeout=0.1):
+                continue
             item: tuple[Any, Any] | Exception | None
             try:
                 batch, state = next(source)
@@ -328,7 +334,7 @@ class DeviceFeed:
                 item = None
             except Exception as err:  # noqa: BLE001 - handed to the consumer, re-raised there
                 item = err
-            _put(self._pinned, item, self._stop)
+            self._pinned.put(item)
             if not isinstance(item, tuple):
                 return
 
@@ -380,6 +386,7 @@ class DeviceFeed:
             buffer.record_stream(compute)  # the batch's memory is not reused before the step is done with it
         self.waits.append(waited)
         self.in_flight = len(self._copies) + self._pinned.qsize()
+        self._room.release()
         return host, on_device, state
 
     def close(self) -> None:
