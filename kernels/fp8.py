@@ -357,8 +357,7 @@ def _gemm_configs() -> list[triton.Config]:
 
 
 @triton.jit
-def _gemm_block(
-    acc,
+def _gemm_dot(
     ptrs,
     strides,
     tile,
@@ -369,7 +368,9 @@ def _gemm_block(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """acc plus the scaled product of the 128-deep slice [k, k + BLOCK_K), masked past k_hi with MASK_K."""
+    """The unscaled fp32 dot of the 128-deep slice [k, k + BLOCK_K) (masked past k_hi with MASK_K) and its scales:
+    (d, sa (BLOCK_M,), sb (BLOCK_N,)); under one of b's tile scales (TILE_B, BLOCK_N <= BLOCK_K) sa times it and sb
+    unused (`_promote`)."""
     a_ptr, b_ptr, sa_ptr, sb_ptr = ptrs
     sam, sak, sbn, sbk, ssam, ssak, ssbn, ssbk = strides
     rm, rn, rk, a_ok, m_ok, n_ok, n_tile = tile
@@ -381,15 +382,23 @@ def _gemm_block(
     b = tl.load(b_ptr + rn[None, :] * sbn + (k + rk)[:, None] * sbk, mask=b_mask, other=0.0)
     kb = k // BLOCK_K
     sa = tl.load(sa_ptr + rm * ssam + kb * ssak, mask=m_ok, other=0.0)
-    if TILE_B and BLOCK_N == BLOCK_K:
+    if TILE_B and BLOCK_N <= BLOCK_K:
         # the output tile under one of b's tile scales: one multiply-add a value (sm_90: an FMUL and an FFMA
         # a value with per-column scales, and 32 scalar scale loads a thread)
-        sb_tile = tl.load(sb_ptr + n_tile * ssbn + kb * ssbk)
-        acc = acc + tl.dot(a, b) * (sa * sb_tile)[:, None]
+        sa = sa * tl.load(sb_ptr + n_tile * ssbn + kb * ssbk)
+        sb = tl.zeros((BLOCK_N,), dtype=tl.float32)
     else:
         sb = tl.load(sb_ptr + (rn // BLOCK_K if TILE_B else rn) * ssbn + kb * ssbk, mask=n_ok, other=0.0)
-        acc = acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
-    return acc
+    return tl.dot(a, b), sa, sb
+
+
+@triton.jit
+def _promote(acc, d, sa, sb, SCALAR_B: tl.constexpr):
+    """acc plus a block's dot d times its scales (`_gemm_dot`)."""
+    if SCALAR_B:
+        return acc + d * sa[:, None]
+    else:
+        return acc + d * sa[:, None] * sb[None, :]
 
 
 @triton.autotune(configs=_gemm_configs(), key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K", "TILE_B"])
@@ -450,6 +459,9 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
+    DEFER: tl.constexpr = False,  # software-pipelined scaling (see the loop)
+    TMA: tl.constexpr = False,  # A and B by tensor descriptors (K-contiguous, 16-byte aligned rows; not GROUP_M)
+    WS: tl.constexpr = False,  # with TMA: the K loop warp-specialized (producer warps load; on sm_90 at 4 warps only)
     QUANT_ACT: tl.constexpr = 0,  # 1: c and gelu(c) quantized both ways; 3: c * gelu'(gate) so (`gemm_quantize`)
     COLSUM: tl.constexpr = False,
     FP8_MAX: tl.constexpr = 448.0,
@@ -492,14 +504,47 @@ def _gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ptrs = (a_ptr, b_ptr, sa_ptr, sb_ptr)
     strides = (sam, sak, sbn, sbk, ssam, ssak, ssbn, ssbk)
-    tile = (rm, rn, rk, a_ok, m_ok, n_ok, pid_n * (BLOCK_N // BLOCK_K))
+    tile = (rm, rn, rk, a_ok, m_ok, n_ok, pid_n * BLOCK_N // BLOCK_K)
     # whole 128-deep blocks unmasked (a mask along K at an arbitrary token count would make every load scalar), then
     # the ragged last one masked
     k_whole = k_hi if EVEN_K else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
-    for k in range(k_lo, k_whole, BLOCK_K):
-        acc = _gemm_block(acc, ptrs, strides, tile, k, k_hi, False, TILE_B, BLOCK_N, BLOCK_K)
-    for k in range(k_whole, k_hi, BLOCK_K):
-        acc = _gemm_block(acc, ptrs, strides, tile, k, k_hi, True, TILE_B, BLOCK_N, BLOCK_K)
+    scalar_b: tl.constexpr = TILE_B and BLOCK_N <= BLOCK_K
+    if TMA:
+        # A and B tiles by TMA (out-of-bounds rows and K zero-filled: no masks), optionally warp-specialized
+        a_desc = tl.make_tensor_descriptor(a_ptr, [M, k_hi], [sam, 1], [BLOCK_M, BLOCK_K])
+        b_desc = tl.make_tensor_descriptor(b_ptr, [N, k_hi], [sbn, 1], [BLOCK_N, BLOCK_K])
+        for k in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WS):
+            a = a_desc.load([pid_m * BLOCK_M, k])
+            b = b_desc.load([pid_n * BLOCK_N, k])
+            kb = k // BLOCK_K
+            sa = tl.load(sa_ptr + rm * ssam + kb * ssak, mask=m_ok, other=0.0)
+            if scalar_b:
+                sa = sa * tl.load(sb_ptr + pid_n * BLOCK_N // BLOCK_K * ssbn + kb * ssbk)
+                acc = acc + tl.dot(a, b.T) * sa[:, None]
+            else:
+                sb = tl.load(sb_ptr + (rn // BLOCK_K if TILE_B else rn) * ssbn + kb * ssbk, mask=n_ok, other=0.0)
+                acc = acc + tl.dot(a, b.T) * sa[:, None] * sb[None, :]
+    elif DEFER:
+        # each block's dot issued before the previous block's scaling, for the wgmma to run under those FMAs (Triton 3.6
+        # waits for it at once all the same: sm_90 SASS has the WARPGROUP.DEPBAR right after the QGMMAs)
+        d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        sa, sb = tl.zeros((BLOCK_M,), dtype=tl.float32), tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k in range(k_lo, k_whole, BLOCK_K):
+            d_k, sa_k, sb_k = _gemm_dot(ptrs, strides, tile, k, k_hi, False, TILE_B, BLOCK_N, BLOCK_K)
+            acc = _promote(acc, d, sa, sb, scalar_b)
+            d, sa, sb = d_k, sa_k, sb_k
+        for k in range(k_whole, k_hi, BLOCK_K):
+            d_k, sa_k, sb_k = _gemm_dot(ptrs, strides, tile, k, k_hi, True, TILE_B, BLOCK_N, BLOCK_K)
+            acc = _promote(acc, d, sa, sb, scalar_b)
+            d, sa, sb = d_k, sa_k, sb_k
+        acc = _promote(acc, d, sa, sb, scalar_b)
+    else:
+        for k in range(k_lo, k_whole, BLOCK_K):
+            d, sa, sb = _gemm_dot(ptrs, strides, tile, k, k_hi, False, TILE_B, BLOCK_N, BLOCK_K)
+            acc = _promote(acc, d, sa, sb, scalar_b)
+        for k in range(k_whole, k_hi, BLOCK_K):
+            d, sa, sb = _gemm_dot(ptrs, strides, tile, k, k_hi, True, TILE_B, BLOCK_N, BLOCK_K)
+            acc = _promote(acc, d, sa, sb, scalar_b)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     c = acc.to(c_ptr.dtype.element_ty)
@@ -784,11 +829,13 @@ def gemm(
     k_bounds: torch.Tensor | None = None,
     b_tiles: bool = False,
     backend: str = "triton",
+    config: dict | None = None,
 ) -> torch.Tensor:
     """a (M, K) @ b (N, K)^T with per-row 1x128-block scales sa (M, K/128), sb (N, K/128), or with `b_tiles` b's
     128x128 tile scales sb (N/128, K/128) (a weight's: one scale per output tile and K block, read as they are).
     Grouped: `tile_group` (M/128,) picks b[g] (G, N, K) and sb[g] for each 128-row tile (-1 skips it); `k_bounds`
-    (G + 1,) splits K into groups and returns (G, M, N), one product per group."""
+    (G + 1,) splits K into groups and returns (G, M, N), one product per group. `config`: fixed tiles instead of the
+    autotuned ones (`GEMM_CONFIG_KEYS`)."""
     m, k = a.shape
     n = b.shape[-2]
     if k_bounds is not None:
@@ -797,12 +844,14 @@ def gemm(
         out = torch.empty(m, n, device=a.device, dtype=out_dtype)
     if backend == "reference":
         return _gemm_ref(a, sa, b, _expand_tile_scales(sb, n) if b_tiles else sb, out, bias, tile_group, k_bounds)
-    _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles)
+    _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, config=config)
     return out
 
 
 # GEMMs with a quantizing epilogue: 128x128 tiles (whole scaling blocks both ways), not autotuned
 QUANT_EPILOGUE_CONFIG = {"num_warps": 8, "num_stages": 3}
+# what a fixed GEMM config (`gemm(config=...)`, the sweep of `fp8_bench --gemm-sweep`) may set
+GEMM_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_SIZE_M", "DEFER", "TMA", "WS", "num_warps", "num_stages")
 EPILOGUE_ACTS = ("gelu", "gelu_bwd")
 
 
@@ -822,11 +871,13 @@ def gemm_quantize(
     stats: Fp8Stats | None = None,
     role: int = 0,
     backend: str = "triton",
+    config: dict | None = None,
 ) -> dict[str, torch.Tensor]:
     """c = `gemm`(a, sa, b, sb, out_dtype, bias, b_tiles) and `quantize(c, fmt, cols=True, act, gate, colsum, stats,
     role)` from one kernel, bit for bit the two calls' results (colsum up to the order of its fp32 additions): the
     GEMM's epilogue quantizes c as rounded to out_dtype, without storing and reading it back. act "gelu" (fc1: c is
-    h, stored too, as "c": the backward reads it) or "gelu_bwd" (fc2's dgrad times gelu'(gate); c is not stored)."""
+    h, stored too, as "c": the backward reads it) or "gelu_bwd" (fc2's dgrad times gelu'(gate); c is not stored).
+    `config`: tiles other than `QUANT_EPILOGUE_CONFIG` (128x128 only)."""
     if act not in EPILOGUE_ACTS:
         raise ValueError(f"gemm_quantize: act must be one of {EPILOGUE_ACTS}, got {act!r}")
     if backend == "reference":
@@ -842,24 +893,46 @@ def gemm_quantize(
     )
     out = _quantize_buffers((1, m, n), fmt, a.device, rows=True, cols=True, tile=False, colsum=colsum)
     out = {key: v[0] for key, v in out.items()}
-    _launch_gemm(a, sa, b, sb, c, bias, None, None, b_tiles, (act, fmt, out, gate, stats, role))
+    _launch_gemm(a, sa, b, sb, c, bias, None, None, b_tiles, (act, fmt, out, gate, stats, role), config)
     return {**out, "c": c} if store else out
 
 
-def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, epilogue=None) -> None:
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, device="cuda", dtype=torch.int8)
+
+
+def _config_consts(config: dict, epilogue: bool, grouped_b: bool) -> dict:
+    """A fixed `GEMM_CONFIG_KEYS` tile config as the kernel's constexprs and options, checked against the launch."""
+    unknown = set(config) - set(GEMM_CONFIG_KEYS)
+    if unknown:
+        raise ValueError(f"gemm config: unknown keys {sorted(unknown)}; use {GEMM_CONFIG_KEYS}")
+    consts = {"BLOCK_M": BLOCK, "BLOCK_N": BLOCK, "GROUP_SIZE_M": 8, **config}
+    if ((epilogue or grouped_b) and consts["BLOCK_M"] != BLOCK) or (epilogue and consts["BLOCK_N"] != BLOCK):
+        raise ValueError(f"gemm config {config}: the quantizing epilogue needs 128x128 tiles, expert groups 128 rows")
+    if consts.get("TMA") and (grouped_b or consts.get("DEFER")):
+        raise ValueError(f"gemm config {config}: TMA loads neither expert-grouped operands nor with DEFER")
+    if consts.get("WS") and not consts.get("TMA"):
+        raise ValueError(f"gemm config {config}: WS (warp specialization) needs TMA")
+    if consts.get("TMA") and not INTERPRET:
+        triton.set_allocator(_tma_scratch)  # in-kernel tensor descriptors live in global scratch
+    return consts
+
+
+def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, epilogue=None, config=None) -> None:
     """`_gemm_kernel` into `out`; `epilogue` (act, fmt, quantize's outputs, gate, stats, role): its quantizing
-    epilogue (QUANT_ACT), `out` then a 1x1 dummy of the output's dtype where c is not stored."""
+    epilogue (QUANT_ACT), `out` then a 1x1 dummy of the output's dtype where c is not stored. `config`: a fixed tile
+    config (`GEMM_CONFIG_KEYS`) instead of the autotuned one (the epilogue's: `QUANT_EPILOGUE_CONFIG`)."""
     m, k = a.shape
     n = b.shape[-2]
     dummy = torch.empty(1, device=a.device, dtype=torch.int32)
     grouped_b = tile_group is not None
 
     def grid(meta):
-        return triton.cdiv(m, BLOCK) * triton.cdiv(
+        return triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(
             n, meta["BLOCK_N"]
         ), k_bounds.numel() - 1 if k_bounds is not None else 1
 
-    kernel, quant_args, quant_consts = _gemm_kernel, [dummy] * 9 + [0] * 11, {}
+    kernel, quant_args, quant_consts = _gemm_kernel, [dummy] * 9 + [0] * 11, {"BLOCK_M": BLOCK, "GROUP_SIZE_M": 8}
     if epilogue is not None:
         act, fmt, qo, gate, stats, role = epilogue
         fixed = stats.scale(role, fmt) if stats is not None else None
@@ -871,8 +944,13 @@ def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, epilogu
         quant_consts = {"QUANT_ACT": ACTIVATIONS[act], "FP8_MAX": fmt.max, "OVERFLOW": fmt.overflow}
         quant_consts |= {"MANT": fmt.mantissa, "EMIN": fmt.min_exp, "FIXED": fixed is not None}
         quant_consts |= {"AMAX": amax is not dummy, "STATS": counts is not dummy, "COLSUM": sums is not dummy}
-        quant_consts |= {"FMA": not INTERPRET, "BLOCK_N": BLOCK, **QUANT_EPILOGUE_CONFIG}
-        kernel = _gemm_kernel.fn  # BLOCK_N forced, and no autotuning runs (they would repeat the counters' atomics)
+        quant_consts |= {"FMA": not INTERPRET, **_config_consts(config or QUANT_EPILOGUE_CONFIG, True, False)}
+        kernel = _gemm_kernel.fn  # no autotuning runs (they would repeat the counters' atomics)
+    elif config is not None:
+        quant_consts = _config_consts(config, False, grouped_b)
+        kernel = _gemm_kernel.fn
+    if quant_consts.get("TMA") and not all(t.stride(-1) == 1 and t.stride(-2) % 16 == 0 for t in (a, b)):
+        raise ValueError("gemm config: TMA needs K-contiguous operands with 16-byte aligned rows")
     # tiles tuned once per output width and reduction depth (a power-of-two bucket of it: token counts vary)
     kernel[grid](
         a,
@@ -902,9 +980,7 @@ def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, epilogu
         GROUP_K=k_bounds is not None,
         TILE_B=b_tiles,
         EVEN_K=k_bounds is not None or k % BLOCK == 0,
-        BLOCK_M=BLOCK,
         BLOCK_K=BLOCK,
-        GROUP_SIZE_M=8,
         **quant_consts,
     )
 

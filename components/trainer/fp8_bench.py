@@ -5,9 +5,13 @@ Peers: torchao 0.18's float8 training where it imports (Float8Linear row-wise an
 1x128/128x128 block-wise linear on cuBLAS and on its Triton GEMM), and torch._scaled_mm row-wise for the GEMMs.
 Checks first (the FP8 ops against the fp32 result of the same quantized operands and against the exact fp32
 block). Timings: triton.testing.do_bench medians; TFLOP/s count 2 FLOPs per multiply-add of the GEMMs alone.
+`--gemm-sweep` instead times our block-scaled GEMM kernel over tile configs and structural variants at each GEMM
+of the MLP block, against bf16 torch.mm, cuBLAS's block-scaled F.scaled_mm and row-wise torch._scaled_mm
+(`gemm_sweep.json`; on the CPU under TRITON_INTERPRET=1 too: the plumbing, by the host clock).
 
     python -m gemrec.components.trainer.fp8_bench --out DIR [--tokens 196608] [--moe-tokens 13312] [--quick]
     python -m gemrec.components.trainer.fp8_bench --out DIR --quantize-only [--tokens 191237]   # per mode vs bytes
+    python -m gemrec.components.trainer.fp8_bench --out DIR --gemm-sweep [--sweep-budget 170]   # our GEMM's tiles
     python -m gemrec.components.trainer.fp8_bench --compare BF16/gpu_bench.json FP8/gpu_bench.json --out DIR \
         [--tracking-uri URI]     # (on any machine) the two gpu_bench runs' loss curves in one PNG, QPS and MFU ratios
 """
@@ -18,6 +22,9 @@ import argparse
 import copy
 import json
 import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +59,16 @@ def timed(fn, warmup=25, rep=150) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def wall_time(fn, reps=3) -> float:
+    """Median milliseconds of `fn` by the host clock (the CPU's stand-in for `timed`)."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[reps // 2]
 
 
 def fwd_bwd(block: nn.Module, x: torch.Tensor, dy: torch.Tensor):
@@ -244,6 +261,251 @@ def quantize_bench(device, tokens, moe_tokens, log) -> list[dict]:
     return out
 
 
+# -- GEMM sweep: our kernel's tile configs at each GEMM of the MLP block, against the references -------------------
+
+EPILOGUE_SITES = ("fc1_fwd+gelu", "fc2_dgrad+gelu_bwd")  # ours quantizes the output there
+
+
+@dataclass
+class SweepSite:
+    """One GEMM call of the MLP block (`fp8._Fp8Mlp`) at the sweep's shapes: `ours(config)` runs our kernel with a
+    fixed tile config (None: as the op runs it) and returns its output; `refs` the peers' calls."""
+
+    name: str
+    m: int
+    n: int
+    k: int
+    ours: Callable[[dict | None], Any]
+    refs: dict[str, Callable[[], Any]]
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.m * self.n * self.k
+
+    @property
+    def kind(self) -> str:
+        """epilogue (ours quantizes its output) | rows (a weight gradient: both operands 1x128-scaled) | weight"""
+        return "epilogue" if self.name in EPILOGUE_SITES else "rows" if self.name.startswith("dw") else "weight"
+
+
+def sweep_operands(tokens: int, jagged: int, dim: int, hidden: int, device) -> dict[str, Any]:
+    """The MLP block's operands as its forward and backward quantize them (random data, bf16 activations and
+    gradients, fp32 weights), at `tokens` rows and, for the weight gradients, at `jagged` rows too."""
+    gen = torch.Generator(device=device).manual_seed(4)
+
+    def randn(*shape, scale=1.0, dtype=torch.bfloat16):
+        return (torch.randn(*shape, device=device, generator=gen) * scale).to(dtype)
+
+    e4m3 = fp8.E4M3
+    bf = {"x": randn(tokens, dim), "h": randn(tokens, hidden), "dy": randn(tokens, dim), "dh": randn(tokens, hidden)}
+    ops: dict[str, Any] = {"bf16": bf, "b1": randn(hidden, dtype=torch.float32), "b2": randn(dim, dtype=torch.float32)}
+    ops["w1_bf16"], ops["w2_bf16"] = randn(hidden, dim, scale=0.03), randn(dim, hidden, scale=0.015)
+    ops["w1"] = fp8.quantize(ops["w1_bf16"].float(), e4m3, tile=True, cols=True)
+    ops["w2"] = fp8.quantize(ops["w2_bf16"].float(), e4m3, tile=True, cols=True)
+    for rows, suffix in ((tokens, ""), (jagged, "_j")):
+        ops["x" + suffix] = fp8.quantize(bf["x"][:rows], e4m3, cols=True)
+        ops["g" + suffix] = fp8.quantize(bf["h"][:rows], e4m3, cols=True, act="gelu")
+        ops["dy" + suffix] = fp8.quantize(bf["dy"][:rows], e4m3, cols=True)
+        ops["dh" + suffix] = fp8.quantize(bf["dh"][:rows], e4m3, cols=True)
+    return ops
+
+
+def sweep_sites(ops: dict[str, Any], tokens: int, jagged: int) -> list[SweepSite]:
+    """The six GEMMs of the MLP block's forward and backward (fc1 and fc2's dgrad with and without their quantizing
+    epilogues), the weight gradients at `tokens` and at `jagged` rows. References: bf16 torch.mm of the same
+    product, cuBLAS's block-scaled F.scaled_mm as `fp8._weight_gemm`/`fp8._rows_gemm` call it (K a multiple of 128;
+    plus the separate quantization where ours fuses it), torch._scaled_mm row-wise (K a multiple of 16)."""
+    bf, w1, w2, e4m3, bf16, f32 = ops["bf16"], ops["w1"], ops["w2"], fp8.E4M3, torch.bfloat16, torch.float32
+    dim, hidden = w1["q"].shape[1], w1["q"].shape[0]
+    cublas = fp8.Fp8Recipe(gemm="cublas")
+
+    def rowwise(a: torch.Tensor, b: torch.Tensor) -> Callable[[], Any]:
+        ones_a = torch.ones(a.shape[0], 1, device=a.device)
+        ones_b = torch.ones(1, b.shape[0], device=a.device)
+        return lambda: torch._scaled_mm(a, b.T, ones_a, ones_b, out_dtype=bf16)
+
+    def weight_site(name, a, w, wq, out_dtype, bias=None, act=None, gate=None):
+        """a (M, K) 1x128-scaled times a weight's 128x128 tiles `wq` (N, K); bf16 peer a_bf16 @ w."""
+        aq, a_bf16 = a
+
+        def ours(config):
+            if act is None:
+                return fp8.gemm(aq["q"], aq["s"], wq[0], wq[1], out_dtype, bias=bias, b_tiles=True, config=config)
+            kw = {"act": act, "gate": gate, "colsum": act == "gelu_bwd", "bias": bias, "b_tiles": True}
+            return fp8.gemm_quantize(aq["q"], aq["s"], wq[0], wq[1], out_dtype, e4m3, config=config, **kw)
+
+        def blockwise():
+            c = fp8._weight_gemm(aq["q"], aq["s"], wq[0], wq[1], out_dtype, cublas, bias=bias)
+            if act is not None:
+                fp8.quantize(c, e4m3, cols=True, act=act, gate=gate, colsum=act == "gelu_bwd")
+
+        m, k = aq["q"].shape
+        refs: dict[str, Callable[[], Any]] = {"bf16 torch.mm": lambda: a_bf16 @ w}
+        if aq["q"].is_cuda:
+            refs["cuBLAS block-scaled F.scaled_mm" + (" + quantize" if act else "")] = blockwise
+            refs["row-wise torch._scaled_mm"] = rowwise(aq["q"], wq[0])
+        return SweepSite(name, m, wq[0].shape[0], k, ours, refs)
+
+    def weight_gradient_site(name, a, b, a_bf16, b_bf16):
+        """a (M, K) @ b (N, K)^T over the tokens K, both 1x128-scaled along K (`quantize`'s "qt")."""
+
+        def ours(config):
+            return fp8.gemm(a["qt"], a["st"], b["qt"], b["st"], f32, config=config)
+
+        m, k = a["qt"].shape
+        refs: dict[str, Callable[[], Any]] = {"bf16 torch.mm": lambda: a_bf16.T @ b_bf16}
+        if k % fp8.BLOCK == 0 and a["qt"].is_cuda:
+            refs["cuBLAS block-scaled F.scaled_mm"] = lambda: fp8._rows_gemm(
+                a["qt"], a["st"], b["qt"], b["st"], f32, cublas
+            )
+        if k % 16 == 0 and a["qt"].is_cuda:
+            refs["row-wise torch._scaled_mm"] = rowwise(a["qt"], b["qt"])
+        return SweepSite(name, m, b["qt"].shape[0], k, ours, refs)
+
+    w1_tiles, w2_tiles = (w1["q"], w1["s"]), (w2["q"], w2["s"])
+    w1t_tiles, w2t_tiles = (w1["qt"], w1["st"]), (w2["qt"], w2["st"])
+    x, g, dy, dh = [(ops[n], bf[b]) for n, b in (("x", "x"), ("g", "h"), ("dy", "dy"), ("dh", "dh"))]
+    sites = [
+        weight_site("fc1_fwd+gelu", x, ops["w1_bf16"].T, w1_tiles, bf16, ops["b1"], "gelu"),
+        weight_site("fc1_fwd", x, ops["w1_bf16"].T, w1_tiles, bf16, ops["b1"]),
+        weight_site("fc2_fwd", g, ops["w2_bf16"].T, w2_tiles, bf16, ops["b2"]),
+        weight_site("fc2_dgrad+gelu_bwd", dy, ops["w2_bf16"], w2t_tiles, bf16, None, "gelu_bwd", bf["h"]),
+        weight_site("fc2_dgrad", dy, ops["w2_bf16"], w2t_tiles, bf16),
+        weight_site("fc1_dgrad", dh, ops["w1_bf16"], w1t_tiles, f32),
+    ]
+    for rows, suffix in ((tokens, ""), (jagged, "_j")):
+        sites.append(
+            weight_gradient_site(
+                f"dw2 K={rows}", ops["dy" + suffix], ops["g" + suffix], bf["dy"][:rows], bf["h"][:rows]
+            )
+        )
+        sites.append(
+            weight_gradient_site(
+                f"dw1 K={rows}", ops["dh" + suffix], ops["x" + suffix], bf["dh"][:rows], bf["x"][:rows]
+            )
+        )
+    assert all(s.k in (dim, hidden, tokens, jagged) for s in sites)
+    return sites
+
+
+# (BLOCK_M, BLOCK_N, warps) per kind of site that compile for sm_90 unspilled at 2-5 stages (the weight gradients'
+# masked last K block costs registers: there 64- and 256-wide tiles spill unless loaded by TMA), likeliest first;
+# tests/kernels/test_fp8_sm90_compile.py compiles them
+SWEEP_TILES = {
+    "weight": [(128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 256, 8), (64, 64, 4), (128, 64, 8)],
+    "rows": [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
+    "epilogue": [(128, 128, 8)],
+}
+SWEEP_TMA_TILES = [(128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 256, 8)]  # "rows": by TMA, unspilled
+SWEEP_VARIANTS = [{"DEFER": True}, {"TMA": True}, {"TMA": True, "WS": True}]
+SHARED_MEMORY = 232448  # bytes one program may use on an H100/H200
+
+
+def sweep_configs(kind: str) -> list[dict]:
+    """Our kernel's candidate configs (`fp8.GEMM_CONFIG_KEYS`) for a kind of site (`SweepSite.kind`), likeliest
+    first (a time budget may cut the tail): the leading tiles of `SWEEP_TILES` at 3 stages; their structural variants
+    (`SWEEP_VARIANTS`: DEFER not with the epilogue, WS at 4 warps only, where the compiler specializes; the weight
+    gradients instead: TMA loads of `SWEEP_TMA_TILES` at 3 and 4 stages); GROUP_SIZE_M 4 and 16 on the first tile;
+    then the rest of the tiles at 3, 4, 2 and 5 stages where the stages fit the shared memory."""
+
+    def fits(bm, bn, stages):
+        return stages * (bm + bn) * fp8.BLOCK <= SHARED_MEMORY
+
+    tiles = SWEEP_TILES[kind]
+    grid = [
+        {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages}
+        for stages in (3, 4, 2, 5)
+        for bm, bn, warps in tiles
+        if fits(bm, bn, stages)
+    ]
+    lead = grid[: min(3, len(tiles))]
+    if kind == "rows":
+        tma = [
+            {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True, **ws}
+            for stages in (3, 4)
+            for bm, bn, warps in SWEEP_TMA_TILES
+            for ws in ({}, {"WS": True})
+            if fits(bm, bn, stages) and (warps == 4 or not ws)
+        ]
+    else:
+        tma = [
+            {**t, **v}
+            for t in lead
+            for v in SWEEP_VARIANTS
+            if (kind == "weight" or "DEFER" not in v) and (t["num_warps"] == 4 or "WS" not in v)
+        ]
+    groups = [{**lead[0], "GROUP_SIZE_M": g} for g in (4, 16)]
+    return lead + tma + groups + grid[len(lead) :]
+
+
+def sweep_output(out: Any) -> torch.Tensor:
+    """What a site's call returns, as one fp32 tensor to compare across configs (the epilogue's: qt then st)."""
+    if isinstance(out, dict):
+        return torch.cat([out["qt"].float().flatten(), out["st"].float().flatten()])
+    return out.float()
+
+
+def gemm_sweep(
+    sites: list[SweepSite], log, *, budget_s: float, timer=None, configs=sweep_configs, progress=None
+) -> dict[str, Any]:
+    """Time the references at every site, then our kernel at every site and config, one config rank across all sites
+    at a time (so a cut by `budget_s`, compile time included, drops every site's least likely configs); each config's
+    output is checked against the op's default launch (`err`, relative L2: the accumulation order is the same, so 0
+    unless the variant is wrong). Every site's first config runs whatever the budget. `progress(rows)` after each
+    rank (a hang in a variant keeps what came before)."""
+    timer = timer or (lambda fn: timed(fn, warmup=10, rep=60))
+    start = time.monotonic()
+    rows: list[dict] = []
+    skipped: list[dict] = []
+
+    def record(site: SweepSite, variant: str, config: dict | None, fn, err: float | None, started: float) -> None:
+        ms = timer(fn)
+        row = {"site": site.name, "m": site.m, "n": site.n, "k": site.k, "variant": variant, "config": config}
+        row |= {"ms": ms, "tflops": site.flops / ms / 1e9, "err": err, "s": time.monotonic() - started}
+        rows.append(row)
+        tiles = " ".join(f"{k}={v}" for k, v in (config or {}).items())
+        error = "" if err is None else f" err {err:.1e}"
+        log(f"sweep {site.name:20s} {variant:40s} {tiles:62s} {ms:8.3f} ms {row['tflops']:6.0f} TFLOP/s{error}")
+
+    defaults = {}
+    for site in sites:
+        for name, fn in site.refs.items():
+            try:
+                record(site, name, None, fn, None, time.monotonic())
+            except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
+                log(f"sweep {site.name} {name}: failed {exc!r}")
+        started = time.monotonic()
+        defaults[site.name] = sweep_output(site.ours(None))
+        record(site, "ours (as the op runs it)", None, lambda site=site: site.ours(None), None, started)
+    ranked = {site.name: configs(site.kind) for site in sites}
+    for rank in range(max(len(c) for c in ranked.values())):
+        for site in sites:
+            if rank >= len(ranked[site.name]):
+                continue
+            config = ranked[site.name][rank]
+            if rank and time.monotonic() - start > budget_s:
+                skipped.append({"site": site.name, "config": config})
+                continue
+            started = time.monotonic()
+            try:
+                err = rel(sweep_output(site.ours(config)), defaults[site.name])
+                record(site, "ours", config, lambda site=site, config=config: site.ours(config), err, started)
+            except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run costs only itself
+                log(f"sweep {site.name} {config}: failed {str(exc)[:300]!r}")
+        if progress is not None:
+            progress(rows)
+    best = {}
+    for site in sites:
+        mine = [r for r in rows if r["site"] == site.name and r["variant"] == "ours" and (r["err"] or 0) < 1e-3]
+        if mine:
+            top = min(mine, key=lambda r: r["ms"])
+            best[site.name] = {"config": top["config"], "ms": top["ms"], "tflops": top["tflops"]}
+            log(f"sweep best {site.name}: {top['ms']:.3f} ms {top['tflops']:.0f} TFLOP/s {top['config']}")
+    if skipped:
+        log(f"sweep: {len(skipped)} (site, config) pairs skipped past the {budget_s:.0f} s budget")
+    return {"rows": rows, "best": best, "skipped": skipped, "seconds": time.monotonic() - start}
+
+
 def torchao_blocks(dim, hidden, device, log) -> dict[str, nn.Module]:
     """The MLP block converted by torchao's float8 training (where torchao imports)."""
     out: dict[str, nn.Module] = {}
@@ -392,6 +654,11 @@ def run(argv: list[str] | None = None) -> dict:
     parser.add_argument("--moe-tokens", type=int, default=13_312, help="MoE rows (h200-bench: 512 x 26 tokens)")
     parser.add_argument("--quick", action="store_true", help="e4m3 dynamic only: no peers, no GEMM-alone table")
     parser.add_argument("--quantize-only", action="store_true", help="only the quantization kernel per mode")
+    parser.add_argument("--gemm-sweep", action="store_true", help="only our GEMM's configs at the MLP block's GEMMs")
+    parser.add_argument("--jagged-tokens", type=int, default=191_237, help="--gemm-sweep: weight gradients' 2nd K")
+    parser.add_argument("--sweep-budget", type=float, default=170.0, help="--gemm-sweep: seconds for our configs")
+    parser.add_argument("--dim", type=int, default=1024, help="--gemm-sweep: model width (fc1's input)")
+    parser.add_argument("--hidden", type=int, default=4096, help="--gemm-sweep: fc1's output width")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("BF16_JSON", "FP8_JSON"), help="gpu_bench runs")
     parser.add_argument("--tracking-uri", help="with --compare: log the overlay and ratios to this MLflow store")
     args = parser.parse_args(argv)
@@ -399,9 +666,9 @@ def run(argv: list[str] | None = None) -> dict:
     if args.compare:
         bf16_json, fp8_json = args.compare
         return compare(bf16_json, fp8_json, args.out, args.tracking_uri)
-    if not torch.cuda.is_available():
-        parser.error("fp8_bench needs a CUDA GPU (Hopper or newer)")
-    device = torch.device("cuda")
+    if not torch.cuda.is_available() and not (args.gemm_sweep and fp8.INTERPRET):
+        parser.error("fp8_bench needs a CUDA GPU (Hopper or newer); on the CPU only --gemm-sweep, interpreted")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     log_path = args.out / "fp8_bench.log"
     log_path.write_text("")
 
@@ -410,8 +677,22 @@ def run(argv: list[str] | None = None) -> dict:
         with log_path.open("a") as f:
             f.write(text + "\n")
 
-    log(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (triton interpreter)"
+    log(f"device {name} torch {torch.__version__}")
     result: dict[str, Any] = {}
+    if args.gemm_sweep:
+        ops = sweep_operands(args.tokens, args.jagged_tokens, args.dim, args.hidden, device)
+        sites = sweep_sites(ops, args.tokens, args.jagged_tokens)
+        timer = None if device.type == "cuda" else wall_time  # the interpreter: the plumbing, not kernel speed
+        result = {"device": name, "tokens": args.tokens, "jagged_tokens": args.jagged_tokens}
+        path = args.out / "gemm_sweep.json"
+
+        def progress(rows: list[dict]) -> None:
+            path.write_text(json.dumps({**result, "rows": rows, "partial": True}, indent=2))
+
+        result |= gemm_sweep(sites, log, budget_s=args.sweep_budget, timer=timer, progress=progress)
+        path.write_text(json.dumps(result, indent=2))
+        return result
     if not args.quantize_only:
         result["checks"] = checks(device, log, full=not args.quick)
         result["blocks"] = block_bench(device, args.tokens, args.moe_tokens, log, not args.quick, args.out)

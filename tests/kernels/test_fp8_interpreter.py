@@ -176,3 +176,85 @@ def test_grouped_swiglu_op_matches_reference():
     assert _rel(yt, yr) < 1e-5
     for a, b in zip(gt, gr):
         assert _rel(a, b) < 1e-3
+
+
+SWEEP_SHAPES = {  # site -> (M, N, K) at 256 tokens (197 for the jagged weight gradients), width 128, hidden 256
+    "fc1_fwd+gelu": (256, 256, 128),
+    "fc1_fwd": (256, 256, 128),
+    "fc2_fwd": (256, 128, 256),
+    "fc2_dgrad+gelu_bwd": (256, 256, 128),
+    "fc2_dgrad": (256, 256, 128),
+    "fc1_dgrad": (256, 128, 256),
+    "dw2 K=256": (128, 256, 256),
+    "dw1 K=256": (256, 128, 256),
+    "dw2 K=197": (128, 256, 197),
+    "dw1 K=197": (256, 128, 197),
+}
+SWEEP_ARGS = ["--tokens", "256", "--jagged-tokens", "197", "--dim", "128", "--hidden", "256"]
+
+
+def test_gemm_sweep_cli_writes_every_site_and_its_first_config(tmp_path):
+    """`fp8_bench --gemm-sweep` with no time budget: the references, the op's own launch and each site's first
+    config, timed by the host clock, in the JSON it writes; every other config listed as skipped."""
+    import json
+
+    from gemrec.components.trainer import fp8_bench
+
+    result = fp8_bench.run(["--gemm-sweep", "--out", str(tmp_path), "--sweep-budget", "0", *SWEEP_ARGS])
+    saved = json.loads((tmp_path / "gemm_sweep.json").read_text())
+    assert saved == json.loads(json.dumps(result)) and saved["tokens"] == 256 and saved["jagged_tokens"] == 197
+    sites = {s.name: s for s in fp8_bench.sweep_sites(fp8_bench.sweep_operands(256, 197, 128, 256, "cpu"), 256, 197)}
+    assert {name: (s.m, s.n, s.k) for name, s in sites.items()} == SWEEP_SHAPES
+    for name, (m, n, k) in SWEEP_SHAPES.items():
+        rows = [r for r in saved["rows"] if r["site"] == name]
+        assert [r["variant"] for r in rows] == ["bf16 torch.mm", "ours (as the op runs it)", "ours"]  # CPU: no cuBLAS
+        for r in rows:
+            assert (r["m"], r["n"], r["k"]) == (m, n, k) and r["ms"] > 0
+            assert r["tflops"] == pytest.approx(2 * m * n * k / r["ms"] / 1e9)
+        first = fp8_bench.sweep_configs(sites[name].kind)[0]
+        assert rows[-1]["config"] == first and rows[-1]["err"] == 0.0
+        assert saved["best"][name] == {"config": first, "ms": rows[-1]["ms"], "tflops": rows[-1]["tflops"]}
+    expected_skips = sum(len(fp8_bench.sweep_configs(s.kind)) - 1 for s in sites.values())
+    assert len(saved["skipped"]) == expected_skips
+
+
+def test_gemm_sweep_variants_match_the_default_launch_and_the_fastest_wins():
+    """Every structural variant (64-row and 64/256-wide tiles, DEFER, TMA, warp-specialized TMA) at every site,
+    the quantizing epilogues included, gives the op's own result bit for bit; the best config is the fastest."""
+    from gemrec.components.trainer import fp8_bench
+
+    sites = fp8_bench.sweep_sites(fp8_bench.sweep_operands(256, 197, 128, 256, "cpu"), 256, 197)
+    lead = {"weight": 11, "rows": 8, "epilogue": 2}  # the leading tiles and their variants
+    configs = {kind: fp8_bench.sweep_configs(kind)[:count] for kind, count in lead.items()}
+    assert {k for c in configs["weight"] for k in c} >= {"BLOCK_M", "DEFER", "TMA", "WS"}
+    assert any(c.get("TMA") for c in configs["rows"]) and any(c.get("TMA") for c in configs["epilogue"])
+    clock = iter(range(10_000, 0, -1))  # every call "faster" than the one before
+
+    def timer(fn):
+        fn()
+        return float(next(clock))
+
+    result = fp8_bench.gemm_sweep(sites, print, budget_s=1e9, timer=timer, configs=configs.__getitem__)
+    assert not result["skipped"]
+    for site in sites:
+        ours = [r for r in result["rows"] if r["site"] == site.name and r["variant"] == "ours"]
+        assert [r["config"] for r in ours] == configs[site.kind]
+        assert all(r["err"] == 0.0 for r in ours), [(r["config"], r["err"]) for r in ours]
+        assert result["best"][site.name]["config"] == configs[site.kind][-1]
+        assert result["best"][site.name]["tflops"] == pytest.approx(site.flops / ours[-1]["ms"] / 1e9)
+
+
+def test_gemm_config_is_checked_against_the_launch():
+    a, sa = torch.zeros(128, 128), torch.ones(128, 1)
+    cases = [
+        ({"BLOCK_Q": 64}, {}),
+        ({"TMA": True, "DEFER": True}, {}),
+        ({"WS": True}, {}),
+        ({"BLOCK_N": 64}, {"act": "gelu"}),
+    ]
+    for config, epilogue in cases:
+        with pytest.raises(ValueError, match="gemm config"):
+            if epilogue:
+                fp8.gemm_quantize(a, sa, a, sa, torch.float32, fp8.E4M3, config=config, **epilogue)
+            else:
+                fp8.gemm(a, sa, a, sa, torch.float32, config=config)

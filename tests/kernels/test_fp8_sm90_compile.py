@@ -158,3 +158,57 @@ def test_quantize_moves_16_bytes_at_a_time_unspilled(mode):
     assert len(re.findall(r"STG\.E\.128", sass)) >= 4 and not re.search(r"STG\.E\.(U8|U16)\b", sass)
     # the saturating cast straight to fp8 and no fp8 -> fp32 copy back (it cost ~7 instructions a value)
     assert re.search(r"F2FP\.SATFINITE\.E[45]M[23]", sass) and not re.search(r"F2FP\.F16\.E[45]M[23]\.UNPACK", sass)
+
+
+def sweep_operands_on_cpu(tokens: int, jagged: int, dim: int, hidden: int) -> dict:
+    """`fp8_bench.sweep_operands`' layout, allocated only, with the GPU's float8 carriers (`_carrier` patched)."""
+    bf = {n: torch.empty(tokens, c, dtype=BF16) for n, c in (("x", dim), ("h", hidden), ("dy", dim), ("dh", hidden))}
+    ops = {"bf16": bf, "b1": torch.empty(hidden), "b2": torch.empty(dim)}
+    ops["w1_bf16"], ops["w2_bf16"] = torch.empty(hidden, dim, dtype=BF16), torch.empty(dim, hidden, dtype=BF16)
+
+    def buffers(r, c, tile=False):
+        out = fp8._quantize_buffers((1, r, c), fp8.E4M3, "cpu", rows=True, cols=True, tile=tile, colsum=False)
+        out = {key: v[0] for key, v in out.items()}
+        return {**out, "st": out["s"].transpose(-1, -2)} if tile else out
+
+    ops["w1"], ops["w2"] = buffers(hidden, dim, True), buffers(dim, hidden, True)
+    for rows, suffix in ((tokens, ""), (jagged, "_j")):
+        for name, width in (("x", dim), ("g", hidden), ("dy", dim), ("dh", hidden)):
+            ops[name + suffix] = buffers(rows, width)
+    return ops
+
+
+@pytest.mark.parametrize("site_name", ["fc1_dgrad", "dw1 K=191237", "fc1_fwd+gelu"])
+def test_sweep_candidates_compile_unspilled_within_shared_memory(site_name):
+    """`fp8_bench.sweep_configs` at 3 stages (registers do not depend on the stages; the shared memory of the
+    plain loop is what `sweep_configs` computes) and every TMA config, at the step's shapes: none spills, all fit
+    (the weight gradients' masked last block is the tightest: a weight's fp32 output is fc1's dgrad)."""
+    from gemrec.components.trainer import fp8_bench
+    from gemrec.kernels.aot import compile_jit, resource_usage
+
+    launches = []
+
+    class Recorder:
+        fn = property(lambda self: self)
+
+        def __getitem__(self, grid):
+            return lambda *args, **consts: launches.append((args, consts))
+
+    kernel = fp8._gemm_kernel.fn
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp8, "_gemm_kernel", Recorder())
+        patch.setattr(fp8, "_carrier", lambda fmt, device: fmt.dtype)
+        ops = sweep_operands_on_cpu(196_608, TOKENS, 1024, 4096)
+        (site,) = [s for s in fp8_bench.sweep_sites(ops, 196_608, TOKENS) if s.name == site_name]
+        configs = [c for c in fp8_bench.sweep_configs(site.kind) if c["num_stages"] == 3 or c.get("TMA")]
+        for config in configs:
+            if "GROUP_SIZE_M" not in config:
+                site.ours(config)
+    usage = {}
+    for args, consts in launches:
+        config = {key: consts[key] for key in fp8.GEMM_CONFIG_KEYS if key in consts}
+        options = {key: consts.pop(key) for key in ("num_warps", "num_stages")}
+        usage[str(config)] = resource_usage(compile_jit(kernel, args, consts, options))
+    assert len(usage) >= (2 if site.kind == "epilogue" else 10)
+    spilled = {c: u for c, u in usage.items() if u["stack_bytes"] or u["shared_bytes"] > fp8_bench.SHARED_MEMORY}
+    assert not spilled
