@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
-from gemrec.kernels.triton_attention import INTERPRET
+from gemrec.kernels.triton_attention import INTERPRET, _scratch
 
 BLOCK = 128  # scaling block along K, and the row alignment of expert groups
 
@@ -897,10 +897,6 @@ def gemm_quantize(
     return {**out, "c": c} if store else out
 
 
-def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
-    return torch.empty(size, device="cuda", dtype=torch.int8)
-
-
 def _config_consts(config: dict, epilogue: bool, grouped_b: bool) -> dict:
     """A fixed `GEMM_CONFIG_KEYS` tile config as the kernel's constexprs and options, checked against the launch."""
     unknown = set(config) - set(GEMM_CONFIG_KEYS)
@@ -914,7 +910,7 @@ def _config_consts(config: dict, epilogue: bool, grouped_b: bool) -> dict:
     if consts.get("WS") and not consts.get("TMA"):
         raise ValueError(f"gemm config {config}: WS (warp specialization) needs TMA")
     if consts.get("TMA") and not INTERPRET:
-        triton.set_allocator(_tma_scratch)  # in-kernel tensor descriptors live in global scratch
+        triton.set_allocator(_scratch)  # in-kernel tensor descriptors live in global scratch
     return consts
 
 
