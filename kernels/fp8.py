@@ -350,10 +350,34 @@ def _quantize_blocks(
         tl.atomic_add(stats_ptr + 3, tl.sum(tl.sum((valid & ~finite).to(tl.int64), 1), 0))
 
 
+# The autotuner's candidates for plain GEMMs (`GEMM_CONFIG_KEYS`; the 128x256 tile spills 224 bytes on sm_90)
+GEMM_TUNED = (
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3},
+)
+
+
 def _gemm_configs() -> list[triton.Config]:
     if INTERPRET:
-        return [triton.Config({"BLOCK_N": BLOCK}, num_warps=4, num_stages=1)]
-    return [triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st) for bn, w, st in ((128, 8, 3), (256, 8, 3))]
+        return [triton.Config({"BLOCK_M": BLOCK, "BLOCK_N": BLOCK, "GROUP_SIZE_M": 8}, num_warps=4, num_stages=1)]
+    out = []
+    for config in GEMM_TUNED:
+        tiles = {"GROUP_SIZE_M": 8, **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
+        out.append(triton.Config(tiles, num_warps=config["num_warps"], num_stages=config["num_stages"]))
+    return out
+
+
+def _prune_gemm_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """The candidates a launch can take: expert groups (GROUP_M) 128-row tiles without TMA; TMA only where both
+    operands are K-contiguous with 16-byte aligned rows."""
+    tma_ok = all(named_args[k] == 1 for k in ("sak", "sbk")) and all(named_args[k] % 16 == 0 for k in ("sam", "sbn"))
+    kept = [
+        c
+        for c in configs
+        if not (kwargs["GROUP_M"] and (c.kwargs["BLOCK_M"] != BLOCK or c.kwargs.get("TMA")))
+        and (tma_ok or not c.kwargs.get("TMA"))
+    ]
+    return kept or [triton.Config({"BLOCK_M": BLOCK, "BLOCK_N": BLOCK, "GROUP_SIZE_M": 8}, num_warps=8, num_stages=3)]
 
 
 @triton.jit
@@ -401,7 +425,11 @@ def _promote(acc, d, sa, sb, SCALAR_B: tl.constexpr):
         return acc + d * sa[:, None] * sb[None, :]
 
 
-@triton.autotune(configs=_gemm_configs(), key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K", "TILE_B"])
+@triton.autotune(
+    configs=_gemm_configs(),
+    key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K", "TILE_B"],
+    prune_configs_by={"early_config_prune": _prune_gemm_configs},
+)
 @triton.jit
 def _gemm_kernel(
     a_ptr,
@@ -909,8 +937,6 @@ def _config_consts(config: dict, epilogue: bool, grouped_b: bool) -> dict:
         raise ValueError(f"gemm config {config}: TMA loads neither expert-grouped operands nor with DEFER")
     if consts.get("WS") and not consts.get("TMA"):
         raise ValueError(f"gemm config {config}: WS (warp specialization) needs TMA")
-    if consts.get("TMA") and not INTERPRET:
-        triton.set_allocator(_scratch)  # in-kernel tensor descriptors live in global scratch
     return consts
 
 
@@ -928,7 +954,9 @@ def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, epilogu
             n, meta["BLOCK_N"]
         ), k_bounds.numel() - 1 if k_bounds is not None else 1
 
-    kernel, quant_args, quant_consts = _gemm_kernel, [dummy] * 9 + [0] * 11, {"BLOCK_M": BLOCK, "GROUP_SIZE_M": 8}
+    kernel, quant_args, quant_consts = _gemm_kernel, [dummy] * 9 + [0] * 11, {}
+    if not INTERPRET:
+        triton.set_allocator(_scratch)  # in-kernel tensor descriptors (TMA configs) live in global scratch
     if epilogue is not None:
         act, fmt, qo, gate, stats, role = epilogue
         fixed = stats.scale(role, fmt) if stats is not None else None

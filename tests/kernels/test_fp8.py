@@ -170,3 +170,23 @@ def test_emulated_grouped_swiglu_matches_fp32():
     for a, b in zip(got, ref):
         assert rel(a, b) < 0.1
     assert got[1][1].eq(0).all() and got[3][1].eq(0).all()  # expert 1 saw no token
+
+
+def test_autotuned_gemm_configs_fit_each_launch():
+    """Expert-grouped GEMMs keep 128-row tiles without TMA; TMA only with K-contiguous, 16-byte aligned rows."""
+    import triton
+
+    def config(bm, tma=False):
+        return triton.Config({"BLOCK_M": bm, "BLOCK_N": 128, "GROUP_SIZE_M": 8, "TMA": tma}, num_warps=4)
+
+    configs = [config(128), config(64), config(128, True), config(64, True)]
+    aligned = {"sak": 1, "sbk": 1, "sam": 4096, "sbn": 1024}
+    pick = fp8._prune_gemm_configs
+
+    def shapes(kept):
+        return [(c.kwargs["BLOCK_M"], c.kwargs.get("TMA", False)) for c in kept]
+
+    assert shapes(pick(configs, aligned, GROUP_M=False)) == [(128, False), (64, False), (128, True), (64, True)]
+    assert shapes(pick(configs, aligned, GROUP_M=True)) == [(128, False)]
+    assert shapes(pick(configs, {**aligned, "sam": 1000}, GROUP_M=False)) == [(128, False), (64, False)]
+    assert shapes(pick(configs[1:2], aligned, GROUP_M=True)) == [(128, False)]  # a fallback when none fits
