@@ -452,6 +452,17 @@ class _Attention(torch.autograd.Function):
         )
 
 
+_APPLY = super(torch.autograd.Function, _Attention).apply  # the C++ apply under `Function.apply`
+
+
+def _distinct(q, k, v, attn_bias, rel: RelativeBias, q_offsets, kv_offsets) -> bool:
+    """Whether no tensor of the call has two roles."""
+    kv_arg = None if kv_offsets is q_offsets else kv_offsets
+    inputs = (q, k, v, attn_bias, rel.position, rel.time, q_offsets, kv_arg, rel.q_timestamps, rel.kv_timestamps)
+    present = [t for t in inputs if t is not None]
+    return len(set(map(id, present))) == len(present)
+
+
 def _triangle(n: int) -> int:
     """0 + 1 + ... + (n - 1), 0 for n <= 0."""
     return n * (n - 1) // 2 if n > 0 else 0
@@ -616,6 +627,18 @@ def _refuse_offsets(q_offsets, kv_offsets) -> NoReturn:
     raise ValueError(f"{name} must be a 1-D integer tensor of B+1 offsets")
 
 
+def _on_device(on: bool, attn_bias, rel: RelativeBias) -> bool:
+    optional = (attn_bias, rel.position, rel.time, rel.q_timestamps, rel.kv_timestamps)
+    return all(t.is_cuda is on for t in optional if t is not None)
+
+
+def _refuse_devices(q, k, v, q_offsets, kv_offsets, attn_bias, rel: RelativeBias) -> NoReturn:
+    named = {"k": k, "v": v, "q_offsets": q_offsets, "kv_offsets": kv_offsets, "attn_bias": attn_bias}
+    named |= {f"rel_bias {f}": getattr(rel, f) for f in ("position", "time", "q_timestamps", "kv_timestamps")}
+    name, t = next((n, t) for n, t in named.items() if t is not None and t.is_cuda != q.is_cuda)
+    raise ValueError(f"{name} must be on q's device ({q.device}) for the Triton backend, got {t.device}")
+
+
 def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, rel: RelativeBias, backend, compiling):
     """Refuses malformed calls with a message naming the problem; the messages are formatted only on failure (this
     runs on every eager call: one combined test per group, the one-by-one checks only to name what failed)."""
@@ -651,8 +674,15 @@ def _validate(q, k, v, q_offsets, kv_offsets, max_q_len, max_kv_len, attn_bias, 
         )
     if not (int(max_q_len) >= 0 and int(max_kv_len) >= 0):
         raise ValueError("max_q_len and max_kv_len must be >= 0")
-    if backend == "triton" and not 16 <= dim <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be in [16, {MAX_HEAD_DIM}], got {dim}")
+    if backend == "triton":
+        if not 16 <= dim <= MAX_HEAD_DIM:
+            raise ValueError(f"head_dim must be in [16, {MAX_HEAD_DIM}], got {dim}")
+        # the launches pass addresses, which the launcher does not check: a tensor off q's device is refused here
+        on = q.is_cuda
+        if not (k.is_cuda is on and v.is_cuda is on and q_offsets.is_cuda is on and kv_offsets.is_cuda is on) or (
+            (attn_bias is not None or rel is not NO_BIAS) and not _on_device(on, attn_bias, rel)
+        ):
+            _refuse_devices(q, k, v, q_offsets, kv_offsets, attn_bias, rel)
     rows = _num_out_rows(q, q_offsets, kv_offsets)
     if attn_bias is not None and tuple(attn_bias.shape) != (rows, heads, max_kv_len):
         want = (rows, heads, max_kv_len)
@@ -724,7 +754,8 @@ def _attention(
     rope_base,
     options,
 ):
-    _validate_masks(q, window, block, rope_base)
+    if window is not None or block is not None or rope_base is not None:
+        _validate_masks(q, window, block, rope_base)
     if activation not in ACTIVATIONS:
         raise ValueError(f"unknown activation {activation!r}; expected one of {sorted(ACTIVATIONS)}")
     if normalize not in NORMALIZE:
@@ -779,15 +810,23 @@ def _attention(
         attn_bias = attn_bias.contiguous()
     params = (int(max_q_len), int(max_kv_len), ACTIVATIONS[activation], bool(causal), scale, NORMALIZE[normalize])
     extra_params = (int(rel.max_distance), float(rel.time_log_base), window or 0, block or 0, float(rope_base or 0.0))
-    kv_arg = None if kv_offsets is q_offsets else kv_offsets
-    inputs = (q, k, v, attn_bias, rel.position, rel.time, q_offsets, kv_arg, rel.q_timestamps, rel.kv_timestamps)
-    present = [t for t in inputs if t is not None]
     # Under torch.compile, the op's registered autograd: dynamo guards on the `id()`s below (a recompile per call,
     # the H200 trace showed the model cut at every attention call). Eagerly, the Function, unless one tensor has
-    # two roles (k is v, say).
-    if not compiling and len(set(map(id, present))) == len(present):
+    # two roles (k is v, say; the offsets are integer tensors, never q, k or v).
+    if not compiling and (
+        q is not k and q is not v and k is not v
+        if attn_bias is None and rel is NO_BIAS
+        else _distinct(q, k, v, attn_bias, rel, q_offsets, kv_offsets)
+    ):
         call = (q_offsets, kv_offsets, rel.q_timestamps, rel.kv_timestamps, params, extra_params, options)
-        return _Attention.apply(q, k, v, attn_bias, rel.position, rel.time, call)
+        if torch._C._are_functorch_transforms_active():
+            return _Attention.apply(q, k, v, attn_bias, rel.position, rel.time, call)
+        # what `Function.apply` does without functorch transforms, minus its Python (~4 us a call on the CPU machine)
+        unwrap = torch._C._functorch.unwrap_if_dead
+        biases = (attn_bias, rel.position, rel.time)
+        if attn_bias is not None or rel is not NO_BIAS:
+            biases = tuple(t if t is None else unwrap(t) for t in biases)
+        return _APPLY(unwrap(q), unwrap(k), unwrap(v), *biases, call)
     out, _ = attention_fwd(
         q,
         k,

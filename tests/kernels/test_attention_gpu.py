@@ -277,3 +277,20 @@ def test_fp32_at_16k_runs_on_tiles_that_fit(autotune):
         assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
     ref = jagged_attention(q.double(), k.double(), v.double(), off, off, 16384, 16384, causal=True, backend="reference")
     assert rel_l2(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("name", ["k", "v", "q_offsets", "kv_offsets", "rel_bias position"])
+def test_a_tensor_off_q_device_is_refused_by_name(name):
+    """The launches pass addresses (the launcher no longer checks each tensor): a CPU tensor beside CUDA ones is refused
+    before any launch, naming it."""
+    lens = [5, 9]
+    off = offsets_of(lens, "cuda")
+    q, k, v = (torch.randn(sum(lens), 2, 32, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    args = {"k": k, "v": v, "q_offsets": off, "kv_offsets": off.clone()}
+    table = torch.zeros(2, 8, device="cuda")
+    if name == "rel_bias position":
+        table = table.cpu()
+    else:
+        args[name] = args[name].cpu()
+    with pytest.raises(ValueError, match=f"{name} must be on q's device"):
+        jagged_attention(q, args["k"], args["v"], args["q_offsets"], args["kv_offsets"], 9, 9, rel_bias=table)

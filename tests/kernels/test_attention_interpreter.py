@@ -289,12 +289,12 @@ B, C_CROSS, C_PMA = ([130, 3, 40], [130, 3, 40]), ([40, 3, 20], [5, 9, 16]), ([8
 @pytest.mark.parametrize(
     "lens,op,kinds,ops",
     [
-        (B, "jfa", ["fwd", "delta", "dkdv"], {"empty": 5, "split_with_sizes": 1}),
-        (B, "silu", ["fwd", "dkdv"], {"empty": 3, "zeros": 1, "split_with_sizes": 1}),
-        (C_CROSS, "jfa", ["fwd_rkv", "bwd_rkv"], {"empty": 3, "zeros": 1, "split_with_sizes": 2}),
-        (C_CROSS, "silu", ["fwd_rkv", "bwd_rkv"], {"empty": 3, "zeros": 1, "split_with_sizes": 2}),
-        (C_PMA, "jfa", ["fwd", "bwd_rq"], {"empty": 3, "zeros": 1, "split_with_sizes": 1}),
-        (C_PMA, "silu", ["fwd", "bwd_rq"], {"empty": 3, "zeros": 1, "split_with_sizes": 1}),
+        (B, "jfa", ["fwd", "delta", "dkdv"], {"new_empty": 5, "split_with_sizes": 1}),
+        (B, "silu", ["fwd", "dkdv"], {"new_empty": 3, "new_zeros": 1, "split_with_sizes": 1}),
+        (C_CROSS, "jfa", ["fwd_rkv", "bwd_rkv"], {"new_empty": 3, "new_zeros": 1, "split_with_sizes": 2}),
+        (C_CROSS, "silu", ["fwd_rkv", "bwd_rkv"], {"new_empty": 3, "new_zeros": 1, "split_with_sizes": 2}),
+        (C_PMA, "jfa", ["fwd", "bwd_rq"], {"new_empty": 3, "new_zeros": 1, "split_with_sizes": 1}),
+        (C_PMA, "silu", ["fwd", "bwd_rq"], {"new_empty": 3, "new_zeros": 1, "split_with_sizes": 1}),
     ],
     ids=["B-jfa", "B-silu", "C-cross-jfa", "C-cross-silu", "C-pma-jfa", "C-pma-silu"],
 )
