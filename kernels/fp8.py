@@ -15,8 +15,7 @@ fp32 matmul), so the same ops and scaling run and are tested without a GPU.
 
 Ops (autograd, weights stay fp32/bf16 masters, outputs in the autocast dtype):
   fp8_mlp(x, w1, b1, w2, b2)                         fc2(gelu(fc1(x))); gelu and both quantizations of its output
-                                                     in fc1's epilogue (`gemm_quantize`), gelu's
-                                                     backward in fc2's dgrad's
+                                                     in one pass after fc1, gelu's backward after fc2's dgrad
   fp8_grouped_swiglu(x_sorted, counts, w1, w3, w2)   MoE experts: (silu(x w1[e]) * x w3[e]) w2[e] over rows grouped
                                                      by expert; groups padded to 128 rows so tiles never straddle two
 Counters per quantized tensor (`Fp8Stats`): values that overflowed the format (only possible with delayed scales),
@@ -255,46 +254,10 @@ def _quantize_kernel(
                 x = x * _gelu_grad_tl(gate)
     if COLSUM:
         tl.atomic_add(colsum_ptr + pid_b * C + cols, tl.sum(x, 0), mask=cols < C)
-    _quantize_blocks(
-        x,
-        (valid, valid_t),
-        (rows, cols, R, C, pid_r, pid_c),
-        (q_ptr + pid_b * sqb, s_ptr + pid_b * ssb, qt_ptr + pid_b * stb, st_ptr + pid_b * sstb),
-        (fixed_ptr, amax_ptr, stats_ptr),
-        (sqr, sqc, ssr, ssc, stc, str_, sstc, sstr),
-        (FP8_MAX, OVERFLOW, MANT, EMIN, ROWS, COLS, TILE, FIXED, AMAX, STATS, FMA),
-    )
-
-
-@triton.jit
-def _quantize_blocks(
-    x,
-    masks,
-    tile,
-    outs,
-    counters,
-    strides,
-    MODES: tl.constexpr,  # (FP8_MAX, OVERFLOW, MANT, EMIN, ROWS, COLS, TILE, FIXED, AMAX, STATS, FMA)
-):
-    """Quantize the 128x128 tile `x` (rows, cols; zeros where not `valid`) of tile (pid_r, pid_c) as `_quantize_kernel`
-    documents its modes, into pointers at the tile's batch; counters and amax too. Shared by `_quantize_kernel` and
-    the quantizing epilogue of `_gemm_kernel` (QUANT_ACT)."""
-    valid, valid_t = masks
-    rows, cols, R, C, pid_r, pid_c = tile
-    q_ptr, s_ptr, qt_ptr, st_ptr = outs
-    fixed_ptr, amax_ptr, stats_ptr = counters
-    sqr, sqc, ssr, ssc, stc, str_, sstc, sstr = strides
-    FP8_MAX: tl.constexpr = MODES[0]
-    OVERFLOW: tl.constexpr = MODES[1]
-    MANT: tl.constexpr = MODES[2]
-    EMIN: tl.constexpr = MODES[3]
-    ROWS: tl.constexpr = MODES[4]
-    COLS: tl.constexpr = MODES[5]
-    TILE: tl.constexpr = MODES[6]
-    FIXED: tl.constexpr = MODES[7]
-    AMAX: tl.constexpr = MODES[8]
-    STATS: tl.constexpr = MODES[9]
-    FMA: tl.constexpr = MODES[10]
+    q_ptr += pid_b * sqb
+    s_ptr += pid_b * ssb
+    qt_ptr += pid_b * stb
+    st_ptr += pid_b * sstb
     ax = tl.where(x == x, tl.abs(x), float("inf"))  # NaN -> an infinite amax: the block's scale turns non-finite
     if AMAX:
         tl.atomic_max(amax_ptr, tl.max(tl.max(ax, 1), 0))
@@ -350,34 +313,43 @@ def _quantize_blocks(
         tl.atomic_add(stats_ptr + 3, tl.sum(tl.sum((valid & ~finite).to(tl.int64), 1), 0))
 
 
-# The autotuner's candidates for plain GEMMs (`GEMM_CONFIG_KEYS`; the 128x256 tile spills 224 bytes on sm_90)
+# The autotuner's candidates (`GEMM_CONFIG_KEYS`): each was the fastest of `fp8_bench --gemm-sweep` at some GEMM of
+# the MLP block on the H200 (docs/benchmarks.md, 2026-12-02 09:24 UTC), pruned per launch (`_config_fits`)
 GEMM_TUNED = (
-    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 256, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "TMA": True},  # fc1, fc1/fc2 dgrad
+    {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "GROUP_SIZE_M": 4},  # fc2; expert groups
+    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3, "TMA": True},  # dW2, K a multiple of 128
+    {"BLOCK_M": 64, "BLOCK_N": 128, "num_warps": 4, "num_stages": 4, "TMA": True},  # dW1, K a multiple of 128
+    {"BLOCK_M": 64, "BLOCK_N": 256, "num_warps": 8, "num_stages": 4, "TMA": True},  # dW1 and dW2, jagged K
 )
 
 
+def _config_fits(config: dict, *, grouped_m: bool, tile_b: bool, tma_ok: bool) -> bool:
+    """Whether a launch may take a `GEMM_CONFIG_KEYS` config: expert groups (grouped_m) need 128-row tiles and no
+    TMA; TMA needs K-contiguous operands with 16-byte aligned rows (tma_ok); a weight's tile scales (tile_b) at most
+    128-wide tiles (wider ones scale per column, rounding otherwise than the one scale a tile)."""
+    if grouped_m and (config.get("BLOCK_M", BLOCK) != BLOCK or config.get("TMA")):
+        return False
+    if tile_b and config.get("BLOCK_N", BLOCK) > BLOCK:
+        return False
+    return tma_ok or not config.get("TMA")
+
+
+def _triton_config(config: dict) -> triton.Config:
+    tiles = {"GROUP_SIZE_M": 8, **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
+    return triton.Config(tiles, num_warps=config["num_warps"], num_stages=config["num_stages"])
+
+
 def _gemm_configs() -> list[triton.Config]:
-    if INTERPRET:
+    if INTERPRET:  # one config: the autotuner then neither prunes nor times (`gemm(config=...)` runs the others)
         return [triton.Config({"BLOCK_M": BLOCK, "BLOCK_N": BLOCK, "GROUP_SIZE_M": 8}, num_warps=4, num_stages=1)]
-    out = []
-    for config in GEMM_TUNED:
-        tiles = {"GROUP_SIZE_M": 8, **{k: v for k, v in config.items() if k not in ("num_warps", "num_stages")}}
-        out.append(triton.Config(tiles, num_warps=config["num_warps"], num_stages=config["num_stages"]))
-    return out
+    return [_triton_config(config) for config in GEMM_TUNED]
 
 
 def _prune_gemm_configs(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """The candidates a launch can take: expert groups (GROUP_M) 128-row tiles without TMA; TMA only where both
-    operands are K-contiguous with 16-byte aligned rows."""
-    tma_ok = all(named_args[k] == 1 for k in ("sak", "sbk")) and all(named_args[k] % 16 == 0 for k in ("sam", "sbn"))
-    kept = [
-        c
-        for c in configs
-        if not (kwargs["GROUP_M"] and (c.kwargs["BLOCK_M"] != BLOCK or c.kwargs.get("TMA")))
-        and (tma_ok or not c.kwargs.get("TMA"))
-    ]
-    return kept or [triton.Config({"BLOCK_M": BLOCK, "BLOCK_N": BLOCK, "GROUP_SIZE_M": 8}, num_warps=8, num_stages=3)]
+    """The autotuner's candidates that fit the launch (`_config_fits`; TUNE_TMA, a key, says whether TMA may load)."""
+    launch = {"grouped_m": kwargs["GROUP_M"], "tile_b": kwargs["TILE_B"], "tma_ok": bool(named_args["TUNE_TMA"])}
+    return [c for c in configs if _config_fits(c.kwargs, **launch)]
 
 
 @triton.jit
@@ -427,7 +399,7 @@ def _promote(acc, d, sa, sb, SCALAR_B: tl.constexpr):
 
 @triton.autotune(
     configs=_gemm_configs(),
-    key=["TUNE_N", "TUNE_K", "GROUP_M", "GROUP_K", "TILE_B"],
+    key=["TUNE_N", "TUNE_K", "TUNE_TMA", "GROUP_M", "GROUP_K", "TILE_B"],
     prune_configs_by={"early_config_prune": _prune_gemm_configs},
 )
 @triton.jit
@@ -458,26 +430,7 @@ def _gemm_kernel(
     ssbk,
     TUNE_N,
     TUNE_K,
-    q_ptr,
-    s_ptr,
-    qt_ptr,
-    st_ptr,
-    fixed_ptr,
-    amax_ptr,
-    stats_ptr,
-    gate_ptr,
-    colsum_ptr,
-    RT,
-    sqr,
-    sqc,
-    ssr,
-    ssc,
-    stc,
-    str_,
-    sstc,
-    sstr,
-    sgr,
-    sgc,
+    TUNE_TMA,
     HAS_BIAS: tl.constexpr,
     GROUP_M: tl.constexpr,  # b, sb indexed by the group of the M tile (tile_group[pid_m]; -1: zeros)
     EVEN_K: tl.constexpr,  # every K range a whole number of 128-blocks: no masks along K
@@ -487,25 +440,10 @@ def _gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_SIZE_M: tl.constexpr,
-    DEFER: tl.constexpr = False,  # software-pipelined scaling (see the loop)
     TMA: tl.constexpr = False,  # A and B by tensor descriptors (K-contiguous, 16-byte aligned rows; not GROUP_M)
-    WS: tl.constexpr = False,  # with TMA: the K loop warp-specialized (producer warps load; on sm_90 at 4 warps only)
-    QUANT_ACT: tl.constexpr = 0,  # 1: c and gelu(c) quantized both ways; 3: c * gelu'(gate) so (`gemm_quantize`)
-    COLSUM: tl.constexpr = False,
-    FP8_MAX: tl.constexpr = 448.0,
-    OVERFLOW: tl.constexpr = 464.0,
-    MANT: tl.constexpr = 3,
-    EMIN: tl.constexpr = -6,
-    FIXED: tl.constexpr = False,
-    AMAX: tl.constexpr = False,
-    STATS: tl.constexpr = False,
-    FMA: tl.constexpr = False,
 ):
     """c[m, n] = sum over 128-blocks kb of sa[m, kb] * sb[n, kb] * sum_{k in kb} a[m, k] b[n, k] (+ bias[n]);
-    each block's dot is accumulated in fp32 and scaled before it is added. With QUANT_ACT (128x128 tiles) the
-    epilogue quantizes act(c), c rounded to c's dtype, into q, s, qt, st as `_quantize_kernel` does with ROWS, COLS
-    and its ACT (gelu: c stored too; gelu_bwd: times gelu'(gate), c not stored, COLSUM: act(c)'s column sums): the
-    tile holds each of its rows' 1x128 block and each of its columns' 128x1 block whole."""
+    each block's dot is accumulated in fp32 and scaled before it is added. TUNE_*: the autotuner's key only."""
     pid = tl.program_id(0)
     num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_SIZE_M * num_n
@@ -538,10 +476,10 @@ def _gemm_kernel(
     k_whole = k_hi if EVEN_K else k_lo + (k_hi - k_lo) // BLOCK_K * BLOCK_K
     scalar_b: tl.constexpr = TILE_B and BLOCK_N <= BLOCK_K
     if TMA:
-        # A and B tiles by TMA (out-of-bounds rows and K zero-filled: no masks), optionally warp-specialized
+        # A and B tiles by TMA (out-of-bounds rows and K zero-filled: no masks)
         a_desc = tl.make_tensor_descriptor(a_ptr, [M, k_hi], [sam, 1], [BLOCK_M, BLOCK_K])
         b_desc = tl.make_tensor_descriptor(b_ptr, [N, k_hi], [sbn, 1], [BLOCK_N, BLOCK_K])
-        for k in tl.range(k_lo, k_hi, BLOCK_K, warp_specialize=WS):
+        for k in tl.range(k_lo, k_hi, BLOCK_K):
             a = a_desc.load([pid_m * BLOCK_M, k])
             b = b_desc.load([pid_n * BLOCK_N, k])
             kb = k // BLOCK_K
@@ -552,20 +490,6 @@ def _gemm_kernel(
             else:
                 sb = tl.load(sb_ptr + (rn // BLOCK_K if TILE_B else rn) * ssbn + kb * ssbk, mask=n_ok, other=0.0)
                 acc = acc + tl.dot(a, b.T) * sa[:, None] * sb[None, :]
-    elif DEFER:
-        # each block's dot issued before the previous block's scaling, for the wgmma to run under those FMAs (Triton 3.6
-        # waits for it at once all the same: sm_90 SASS has the WARPGROUP.DEPBAR right after the QGMMAs)
-        d = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        sa, sb = tl.zeros((BLOCK_M,), dtype=tl.float32), tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for k in range(k_lo, k_whole, BLOCK_K):
-            d_k, sa_k, sb_k = _gemm_dot(ptrs, strides, tile, k, k_hi, False, TILE_B, BLOCK_N, BLOCK_K)
-            acc = _promote(acc, d, sa, sb, scalar_b)
-            d, sa, sb = d_k, sa_k, sb_k
-        for k in range(k_whole, k_hi, BLOCK_K):
-            d_k, sa_k, sb_k = _gemm_dot(ptrs, strides, tile, k, k_hi, True, TILE_B, BLOCK_N, BLOCK_K)
-            acc = _promote(acc, d, sa, sb, scalar_b)
-            d, sa, sb = d_k, sa_k, sb_k
-        acc = _promote(acc, d, sa, sb, scalar_b)
     else:
         for k in range(k_lo, k_whole, BLOCK_K):
             d, sa, sb = _gemm_dot(ptrs, strides, tile, k, k_hi, False, TILE_B, BLOCK_N, BLOCK_K)
@@ -575,26 +499,9 @@ def _gemm_kernel(
             acc = _promote(acc, d, sa, sb, scalar_b)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    c = acc.to(c_ptr.dtype.element_ty)
-    valid = m_ok[:, None] & n_ok[None, :]
-    if QUANT_ACT != 3:
-        tl.store(c_ptr + rm[:, None] * scm + rn[None, :] * scn, c, valid)
-    if QUANT_ACT != 0:
-        # rows past M (their acc is the bias) as `quantize` loads them: zeros; qt's padding rows up to RT get them
-        x = tl.where(valid, c.to(tl.float32), 0.0)
-        if QUANT_ACT == 1:
-            x = _gelu(x)
-        else:
-            gate = tl.load(gate_ptr + rm[:, None] * sgr + rn[None, :] * sgc, mask=valid, other=0.0).to(tl.float32)
-            x = x * _gelu_grad_tl(gate)
-        if COLSUM:
-            tl.atomic_add(colsum_ptr + rn, tl.sum(x, 0), mask=n_ok)
-        valid_t = (rm < RT)[:, None] & n_ok[None, :]
-        masks, out_tile = (valid, valid_t), (rm, rn, M, N, pid_m, pid_n)
-        outs, counters = (q_ptr, s_ptr, qt_ptr, st_ptr), (fixed_ptr, amax_ptr, stats_ptr)
-        out_strides = (sqr, sqc, ssr, ssc, stc, str_, sstc, sstr)
-        modes: tl.constexpr = (FP8_MAX, OVERFLOW, MANT, EMIN, True, True, False, FIXED, AMAX, STATS, FMA)
-        _quantize_blocks(x, masks, out_tile, outs, counters, out_strides, modes)
+    tl.store(
+        c_ptr + rm[:, None] * scm + rn[None, :] * scn, acc.to(c_ptr.dtype.element_ty), m_ok[:, None] & n_ok[None, :]
+    )
 
 
 # -- launchers -----------------------------------------------------------------------------------------------
@@ -876,106 +783,44 @@ def gemm(
     return out
 
 
-# GEMMs with a quantizing epilogue: 128x128 tiles (whole scaling blocks both ways), not autotuned
-QUANT_EPILOGUE_CONFIG = {"num_warps": 8, "num_stages": 3}
-# what a fixed GEMM config (`gemm(config=...)`, the sweep of `fp8_bench --gemm-sweep`) may set
-GEMM_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_SIZE_M", "DEFER", "TMA", "WS", "num_warps", "num_stages")
-EPILOGUE_ACTS = ("gelu", "gelu_bwd")
+# what a fixed GEMM config (`gemm(config=...)`, the sweep of `fp8_bench --gemm-sweep`) or `GEMM_TUNED` may set
+GEMM_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "GROUP_SIZE_M", "TMA", "num_warps", "num_stages")
 
 
-def gemm_quantize(
-    a: torch.Tensor,
-    sa: torch.Tensor,
-    b: torch.Tensor,
-    sb: torch.Tensor,
-    out_dtype: torch.dtype,
-    fmt: Fp8Format,
-    *,
-    act: str,
-    gate: torch.Tensor | None = None,
-    colsum: bool = False,
-    bias: torch.Tensor | None = None,
-    b_tiles: bool = False,
-    stats: Fp8Stats | None = None,
-    role: int = 0,
-    backend: str = "triton",
-    config: dict | None = None,
-) -> dict[str, torch.Tensor]:
-    """c = `gemm`(a, sa, b, sb, out_dtype, bias, b_tiles) and `quantize(c, fmt, cols=True, act, gate, colsum, stats,
-    role)` from one kernel, bit for bit the two calls' results (colsum up to the order of its fp32 additions): the
-    GEMM's epilogue quantizes c as rounded to out_dtype, without storing and reading it back. act "gelu" (fc1: c is
-    h, stored too, as "c": the backward reads it) or "gelu_bwd" (fc2's dgrad times gelu'(gate); c is not stored).
-    `config`: tiles other than `QUANT_EPILOGUE_CONFIG` (128x128 only)."""
-    if act not in EPILOGUE_ACTS:
-        raise ValueError(f"gemm_quantize: act must be one of {EPILOGUE_ACTS}, got {act!r}")
-    if backend == "reference":
-        c = gemm(a, sa, b, sb, out_dtype, bias=bias, b_tiles=b_tiles, backend=backend)
-        out = quantize(c, fmt, cols=True, act=act, gate=gate, colsum=colsum, stats=stats, role=role, backend=backend)
-        return {**out, "c": c} if act == "gelu" else out
-    m, n = a.shape[0], b.shape[-2]
-    store = act == "gelu"
-    c = (
-        torch.empty(m, n, device=a.device, dtype=out_dtype)
-        if store
-        else torch.empty(1, 1, device=a.device, dtype=out_dtype)
-    )
-    out = _quantize_buffers((1, m, n), fmt, a.device, rows=True, cols=True, tile=False, colsum=colsum)
-    out = {key: v[0] for key, v in out.items()}
-    _launch_gemm(a, sa, b, sb, c, bias, None, None, b_tiles, (act, fmt, out, gate, stats, role), config)
-    return {**out, "c": c} if store else out
+def _tma_ok(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Both operands K-contiguous with 16-byte aligned rows: what the TMA configs' tensor descriptors need."""
+    return all(t.stride(-1) == 1 and t.stride(-2) % 16 == 0 for t in (a, b))
 
 
-def _config_consts(config: dict, epilogue: bool, grouped_b: bool) -> dict:
-    """A fixed `GEMM_CONFIG_KEYS` tile config as the kernel's constexprs and options, checked against the launch."""
-    unknown = set(config) - set(GEMM_CONFIG_KEYS)
-    if unknown:
-        raise ValueError(f"gemm config: unknown keys {sorted(unknown)}; use {GEMM_CONFIG_KEYS}")
-    consts = {"BLOCK_M": BLOCK, "BLOCK_N": BLOCK, "GROUP_SIZE_M": 8, **config}
-    if ((epilogue or grouped_b) and consts["BLOCK_M"] != BLOCK) or (epilogue and consts["BLOCK_N"] != BLOCK):
-        raise ValueError(f"gemm config {config}: the quantizing epilogue needs 128x128 tiles, expert groups 128 rows")
-    if consts.get("TMA") and (grouped_b or consts.get("DEFER")):
-        raise ValueError(f"gemm config {config}: TMA loads neither expert-grouped operands nor with DEFER")
-    if consts.get("WS") and not consts.get("TMA"):
-        raise ValueError(f"gemm config {config}: WS (warp specialization) needs TMA")
-    return consts
-
-
-def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, epilogue=None, config=None) -> None:
-    """`_gemm_kernel` into `out`; `epilogue` (act, fmt, quantize's outputs, gate, stats, role): its quantizing
-    epilogue (QUANT_ACT), `out` then a 1x1 dummy of the output's dtype where c is not stored. `config`: a fixed tile
-    config (`GEMM_CONFIG_KEYS`) instead of the autotuned one (the epilogue's: `QUANT_EPILOGUE_CONFIG`)."""
+def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, config=None) -> None:
+    """`_gemm_kernel` into `out`, autotuned over `GEMM_TUNED` (tuned once per output width, reduction depth (a
+    power-of-two bucket of it: token counts vary), TMA eligibility, grouping, scale layout and dtypes), or with
+    `config`, a fixed tile config (`GEMM_CONFIG_KEYS`) checked against the launch."""
     m, k = a.shape
     n = b.shape[-2]
     dummy = torch.empty(1, device=a.device, dtype=torch.int32)
     grouped_b = tile_group is not None
+    tma_ok = _tma_ok(a, b)
 
     def grid(meta):
         return triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(
             n, meta["BLOCK_N"]
         ), k_bounds.numel() - 1 if k_bounds is not None else 1
 
-    kernel, quant_args, quant_consts = _gemm_kernel, [dummy] * 9 + [0] * 11, {}
+    kernel, consts = _gemm_kernel, {}
     if not INTERPRET:
         triton.set_allocator(_scratch)  # in-kernel tensor descriptors (TMA configs) live in global scratch
-    if epilogue is not None:
-        act, fmt, qo, gate, stats, role = epilogue
-        fixed = stats.scale(role, fmt) if stats is not None else None
-        amax, counts = _stats_buffers(stats, role, dummy)
-        q, s, qt, st = qo["q"], qo["s"], qo["qt"], qo["st"]
-        g, sums = gate if gate is not None else q, qo.get("colsum", dummy)
-        quant_args = [q, s, qt, st, fixed if fixed is not None else dummy, amax, counts, g, sums, qt.stride(0)]
-        quant_args += [*q.stride(), *s.stride(), *qt.stride(), *st.stride(), *g.stride()]
-        quant_consts = {"QUANT_ACT": ACTIVATIONS[act], "FP8_MAX": fmt.max, "OVERFLOW": fmt.overflow}
-        quant_consts |= {"MANT": fmt.mantissa, "EMIN": fmt.min_exp, "FIXED": fixed is not None}
-        quant_consts |= {"AMAX": amax is not dummy, "STATS": counts is not dummy, "COLSUM": sums is not dummy}
-        quant_consts |= {"FMA": not INTERPRET, **_config_consts(config or QUANT_EPILOGUE_CONFIG, True, False)}
-        kernel = _gemm_kernel.fn  # no autotuning runs (they would repeat the counters' atomics)
-    elif config is not None:
-        quant_consts = _config_consts(config, False, grouped_b)
+    if config is not None:
+        unknown = set(config) - set(GEMM_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"gemm config: unknown keys {sorted(unknown)}; use {GEMM_CONFIG_KEYS}")
+        if not _config_fits(config, grouped_m=grouped_b, tile_b=b_tiles, tma_ok=tma_ok):
+            raise ValueError(
+                f"gemm config {config}: does not fit the launch (expert groups: 128-row tiles, no TMA; weight tile "
+                f"scales: at most 128-wide tiles; TMA: K-contiguous operands with 16-byte aligned rows)"
+            )
+        consts = {"BLOCK_M": BLOCK, "BLOCK_N": BLOCK, "GROUP_SIZE_M": 8, **config}
         kernel = _gemm_kernel.fn
-    if quant_consts.get("TMA") and not all(t.stride(-1) == 1 and t.stride(-2) % 16 == 0 for t in (a, b)):
-        raise ValueError("gemm config: TMA needs K-contiguous operands with 16-byte aligned rows")
-    # tiles tuned once per output width and reduction depth (a power-of-two bucket of it: token counts vary)
     kernel[grid](
         a,
         b,
@@ -998,14 +843,14 @@ def _launch_gemm(a, sa, b, sb, out, bias, tile_group, k_bounds, b_tiles, epilogu
         *sb.stride()[-2:],
         n,
         m if k_bounds is not None else triton.next_power_of_2(k),  # a weight gradient reduces over the token count
-        *quant_args,
+        int(tma_ok),
         HAS_BIAS=bias is not None,
         GROUP_M=grouped_b,
         GROUP_K=k_bounds is not None,
         TILE_B=b_tiles,
         EVEN_K=k_bounds is not None or k % BLOCK == 0,
         BLOCK_K=BLOCK,
-        **quant_consts,
+        **consts,
     )
 
 
@@ -1113,13 +958,10 @@ class _Fp8Mlp(torch.autograd.Function):
         x2 = x.reshape(-1, shape[-1])
         xq = quantize(x2, E4M3, rows=True, cols=True, stats=stats, role=0, backend=be)
         w1q = quantize(w1.detach(), E4M3, tile=True, cols=True, stats=stats, role=1, backend=be)
-        if _cublas_fits(xq["q"], w1.shape[0], recipe):
-            h = _weight_gemm(xq["q"], xq["s"], w1q["q"], w1q["s"], dtype, recipe, bias=b1)
-            gq = quantize(h, E4M3, rows=True, cols=True, act="gelu", stats=stats, role=2, backend=be)
-        else:  # gelu and both its quantizations in fc1's epilogue: h is stored (the backward's), not read back
-            fc1 = {"bias": b1, "b_tiles": True, "stats": stats, "role": 2, "backend": be}
-            gq = gemm_quantize(xq["q"], xq["s"], w1q["q"], w1q["s"], dtype, E4M3, act="gelu", **fc1)
-            h = gq["c"]
+        # gelu and both its quantizations in one pass over h (a quantizing epilogue in fc1's GEMM measured slower than
+        # the GEMM and this pass: docs/benchmarks.md, 2026-12-02 09:24 UTC)
+        h = _weight_gemm(xq["q"], xq["s"], w1q["q"], w1q["s"], dtype, recipe, bias=b1)
+        gq = quantize(h, E4M3, rows=True, cols=True, act="gelu", stats=stats, role=2, backend=be)
         w2q = quantize(w2.detach(), E4M3, tile=True, cols=True, stats=stats, role=3, backend=be)
         y = _weight_gemm(gq["q"], gq["s"], w2q["q"], w2q["s"], dtype, recipe, bias=b2)
         ctx.save_for_backward(xq["qt"], xq["st"], h, gq["qt"], gq["st"], w1q["qt"], w1q["st"], w2q["qt"], w2q["st"])
@@ -1136,14 +978,10 @@ class _Fp8Mlp(torch.autograd.Function):
         dyq = quantize(dy2, fmt, rows=True, cols=True, colsum=ctx.has_bias[1], stats=stats, role=4, backend=be)
         dw2 = _rows_gemm(dyq["qt"], dyq["st"], gqt, gst, torch.float32, recipe)
         # dgrad of fc2 reduces over its outputs: w2^T's tiles, scales per row of w2^T; then gelu's backward, both
-        # quantizations of dh and the bias gradient: in the GEMM's epilogue (dg not stored), or after cuBLAS's GEMM
-        # in one pass over dg and h
+        # quantizations of dh and the bias gradient in one pass over dg and h
+        dg = _weight_gemm(dyq["q"], dyq["s"], w2qt, w2st, h.dtype, recipe)
         bwd = {"act": "gelu_bwd", "gate": h, "colsum": ctx.has_bias[0], "stats": stats, "role": 5, "backend": be}
-        if _cublas_fits(dyq["q"], w2qt.shape[0], recipe):
-            dg = _weight_gemm(dyq["q"], dyq["s"], w2qt, w2st, h.dtype, recipe)
-            dhq = quantize(dg, fmt, rows=True, cols=True, **bwd)
-        else:
-            dhq = gemm_quantize(dyq["q"], dyq["s"], w2qt, w2st, h.dtype, fmt, b_tiles=True, **bwd)
+        dhq = quantize(dg, fmt, rows=True, cols=True, **bwd)
         dx = _weight_gemm(dhq["q"], dhq["s"], w1qt, w1st, ctx.x_dtype, recipe)
         dw1 = _rows_gemm(dhq["qt"], dhq["st"], xqt, xst, torch.float32, recipe)
         db1 = dhq.get("colsum")

@@ -263,8 +263,6 @@ def quantize_bench(device, tokens, moe_tokens, log) -> list[dict]:
 
 # -- GEMM sweep: our kernel's tile configs at each GEMM of the MLP block, against the references -------------------
 
-EPILOGUE_SITES = ("fc1_fwd+gelu", "fc2_dgrad+gelu_bwd")  # ours quantizes the output there
-
 
 @dataclass
 class SweepSite:
@@ -284,8 +282,8 @@ class SweepSite:
 
     @property
     def kind(self) -> str:
-        """epilogue (ours quantizes its output) | rows (a weight gradient: both operands 1x128-scaled) | weight"""
-        return "epilogue" if self.name in EPILOGUE_SITES else "rows" if self.name.startswith("dw") else "weight"
+        """rows (a weight gradient: both operands 1x128-scaled) | weight (a weight's 128x128 tile scales)"""
+        return "rows" if self.name.startswith("dw") else "weight"
 
 
 def sweep_operands(tokens: int, jagged: int, dim: int, hidden: int, device) -> dict[str, Any]:
@@ -311,11 +309,10 @@ def sweep_operands(tokens: int, jagged: int, dim: int, hidden: int, device) -> d
 
 
 def sweep_sites(ops: dict[str, Any], tokens: int, jagged: int) -> list[SweepSite]:
-    """The six GEMMs of the MLP block's forward and backward (fc1 and fc2's dgrad with and without their quantizing
-    epilogues), the weight gradients at `tokens` and at `jagged` rows. References: bf16 torch.mm of the same
-    product, cuBLAS's block-scaled F.scaled_mm as `fp8._weight_gemm`/`fp8._rows_gemm` call it (K a multiple of 128;
-    plus the separate quantization where ours fuses it), torch._scaled_mm row-wise (K a multiple of 16)."""
-    bf, w1, w2, e4m3, bf16, f32 = ops["bf16"], ops["w1"], ops["w2"], fp8.E4M3, torch.bfloat16, torch.float32
+    """The six GEMMs of the MLP block's forward and backward, the weight gradients at `tokens` and at `jagged` rows.
+    References: bf16 torch.mm of the same product, cuBLAS's block-scaled F.scaled_mm as `fp8._weight_gemm`/
+    `fp8._rows_gemm` call it (K a multiple of 128), torch._scaled_mm row-wise (K a multiple of 16)."""
+    bf, w1, w2, bf16, f32 = ops["bf16"], ops["w1"], ops["w2"], torch.bfloat16, torch.float32
     dim, hidden = w1["q"].shape[1], w1["q"].shape[0]
     cublas = fp8.Fp8Recipe(gemm="cublas")
 
@@ -324,25 +321,19 @@ def sweep_sites(ops: dict[str, Any], tokens: int, jagged: int) -> list[SweepSite
         ones_b = torch.ones(1, b.shape[0], device=a.device)
         return lambda: torch._scaled_mm(a, b.T, ones_a, ones_b, out_dtype=bf16)
 
-    def weight_site(name, a, w, wq, out_dtype, bias=None, act=None, gate=None):
+    def weight_site(name, a, w, wq, out_dtype, bias=None):
         """a (M, K) 1x128-scaled times a weight's 128x128 tiles `wq` (N, K); bf16 peer a_bf16 @ w."""
         aq, a_bf16 = a
 
         def ours(config):
-            if act is None:
-                return fp8.gemm(aq["q"], aq["s"], wq[0], wq[1], out_dtype, bias=bias, b_tiles=True, config=config)
-            kw = {"act": act, "gate": gate, "colsum": act == "gelu_bwd", "bias": bias, "b_tiles": True}
-            return fp8.gemm_quantize(aq["q"], aq["s"], wq[0], wq[1], out_dtype, e4m3, config=config, **kw)
-
-        def blockwise():
-            c = fp8._weight_gemm(aq["q"], aq["s"], wq[0], wq[1], out_dtype, cublas, bias=bias)
-            if act is not None:
-                fp8.quantize(c, e4m3, cols=True, act=act, gate=gate, colsum=act == "gelu_bwd")
+            return fp8.gemm(aq["q"], aq["s"], wq[0], wq[1], out_dtype, bias=bias, b_tiles=True, config=config)
 
         m, k = aq["q"].shape
         refs: dict[str, Callable[[], Any]] = {"bf16 torch.mm": lambda: a_bf16 @ w}
         if aq["q"].is_cuda:
-            refs["cuBLAS block-scaled F.scaled_mm" + (" + quantize" if act else "")] = blockwise
+            refs["cuBLAS block-scaled F.scaled_mm"] = lambda: fp8._weight_gemm(
+                aq["q"], aq["s"], wq[0], wq[1], out_dtype, cublas, bias=bias
+            )
             refs["row-wise torch._scaled_mm"] = rowwise(aq["q"], wq[0])
         return SweepSite(name, m, wq[0].shape[0], k, ours, refs)
 
@@ -366,10 +357,8 @@ def sweep_sites(ops: dict[str, Any], tokens: int, jagged: int) -> list[SweepSite
     w1t_tiles, w2t_tiles = (w1["qt"], w1["st"]), (w2["qt"], w2["st"])
     x, g, dy, dh = [(ops[n], bf[b]) for n, b in (("x", "x"), ("g", "h"), ("dy", "dy"), ("dh", "dh"))]
     sites = [
-        weight_site("fc1_fwd+gelu", x, ops["w1_bf16"].T, w1_tiles, bf16, ops["b1"], "gelu"),
         weight_site("fc1_fwd", x, ops["w1_bf16"].T, w1_tiles, bf16, ops["b1"]),
         weight_site("fc2_fwd", g, ops["w2_bf16"].T, w2_tiles, bf16, ops["b2"]),
-        weight_site("fc2_dgrad+gelu_bwd", dy, ops["w2_bf16"], w2t_tiles, bf16, None, "gelu_bwd", bf["h"]),
         weight_site("fc2_dgrad", dy, ops["w2_bf16"], w2t_tiles, bf16),
         weight_site("fc1_dgrad", dh, ops["w1_bf16"], w1t_tiles, f32),
     ]
@@ -390,23 +379,22 @@ def sweep_sites(ops: dict[str, Any], tokens: int, jagged: int) -> list[SweepSite
 
 # (BLOCK_M, BLOCK_N, warps) per kind of site that compile for sm_90 unspilled at 2-5 stages (the weight gradients'
 # masked last K block costs registers: there 64- and 256-wide tiles spill unless loaded by TMA), likeliest first;
-# tests/kernels/test_fp8_sm90_compile.py compiles them
+# tests/kernels/test_fp8_sm90_compile.py compiles them. A weight's tile scales: at most 128 wide (`fp8._config_fits`)
 SWEEP_TILES = {
-    "weight": [(128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 256, 8), (64, 64, 4), (128, 64, 8)],
+    "weight": [(128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 64, 4), (128, 64, 8)],
     "rows": [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
-    "epilogue": [(128, 128, 8)],
 }
 SWEEP_TMA_TILES = [(128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 256, 8)]  # "rows": by TMA, unspilled
-SWEEP_VARIANTS = [{"DEFER": True}, {"TMA": True}, {"TMA": True, "WS": True}]
 SHARED_MEMORY = 232448  # bytes one program may use on an H100/H200
 
 
 def sweep_configs(kind: str) -> list[dict]:
     """Our kernel's candidate configs (`fp8.GEMM_CONFIG_KEYS`) for a kind of site (`SweepSite.kind`), likeliest
-    first (a time budget may cut the tail): the leading tiles of `SWEEP_TILES` at 3 stages; their structural variants
-    (`SWEEP_VARIANTS`: DEFER not with the epilogue, WS at 4 warps only, where the compiler specializes; the weight
-    gradients instead: TMA loads of `SWEEP_TMA_TILES` at 3 and 4 stages); GROUP_SIZE_M 4 and 16 on the first tile;
-    then the rest of the tiles at 3, 4, 2 and 5 stages where the stages fit the shared memory."""
+    first (a time budget may cut the tail): the leading tiles of `SWEEP_TILES` at 3 stages; the same tiles loaded by
+    TMA (the weight gradients: `SWEEP_TMA_TILES` at 3 and 4 stages); GROUP_SIZE_M 4 and 16 on the first tile; then
+    the rest of the tiles at 3, 4, 2 and 5 stages where the stages fit the shared memory. The warp-specialized TMA
+    loop (wrong results at 128x64, slower everywhere) and the deferred scaling (slower everywhere) were dropped after
+    the sweep of 2026-12-02 09:24 UTC (docs/benchmarks.md)."""
 
     def fits(bm, bn, stages):
         return stages * (bm + bn) * fp8.BLOCK <= SHARED_MEMORY
@@ -421,28 +409,15 @@ def sweep_configs(kind: str) -> list[dict]:
     lead = grid[: min(3, len(tiles))]
     if kind == "rows":
         tma = [
-            {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True, **ws}
+            {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": warps, "num_stages": stages, "TMA": True}
             for stages in (3, 4)
             for bm, bn, warps in SWEEP_TMA_TILES
-            for ws in ({}, {"WS": True})
-            if fits(bm, bn, stages) and (warps == 4 or not ws)
+            if fits(bm, bn, stages)
         ]
     else:
-        tma = [
-            {**t, **v}
-            for t in lead
-            for v in SWEEP_VARIANTS
-            if (kind == "weight" or "DEFER" not in v) and (t["num_warps"] == 4 or "WS" not in v)
-        ]
+        tma = [{**t, "TMA": True} for t in lead]
     groups = [{**lead[0], "GROUP_SIZE_M": g} for g in (4, 16)]
     return lead + tma + groups + grid[len(lead) :]
-
-
-def sweep_output(out: Any) -> torch.Tensor:
-    """What a site's call returns, as one fp32 tensor to compare across configs (the epilogue's: qt then st)."""
-    if isinstance(out, dict):
-        return torch.cat([out["qt"].float().flatten(), out["st"].float().flatten()])
-    return out.float()
 
 
 def gemm_sweep(
@@ -475,7 +450,7 @@ def gemm_sweep(
             except Exception as exc:  # noqa: BLE001 - a failing peer is reported, not fatal
                 log(f"sweep {site.name} {name}: failed {exc!r}")
         started = time.monotonic()
-        defaults[site.name] = sweep_output(site.ours(None))
+        defaults[site.name] = site.ours(None).float()
         record(site, "ours (as the op runs it)", None, lambda site=site: site.ours(None), None, started)
     ranked = {site.name: configs(site.kind) for site in sites}
     for rank in range(max(len(c) for c in ranked.values())):
@@ -488,7 +463,7 @@ def gemm_sweep(
                 continue
             started = time.monotonic()
             try:
-                err = rel(sweep_output(site.ours(config)), defaults[site.name])
+                err = rel(site.ours(config).float(), defaults[site.name])
                 record(site, "ours", config, lambda site=site, config=config: site.ours(config), err, started)
             except Exception as exc:  # noqa: BLE001 - a config that fails to compile or run costs only itself
                 log(f"sweep {site.name} {config}: failed {str(exc)[:300]!r}")

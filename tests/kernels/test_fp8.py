@@ -173,20 +173,50 @@ def test_emulated_grouped_swiglu_matches_fp32():
 
 
 def test_autotuned_gemm_configs_fit_each_launch():
-    """Expert-grouped GEMMs keep 128-row tiles without TMA; TMA only with K-contiguous, 16-byte aligned rows."""
-    import triton
+    """The autotuner's candidates per launch: expert groups (GROUP_M) only the 128x128 tile without TMA; a weight's
+    tile scales (TILE_B) at most 128-wide tiles; TMA only where the launcher found both operands K-contiguous with
+    16-byte aligned rows (TUNE_TMA, part of the key: a choice cached for one launch never reaches the other)."""
+    configs = [fp8._triton_config(c) for c in fp8.GEMM_TUNED]
 
-    def config(bm, tma=False):
-        return triton.Config({"BLOCK_M": bm, "BLOCK_N": 128, "GROUP_SIZE_M": 8, "TMA": tma}, num_warps=4)
+    def kept(tma: int, **launch) -> list[int]:
+        return [configs.index(c) for c in fp8._prune_gemm_configs(configs, {"TUNE_TMA": tma}, **launch)]
 
-    configs = [config(128), config(64), config(128, True), config(64, True)]
-    aligned = {"sak": 1, "sbk": 1, "sam": 4096, "sbn": 1024}
-    pick = fp8._prune_gemm_configs
+    grouped_m = [i for i, c in enumerate(fp8.GEMM_TUNED) if c["BLOCK_M"] == 128 and not c.get("TMA")]
+    assert kept(1, GROUP_M=True, TILE_B=True) == kept(0, GROUP_M=True, TILE_B=True) == grouped_m and grouped_m
+    weight = [i for i, c in enumerate(fp8.GEMM_TUNED) if c["BLOCK_N"] <= 128]
+    assert kept(1, GROUP_M=False, TILE_B=True) == weight and len(weight) < len(configs)
+    assert kept(1, GROUP_M=False, TILE_B=False) == list(range(len(configs)))
+    no_tma = [i for i, c in enumerate(fp8.GEMM_TUNED) if not c.get("TMA")]
+    assert kept(0, GROUP_M=False, TILE_B=False) == kept(0, GROUP_M=False, TILE_B=True) == no_tma and no_tma
+    assert "TUNE_TMA" in fp8._gemm_kernel.keys
 
-    def shapes(kept):
-        return [(c.kwargs["BLOCK_M"], c.kwargs.get("TMA", False)) for c in kept]
 
-    assert shapes(pick(configs, aligned, GROUP_M=False)) == [(128, False), (64, False), (128, True), (64, True)]
-    assert shapes(pick(configs, aligned, GROUP_M=True)) == [(128, False)]
-    assert shapes(pick(configs, {**aligned, "sam": 1000}, GROUP_M=False)) == [(128, False), (64, False)]
-    assert shapes(pick(configs[1:2], aligned, GROUP_M=True)) == [(128, False)]  # a fallback when none fits
+def test_gemm_autotune_key_ignores_the_token_count():
+    """A batch's token count (the rows of fc1, fc2 and their dgrads; the weight gradients' reduction depth) does not
+    re-tune the GEMM: M is not in the autotuner's key and K is bucketed to a power of two. Launches recorded on CPU
+    tensors laid out as on the GPU (`quantize`'s column-major scales and 16-byte aligned "qt" rows)."""
+    tuner = fp8._gemm_kernel
+    keys = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **consts):
+                named = {**dict(zip(tuner.arg_names, args)), **consts}
+                dtypes = [str(v.dtype) for v in named.values() if hasattr(v, "dtype")]
+                keys.append(tuple(named[k] for k in tuner.keys) + tuple(dtypes))
+
+            return launch
+
+    f8 = torch.float8_e4m3fn
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(fp8, "_gemm_kernel", Recorder())
+        for tokens in (191_237, 196_608):
+            a, sa = torch.empty(tokens, 1024, dtype=f8), torch.empty(8, tokens).mT
+            w, sw = torch.empty(4096, 1024, dtype=f8), torch.empty(32, 8)
+            fp8.gemm(a, sa, w, sw, torch.bfloat16, bias=torch.empty(4096), b_tiles=True)
+            dy, g = (fp8.aligned_rows((n, tokens), "cpu", f8) for n in (1024, 4096))
+            sdy, sg = (torch.empty(-(-tokens // 128), n).mT for n in (1024, 4096))
+            fp8.gemm(dy, sdy, g, sg, torch.float32)
+    fc1, dw2, fc1_again, dw2_again = keys
+    assert fc1 == fc1_again and dw2 == dw2_again and fc1 != dw2
+    assert dw2[tuner.keys.index("TUNE_TMA")] == 1  # aligned "qt" rows: the TMA configs are candidates

@@ -70,43 +70,29 @@ def test_gemm_matches_dequantized_fp32(b_tiles):
     assert _rel(got, ref) < 5e-3  # bf16 output rounding
 
 
-@pytest.mark.parametrize("delayed", [False, True], ids=["dynamic", "delayed"])
-@pytest.mark.parametrize("act", ["gelu", "gelu_bwd"])
-def test_gemm_quantize_epilogue_is_the_unfused_path_bit_for_bit(act, delayed):
-    """The GEMM's quantizing epilogue (fc1: gelu; fc2's dgrad: times gelu'(h), e5m2, bias gradient) against gemm then
-    quantize (bf16 c) at a jagged token count, with counters."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    fmt = fp8.E4M3 if act == "gelu" else fp8.E5M2
-    a = fp8.quantize(torch.randn(3001, 1024, device="cuda", generator=gen), fmt)
+def test_every_tuned_gemm_config_gives_the_autotuned_result_bit_for_bit():
+    """Each autotuner candidate (`fp8.GEMM_TUNED`) that fc1 (a weight's tile scales, bias, bf16 out), a weight
+    gradient (aligned "qt" operands at a jagged token count) or the experts' weight gradient (by K range) may take
+    gives the autotuned launch's values exactly: the same fp32 accumulation order whichever tile the autotuner
+    picks."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    a = fp8.quantize(torch.randn(3001, 1024, device="cuda", generator=gen), fp8.E4M3, cols=True)
     w = fp8.quantize(torch.randn(4096, 1024, device="cuda", generator=gen) / 32, fp8.E4M3, tile=True)
-    bias = torch.randn(4096, device="cuda", generator=gen) if act == "gelu" else None
-    gate = torch.randn(3001, 4096, device="cuda", generator=gen).bfloat16() if act == "gelu_bwd" else None
-    kwargs = {"act": act, "gate": gate, "colsum": act == "gelu_bwd"}
-    runs = []
-    for fused in (True, False):
-        stats = fp8.Fp8Stats(("act",), 2 if delayed else 0, a["q"].device, collect=True)
-        if delayed:
-            stats.history[0, 0] = 2.0  # saturates some values
-        if fused:
-            q = fp8.gemm_quantize(
-                a["q"], a["s"], w["q"], w["s"], torch.bfloat16, fmt, bias=bias, b_tiles=True, stats=stats, **kwargs
-            )
-        else:
-            c = fp8.gemm(a["q"], a["s"], w["q"], w["s"], torch.bfloat16, bias=bias, b_tiles=True)
-            q = fp8.quantize(c, fmt, cols=True, stats=stats, **kwargs)
-            if act == "gelu":
-                q["c"] = c
-        runs.append((q, stats))
-    (q, stats), (q_ref, stats_ref) = runs
-    assert q.keys() == q_ref.keys()
-    for key in q:
-        if key == "colsum":  # fp32 atomics in another order
-            assert torch.allclose(q[key], q_ref[key], rtol=1e-5, atol=1e-3), key
-        else:
-            assert q[key].dtype == q_ref[key].dtype and torch.equal(q[key].float(), q_ref[key].float()), key
-    padded = q["qt"].as_strided((4096, q["qt"].stride(0)), q["qt"].stride())
-    assert padded[:, 3001:].float().eq(0).all()
-    assert torch.equal(stats.counts, stats_ref.counts) and torch.equal(stats.amax, stats_ref.amax)
+    h = fp8.quantize(torch.randn(3001, 4096, device="cuda", generator=gen), fp8.E4M3, cols=True)
+    bias = torch.randn(4096, device="cuda", generator=gen)
+    x, g = (fp8.quantize(torch.randn(3072, n, device="cuda", generator=gen), fp8.E4M3, cols=True) for n in (256, 512))
+    bounds = torch.tensor([0, 1024, 1024, 3072], device="cuda", dtype=torch.int32)
+    launches = [
+        ((a["q"], a["s"], w["q"], w["s"], torch.bfloat16), {"bias": bias, "b_tiles": True}, True),
+        ((a["qt"], a["st"], h["qt"], h["st"], torch.float32), {}, False),
+        ((x["qt"], x["st"], g["qt"], g["st"], torch.float32), {"k_bounds": bounds}, False),
+    ]
+    for args, kw, tile_b in launches:
+        default = fp8.gemm(*args, **kw)
+        fits = [c for c in fp8.GEMM_TUNED if fp8._config_fits(c, grouped_m=False, tile_b=tile_b, tma_ok=True)]
+        assert fp8._tma_ok(args[0], args[2]) and len(fits) >= 4
+        for config in fits:
+            assert torch.equal(fp8.gemm(*args, **kw, config=config), default), config
 
 
 @pytest.mark.parametrize("grad,gemm", [("e4m3", "triton"), ("e5m2", "triton"), ("e4m3", "cublas")])

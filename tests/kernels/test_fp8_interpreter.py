@@ -1,7 +1,7 @@
 """The FP8 Triton kernels under the CPU interpreter (TRITON_INTERPRET=1, fp32 carriers on the fp8 grid) against the
 torch reference: quantization in every mode (bit-exact), the block-scaled GEMM (plain, grouped by M tile, grouped by
-K range), and both ops forward and backward. Run in a subprocess by test_attention_interpreter_subprocess.py when this
-process imported triton without the interpreter."""
+K range; every autotuner candidate bit for bit), and both ops forward and backward. Run in a subprocess by
+test_attention_interpreter_subprocess.py when this process imported triton without the interpreter."""
 
 import pytest
 import torch
@@ -99,43 +99,50 @@ def test_gemm_plain_grouped_m_and_grouped_k(k):
     assert t.shape == (3, 70, 50) and _rel(t, r) < 1e-6 and t[1].eq(0).all()
 
 
-@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("act", ["gelu", "gelu_bwd"])
-def test_gemm_quantize_epilogue_is_the_unfused_path_bit_for_bit(act, out_dtype):
-    """The GEMM's quantizing epilogue (fc1: gelu of h as stored; fc2's dgrad: times gelu'(h), with the bias gradient)
-    against gemm then quantize, at a jagged row count: the last row tile masked, qt's padding rows zero; delayed
-    scales and counters too."""
-    gen = torch.Generator().manual_seed(5)
-    a = fp8.quantize(torch.randn(300, 256, generator=gen), fp8.E4M3, backend="reference")
-    w = fp8.quantize(torch.randn(384, 256, generator=gen) / 8, fp8.E4M3, tile=True, backend="reference")
-    bias = torch.randn(384, generator=gen) if act == "gelu" else None
-    gate = torch.randn(300, 384, generator=gen).to(out_dtype) if act == "gelu_bwd" else None
-    kwargs = {"act": act, "gate": gate, "colsum": act == "gelu_bwd"}
-    runs = []
-    for fused in (True, False):
-        stats = fp8.Fp8Stats(("act",), 2, a["q"].device, collect=True)
-        stats.history[0, 0] = 1.5  # a delayed scale that saturates some values
-        if fused:
-            q = fp8.gemm_quantize(
-                a["q"], a["s"], w["q"], w["s"], out_dtype, fp8.E4M3, bias=bias, b_tiles=True, stats=stats, **kwargs
-            )
-        else:
-            c = fp8.gemm(a["q"], a["s"], w["q"], w["s"], out_dtype, bias=bias, b_tiles=True)
-            q = fp8.quantize(c, fp8.E4M3, cols=True, stats=stats, **kwargs)
-            if act == "gelu":
-                q["c"] = c
-        runs.append((q, stats))
-    (q, stats), (q_ref, stats_ref) = runs
-    assert q.keys() == q_ref.keys() == {"q", "s", "qt", "st", "c" if act == "gelu" else "colsum"}
-    for key in q:
-        if key == "colsum":  # fp32 sums of the tiles' column sums, added in another order
-            assert torch.allclose(q[key], q_ref[key], rtol=1e-6, atol=1e-6)
-        else:
-            assert torch.equal(q[key], q_ref[key]), key
-    padded = q["qt"].as_strided((384, q["qt"].stride(0)), q["qt"].stride())
-    assert padded.shape[1] == 304 and padded[:, 300:].eq(0).all()
-    assert torch.equal(stats.counts, stats_ref.counts) and int(stats.counts[0, 0]) > 0
-    assert torch.equal(stats.amax, stats_ref.amax)
+def _tuned_launches() -> dict:
+    """name -> (gemm's positional args, its keywords, `fp8._config_fits`' launch): a weight's tile scales with a bias
+    at a jagged row count, K whole 128-blocks and K ragged (16-byte aligned rows: TMA's zero-filled tail); a weight
+    gradient over a jagged token count ("qt" operands as `quantize` lays them out); expert groups by M tile and by K
+    range."""
+    gen = torch.Generator().manual_seed(6)
+    e4m3, out = fp8.E4M3, {}
+    for k in (256, 320):
+        a = fp8.quantize(torch.randn(200, k, generator=gen), e4m3, backend="reference")
+        w = fp8.quantize(torch.randn(384, k, generator=gen), e4m3, tile=True, backend="reference")
+        kw = {"bias": torch.randn(384, generator=gen), "b_tiles": True}
+        out[f"weight K={k}"] = ((a["q"], a["s"], w["q"], w["s"], torch.float32), kw, (False, True))
+    x, g = (fp8.quantize(torch.randn(197, n, generator=gen), e4m3, rows=False, cols=True) for n in (128, 256))
+    out["weight gradient K=197"] = ((x["qt"], x["st"], g["qt"], g["st"], torch.float32), {}, (False, False))
+    a = fp8.quantize(torch.randn(384, 96, generator=gen), e4m3, backend="reference")
+    w = fp8.quantize(torch.randn(2, 80, 96, generator=gen), e4m3, tile=True, backend="reference")
+    kw = {"tile_group": torch.tensor([1, 0, -1], dtype=torch.int32), "b_tiles": True}
+    out["experts by M tile"] = ((a["q"], a["s"], w["q"], w["s"], torch.float32), kw, (True, True))
+    x, g = (fp8.quantize(torch.randn(384, n, generator=gen), e4m3, rows=False, cols=True) for n in (70, 256))
+    kw = {"k_bounds": torch.tensor([0, 128, 128, 384], dtype=torch.int32)}
+    out["experts by K range"] = ((x["qt"], x["st"], g["qt"], g["st"], torch.float32), kw, (False, False))
+    return out
+
+
+TUNED_FITS = {  # launch -> how many of `fp8.GEMM_TUNED` it may take
+    "weight K=256": 4,
+    "weight K=320": 4,
+    "weight gradient K=197": 5,
+    "experts by M tile": 1,
+    "experts by K range": 5,
+}
+
+
+def test_every_tuned_gemm_config_is_the_default_launch_bit_for_bit():
+    """Each autotuner candidate (`fp8.GEMM_TUNED`, as `fp8._config_fits` prunes them) at each kind of launch gives the
+    interpreter's own launch (128x128 tiles) bit for bit: whichever the autotuner picks on the GPU, the same values."""
+    assert len(fp8.GEMM_TUNED) == 5
+    for name, (args, kw, (grouped_m, tile_b)) in _tuned_launches().items():
+        default = fp8.gemm(*args, **kw)
+        tma_ok = fp8._tma_ok(args[0], args[2])
+        fits = [c for c in fp8.GEMM_TUNED if fp8._config_fits(c, grouped_m=grouped_m, tile_b=tile_b, tma_ok=tma_ok)]
+        assert len(fits) == TUNED_FITS[name], name
+        for config in fits:
+            assert torch.equal(fp8.gemm(*args, **kw, config=config), default), (name, config)
 
 
 def test_mlp_op_forward_and_backward_match_reference():
@@ -179,10 +186,8 @@ def test_grouped_swiglu_op_matches_reference():
 
 
 SWEEP_SHAPES = {  # site -> (M, N, K) at 256 tokens (197 for the jagged weight gradients), width 128, hidden 256
-    "fc1_fwd+gelu": (256, 256, 128),
     "fc1_fwd": (256, 256, 128),
     "fc2_fwd": (256, 128, 256),
-    "fc2_dgrad+gelu_bwd": (256, 256, 128),
     "fc2_dgrad": (256, 256, 128),
     "fc1_dgrad": (256, 128, 256),
     "dw2 K=256": (128, 256, 256),
@@ -219,15 +224,15 @@ def test_gemm_sweep_cli_writes_every_site_and_its_first_config(tmp_path):
 
 
 def test_gemm_sweep_variants_match_the_default_launch_and_the_fastest_wins():
-    """Every structural variant (64-row and 64/256-wide tiles, DEFER, TMA, warp-specialized TMA) at every site,
-    the quantizing epilogues included, gives the op's own result bit for bit; the best config is the fastest."""
+    """Every structural variant of the sweep's lead (64-row and 64-wide tiles, TMA; the weight gradients: 256-wide
+    tiles by TMA) at every site gives the op's own result bit for bit; the best config is the fastest."""
     from gemrec.components.trainer import fp8_bench
 
     sites = fp8_bench.sweep_sites(fp8_bench.sweep_operands(256, 197, 128, 256, "cpu"), 256, 197)
-    lead = {"weight": 11, "rows": 8, "epilogue": 2}  # the leading tiles and their variants
+    lead = {"weight": 6, "rows": 7}  # the leading tiles and their TMA forms
     configs = {kind: fp8_bench.sweep_configs(kind)[:count] for kind, count in lead.items()}
-    assert {k for c in configs["weight"] for k in c} >= {"BLOCK_M", "DEFER", "TMA", "WS"}
-    assert any(c.get("TMA") for c in configs["rows"]) and any(c.get("TMA") for c in configs["epilogue"])
+    assert {k for c in configs["weight"] for k in c} >= {"BLOCK_M", "TMA"}
+    assert any(c.get("TMA") and c["BLOCK_N"] == 256 for c in configs["rows"])
     clock = iter(range(10_000, 0, -1))  # every call "faster" than the one before
 
     def timer(fn):
@@ -246,15 +251,16 @@ def test_gemm_sweep_variants_match_the_default_launch_and_the_fastest_wins():
 
 def test_gemm_config_is_checked_against_the_launch():
     a, sa = torch.zeros(128, 128), torch.ones(128, 1)
+    unaligned, su = torch.zeros(128, 120), torch.ones(128, 1)
+    groups = {"tile_group": torch.zeros(1, dtype=torch.int32), "b_tiles": True}
     cases = [
-        ({"BLOCK_Q": 64}, {}),
-        ({"TMA": True, "DEFER": True}, {}),
-        ({"WS": True}, {}),
-        ({"BLOCK_N": 64}, {"act": "gelu"}),
+        ({"BLOCK_Q": 64}, (a, sa), {}),
+        ({"WS": True, "TMA": True}, (a, sa), {}),  # the warp-specialized loop is gone
+        ({"BLOCK_N": 256}, (a, sa), {"b_tiles": True}),
+        ({"TMA": True}, (unaligned, su), {}),
+        ({"BLOCK_M": 64}, (a, sa), groups),
+        ({"TMA": True}, (a, sa), groups),
     ]
-    for config, epilogue in cases:
+    for config, (x, sx), kw in cases:
         with pytest.raises(ValueError, match="gemm config"):
-            if epilogue:
-                fp8.gemm_quantize(a, sa, a, sa, torch.float32, fp8.E4M3, config=config, **epilogue)
-            else:
-                fp8.gemm(a, sa, a, sa, torch.float32, config=config)
+            fp8.gemm(x, sx, x, sx if not kw.get("b_tiles") else torch.ones(1, 1), torch.float32, config=config, **kw)

@@ -2,7 +2,7 @@
 gradient's reduction over an arbitrary token count streams its whole 128-deep blocks through cp.async; a GEMM with a
 weight's tile scales loads one scale per K block and scales with one multiply-add a value, unspilled; quantization
 at an arbitrary token count loads and stores 16 bytes at a time (the transposed copy too), unspilled, with no fp32
-copy of its fp8 values."""
+copy of its fp8 values; every autotuner candidate of the step's GEMMs unspilled."""
 
 import re
 
@@ -28,7 +28,7 @@ def weight_gradient_sass(tokens: int) -> str:
     sa, sb = (torch.empty(-(-tokens // 128), n).mT for n in (1024, 4096))
     dummy = torch.empty(1, dtype=torch.int32)
     args = [a, b, c, sa, sb, dummy, dummy, dummy, 1024, 4096, tokens, *a.stride(), 0, *b.stride(), 0, *c.stride()]
-    args += [*sa.stride(), 0, *sb.stride(), 4096, triton.next_power_of_2(tokens), *[dummy] * 9, *[0] * 11]
+    args += [*sa.stride(), 0, *sb.stride(), 4096, triton.next_power_of_2(tokens), 0]
     consts = {**CONSTS, "EVEN_K": tokens % 128 == 0, "GROUP_SIZE_M": 8}
     compiled = compile_jit(fp8._gemm_kernel.fn, args, consts, {"num_warps": 8, "num_stages": 3})
     return _cuobjdump(compiled, "--dump-sass")
@@ -50,7 +50,7 @@ def test_weight_gemm_reads_one_tile_scale_per_block_unspilled():
     sa, sb = torch.empty(k // 128, m).mT, torch.empty(n // 128, k // 128)
     dummy = torch.empty(1, dtype=torch.int32)
     args = [a, b, c, sa, sb, bias, dummy, dummy, m, n, k, *a.stride(), 0, *b.stride(), 0, *c.stride()]
-    args += [*sa.stride(), 0, *sb.stride(), n, k, *[dummy] * 9, *[0] * 11]  # no GELU_Q epilogue
+    args += [*sa.stride(), 0, *sb.stride(), n, k, 0]
     consts = {**CONSTS, "HAS_BIAS": True, "EVEN_K": True, "TILE_B": True, "GROUP_SIZE_M": 8}
     compiled = compile_jit(fp8._gemm_kernel.fn, args, consts, {"num_warps": 8, "num_stages": 3})
     sass = _cuobjdump(compiled, "--dump-sass")
@@ -64,50 +64,82 @@ TOKENS = 191_237  # a jagged token count: no multiple of 16
 BF16 = torch.bfloat16
 
 
-@pytest.mark.parametrize("act", ["gelu", "gelu_bwd"])
-def test_quantizing_epilogue_compiles_unspilled(act):
-    """fc1 (gelu; 191,237 tokens x 1024 -> 4096, bias) and fc2's dgrad (gelu_bwd; x 1024 -> 4096 times gelu'(h), e5m2,
-    bias gradient) with their epilogues (`gemm_quantize`), compiled as the launcher launches them on CUDA tensors
-    (recorded on CPU ones with the GPU's float8 carriers): activation and both quantizations in registers, fp8
-    straight from the saturating cast, 16-byte stores of q and the transposed qt."""
-    from gemrec.kernels.aot import _cuobjdump, resource_usage
+class Recorder:
+    """Stands in for `fp8._gemm_kernel` (and its `.fn`): records each launch instead of running it."""
 
-    compiled = epilogue_build(act)
-    sass = _cuobjdump(compiled, "--dump-sass")
-    # gelu_bwd: 200 bytes spilled in the epilogue (the x tile kept in two layouts, for the transposed copy) at 4, 8
-    # or 16 warps and 1-4 stages; gelu: none
-    assert resource_usage(compiled)["stack_bytes"] <= (0 if act == "gelu" else 200)
-    assert len(re.findall(r"QGMMA\.64x128x32\.F32\.E[45]M[23]\.E4M3", sass)) >= 4
-    assert re.search(r"F2FP\.SATFINITE\.E[45]M[23]", sass) and not re.search(r"F2FP\.F16\.E[45]M[23]\.UNPACK", sass)
-    assert len(re.findall(r"STG\.E\.128", sass)) >= 8 and not re.search(r"STG\.E\.(U8|U16)\b", sass)
+    def __init__(self):
+        self.launches = []
+
+    fn = property(lambda self: self)
+
+    def __getitem__(self, grid):
+        return lambda *args, **consts: self.launches.append((args, consts))
 
 
-def epilogue_build(act: str):
-    """`_gemm_kernel` with its quantizing epilogue as `gemm_quantize` launches it at the step's shapes."""
-    from gemrec.kernels.aot import compile_jit
+def compile_launches(launches) -> dict[str, dict]:
+    """str(config) -> `aot.resource_usage` of `_gemm_kernel` compiled for sm_90 as each recorded launch had it."""
+    from gemrec.kernels.aot import compile_jit, resource_usage
 
-    m, n, k = TOKENS, 4096, 1024
-    fmt = fp8.E4M3 if act == "gelu" else fp8.E5M2
-    a, b = torch.empty(m, k, dtype=fmt.dtype), torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    sa, sb = torch.empty(k // 128, m).mT, torch.empty(n // 128, k // 128)
-    kwargs = {"bias": torch.empty(n)} if act == "gelu" else {"gate": torch.empty(m, n, dtype=BF16), "colsum": True}
-    launches = []
+    usage = {}
+    for args, consts in launches:
+        consts = dict(consts)
+        config = {key: consts[key] for key in fp8.GEMM_CONFIG_KEYS if key in consts}
+        options = {key: consts.pop(key) for key in ("num_warps", "num_stages")}
+        usage[str(config)] = resource_usage(compile_jit(fp8._gemm_kernel.fn, args, consts, options))
+    return usage
 
-    class Recorder:
-        fn = property(lambda self: self)
 
-        def __getitem__(self, grid):
-            return lambda *args, **consts: launches.append((args, consts))
+def tuned_launch(name: str):
+    """(gemm's positional args, keywords, `fp8._config_fits`' launch) of the step's GEMMs, on CPU tensors with the
+    GPU's layouts and float8 dtypes: fc1 (bias, bf16 out), fc1's dgrad (fp32 out), a weight gradient over the jagged
+    token count ("qt" operands), the experts' GEMMs by M tile and by K range (h200-bench: 13,312 tokens, top-2 of
+    8)."""
+    f8 = torch.float8_e4m3fn
+    if name in ("fc1", "fc1_dgrad"):
+        k, n = (1024, 4096) if name == "fc1" else (4096, 1024)
+        a, sa = torch.empty(TOKENS, k, dtype=f8), torch.empty(k // 128, TOKENS).mT
+        w, sw = torch.empty(n, k, dtype=f8), torch.empty(n // 128, k // 128)
+        out = BF16 if name == "fc1" else torch.float32
+        kw = {"bias": torch.empty(n)} if name == "fc1" else {}
+        return (a, sa, w, sw, out), {**kw, "b_tiles": True}, (False, True)
+    rows = -(-(13_312 * 2 + 8 * 127) // 128) * 128  # `group_layout`'s capacity
+    if name == "experts_m":
+        a, sa = torch.empty(rows, 1024, dtype=f8), torch.empty(8, rows).mT
+        w, sw = torch.empty(8, 8192, 1024, dtype=f8), torch.empty(8, 64, 8)
+        kw = {"tile_group": torch.zeros(rows // 128, dtype=torch.int32), "b_tiles": True}
+        return (a, sa, w, sw, BF16), kw, (True, True)
+    k = TOKENS if name == "weight_gradient" else rows
+    a, b = (fp8.aligned_rows((n, k), "cpu", f8) for n in (1024, 4096))
+    sa, sb = (torch.empty(-(-k // 128), n).mT for n in (1024, 4096))
+    kw = {"k_bounds": torch.zeros(9, dtype=torch.int32)} if name == "experts_k" else {}
+    return (a, sa, b, sb, torch.float32), kw, (False, False)
 
-    kernel = fp8._gemm_kernel.fn
+
+@pytest.mark.parametrize("name", ["fc1", "fc1_dgrad", "weight_gradient", "experts_m", "experts_k"])
+def test_tuned_configs_compile_unspilled_within_shared_memory(name):
+    """Every autotuner candidate (`fp8.GEMM_TUNED`) that a launch of the step may take (`fp8._config_fits`), compiled
+    for sm_90 as the launcher launches it: none spills, all fit the shared memory."""
+    from gemrec.components.trainer import fp8_bench
+
+    args, kw, (grouped_m, tile_b) = tuned_launch(name)
+    tma_ok = fp8._tma_ok(args[0], args[2])
+    fits = [c for c in fp8.GEMM_TUNED if fp8._config_fits(c, grouped_m=grouped_m, tile_b=tile_b, tma_ok=tma_ok)]
+    assert fits and (tma_ok or grouped_m)
+    recorder = Recorder()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fp8, "_gemm_kernel", Recorder())
-        patch.setattr(fp8, "_carrier", lambda fmt, device: fmt.dtype)
-        fp8.gemm_quantize(a, sa, b, sb, BF16, fmt, act=act, b_tiles=True, **kwargs)
-    ((args, consts),) = launches
-    options = {key: consts.pop(key) for key in ("num_warps", "num_stages")}
-    assert consts["QUANT_ACT"] == fp8.ACTIVATIONS[act] and consts["FMA"] and consts["BLOCK_N"] == 128
-    return compile_jit(kernel, args, consts, options)
+        patch.setattr(fp8, "_gemm_kernel", recorder)
+        for config in fits:
+            fp8.gemm(*args, **kw, config=config)
+    usage = compile_launches(recorder.launches)
+    assert len(usage) == len(fits)
+    assert all(u["shared_bytes"] <= fp8_bench.SHARED_MEMORY for u in usage.values())
+    spilled = {c: u["stack_bytes"] for c, u in usage.items() if u["stack_bytes"]}
+    if name == "experts_k":
+        # the experts' weight gradients without TMA (their only candidates before TMA: 07c0008) spill 400 bytes, their
+        # K loop over runtime group bounds unpipelined (64 KiB of shared memory); the TMA candidates do not spill
+        assert list(spilled.values()) == [400] and all("TMA" not in c for c in spilled)
+    else:
+        assert not spilled
 
 
 QUANTIZE_MODES = {
@@ -131,17 +163,12 @@ def quantize_build(mode: str):
     from gemrec.kernels.aot import compile_jit
 
     (x, fmt), kwargs = QUANTIZE_MODES[mode]()
-    launches = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **consts: launches.append((args, consts))
-
+    recorder = Recorder()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fp8, "_quantize_kernel", Recorder())
+        patch.setattr(fp8, "_quantize_kernel", recorder)
         patch.setattr(fp8, "_carrier", lambda fmt, device: fmt.dtype)
         fp8.quantize(x, fmt, **kwargs)
-    (args, consts), *_ = launches
+    (args, consts), *_ = recorder.launches
     options = {"num_warps": consts.pop("num_warps")}
     return compile_jit(fp8._quantize_kernel, args, consts, options)
 
@@ -178,25 +205,16 @@ def sweep_operands_on_cpu(tokens: int, jagged: int, dim: int, hidden: int) -> di
     return ops
 
 
-@pytest.mark.parametrize("site_name", ["fc1_dgrad", "dw1 K=191237", "fc1_fwd+gelu"])
+@pytest.mark.parametrize("site_name", ["fc1_dgrad", "dw1 K=191237"])
 def test_sweep_candidates_compile_unspilled_within_shared_memory(site_name):
     """`fp8_bench.sweep_configs` at 3 stages (registers do not depend on the stages; the shared memory of the
     plain loop is what `sweep_configs` computes) and every TMA config, at the step's shapes: none spills, all fit
     (the weight gradients' masked last block is the tightest: a weight's fp32 output is fc1's dgrad)."""
     from gemrec.components.trainer import fp8_bench
-    from gemrec.kernels.aot import compile_jit, resource_usage
 
-    launches = []
-
-    class Recorder:
-        fn = property(lambda self: self)
-
-        def __getitem__(self, grid):
-            return lambda *args, **consts: launches.append((args, consts))
-
-    kernel = fp8._gemm_kernel.fn
+    recorder = Recorder()
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(fp8, "_gemm_kernel", Recorder())
+        patch.setattr(fp8, "_gemm_kernel", recorder)
         patch.setattr(fp8, "_carrier", lambda fmt, device: fmt.dtype)
         ops = sweep_operands_on_cpu(196_608, TOKENS, 1024, 4096)
         (site,) = [s for s in fp8_bench.sweep_sites(ops, 196_608, TOKENS) if s.name == site_name]
@@ -204,11 +222,7 @@ def test_sweep_candidates_compile_unspilled_within_shared_memory(site_name):
         for config in configs:
             if "GROUP_SIZE_M" not in config:
                 site.ours(config)
-    usage = {}
-    for args, consts in launches:
-        config = {key: consts[key] for key in fp8.GEMM_CONFIG_KEYS if key in consts}
-        options = {key: consts.pop(key) for key in ("num_warps", "num_stages")}
-        usage[str(config)] = resource_usage(compile_jit(kernel, args, consts, options))
-    assert len(usage) >= (2 if site.kind == "epilogue" else 10)
+    usage = compile_launches(recorder.launches)
+    assert len(usage) >= 8
     spilled = {c: u for c, u in usage.items() if u["stack_bytes"] or u["shared_bytes"] > fp8_bench.SHARED_MEMORY}
     assert not spilled
