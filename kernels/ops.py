@@ -388,26 +388,16 @@ class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_bias, pos_table, time_table, call):
         q_offsets, kv_offsets, q_timestamps, kv_timestamps, params, extra_params, options = call
-        args = (
-            q,
-            k,
-            v,
-            q_offsets,
-            kv_offsets,
-            *params,
-            attn_bias,
-            pos_table,
-            time_table,
-            q_timestamps,
-            kv_timestamps,
-            *extra_params,
-        )
+        tables = (attn_bias, pos_table, time_table, q_timestamps, kv_timestamps)
         if _direct(q):
-            problem = _problem(*args, options)
+            # `_problem` without its frame: (pos_max_distance, time_log_base), options, (window, block, rope_base)
+            problem = _kernels(q).Problem(
+                q, k, v, q_offsets, kv_offsets, *params, *tables, *extra_params[:2], options, *extra_params[2:]
+            )
             out, lse = triton_attention.forward(problem)
             ctx.problem = problem.bind(None)  # autograd saves the differentiable tensors
         else:
-            out, lse = attention_fwd(*args, options.flags)
+            out, lse = attention_fwd(q, k, v, q_offsets, kv_offsets, *params, *tables, *extra_params, options.flags)
             ctx.problem = None
         ctx.save_for_backward(q, k, v, out, lse, attn_bias, pos_table, time_table)
         ctx.call = call

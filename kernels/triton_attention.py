@@ -3558,7 +3558,7 @@ class _Kernel:
             bucket if tune else None,
             tma,
             options.gluon,
-            torch.cuda.current_device(),
+            torch._C._cuda_getDevice(),  # torch.cuda.current_device() without its lazy-init check: q is on CUDA
         )
         tuned = self.tuned.get(tune_key)
         if tuned is None:
@@ -3812,23 +3812,23 @@ class Problem:
             _len_bucket(q_rows),
             _len_bucket(k.shape[0]),
         )
-        self.consts = dict(
-            HEAD_DIM=self.head_dim,
-            MODE=mode,
-            CAUSAL=causal,
-            NORM=norm,
-            Q_STRIDE=0 if self.q_shared else 1,
-            KV_STRIDE=0 if self.kv_shared else 1,
-            HAS_AB=attn_bias is not None,
-            HAS_POS=pos_table is not None,
-            HAS_TIME=time_table is not None,
-            NUM_POS=self.num_pos,
-            NUM_TIME=self.num_time,
-            FAST=not INTERPRET,
-            WINDOW=int(window or 0),
-            MASK_BLOCK=int(block or 0),
-            ROPE=bool(rope_base),
-        )
+        self.consts = {
+            "HEAD_DIM": self.head_dim,
+            "MODE": mode,
+            "CAUSAL": causal,
+            "NORM": norm,
+            "Q_STRIDE": 0 if self.q_shared else 1,
+            "KV_STRIDE": 0 if self.kv_shared else 1,
+            "HAS_AB": attn_bias is not None,
+            "HAS_POS": pos_table is not None,
+            "HAS_TIME": time_table is not None,
+            "NUM_POS": self.num_pos,
+            "NUM_TIME": self.num_time,
+            "FAST": not INTERPRET,
+            "WINDOW": int(window or 0),
+            "MASK_BLOCK": int(block or 0),
+            "ROPE": bool(rope_base),
+        }
         self.block_d = max(16, _pow2_at_least(self.head_dim))
         self.window, self.mask_block, self.rope_base = int(window or 0), int(block or 0), float(rope_base or 0.0)
         self.rope = rope_frequencies(self.head_dim, self.rope_base, self.block_d, q.device) if rope_base else q_offsets
@@ -3975,6 +3975,7 @@ def _delta(p: Problem, out, grad_out, dq=None):
     def grid(meta):
         return (_cdiv(max(num_items, num_zero_items), meta["BLOCK_R"]),)
 
+    out_strides, go_strides = out.stride(), grad_out.stride()
     args = (
         out,
         grad_out,
@@ -3982,10 +3983,10 @@ def _delta(p: Problem, out, grad_out, dq=None):
         delta if dq is None else dq,
         num_items,
         num_zero_items,
-        out.stride(0),
-        out.stride(1),
-        grad_out.stride(0),
-        grad_out.stride(1),
+        out_strides[0],
+        out_strides[1],
+        go_strides[0],
+        go_strides[1],
         p.heads,
     )
     consts = {"HEAD_DIM": p.head_dim, "BLOCK_D": p.block_d, "ZERO_DQ": dq is not None}
