@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from gemrec.components.trainer.config import Fp8Config
 from gemrec.components.trainer.precision import after_step, convert_to_fp8
 from gemrec.kernels import fp8
+from gemrec.kernels.aot import HOPPER_SHARED_MEMORY
 from gemrec.model.layers import Mlp
 from gemrec.model.moe import MoEFeedForward
 from torch import nn
@@ -385,7 +386,6 @@ SWEEP_TILES = {
     "rows": [(128, 128, 8), (128, 64, 8), (64, 64, 4)],
 }
 SWEEP_TMA_TILES = [(128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 256, 8)]  # "rows": by TMA, unspilled
-SHARED_MEMORY = 232448  # bytes one program may use on an H100/H200
 
 
 def sweep_configs(kind: str) -> list[dict]:
@@ -397,7 +397,7 @@ def sweep_configs(kind: str) -> list[dict]:
     the sweep of 2026-12-02 09:24 UTC (docs/benchmarks.md)."""
 
     def fits(bm, bn, stages):
-        return stages * (bm + bn) * fp8.BLOCK <= SHARED_MEMORY
+        return stages * (bm + bn) * fp8.BLOCK <= HOPPER_SHARED_MEMORY
 
     tiles = SWEEP_TILES[kind]
     grid = [

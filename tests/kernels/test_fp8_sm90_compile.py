@@ -10,6 +10,7 @@ import pytest
 import torch
 import triton
 from gemrec.kernels import fp8
+from gemrec.kernels.aot import HOPPER_SHARED_MEMORY
 from gemrec.kernels.triton_attention import INTERPRET
 
 pytestmark = pytest.mark.skipif(INTERPRET, reason="needs triton's compiler, not its interpreter")
@@ -119,7 +120,6 @@ def tuned_launch(name: str):
 def test_tuned_configs_compile_unspilled_within_shared_memory(name):
     """Every autotuner candidate (`fp8.GEMM_TUNED`) that a launch of the step may take (`fp8._config_fits`), compiled
     for sm_90 as the launcher launches it: none spills, all fit the shared memory."""
-    from gemrec.components.trainer import fp8_bench
 
     args, kw, (grouped_m, tile_b) = tuned_launch(name)
     tma_ok = fp8._tma_ok(args[0], args[2])
@@ -132,7 +132,7 @@ def test_tuned_configs_compile_unspilled_within_shared_memory(name):
             fp8.gemm(*args, **kw, config=config)
     usage = compile_launches(recorder.launches)
     assert len(usage) == len(fits)
-    assert all(u["shared_bytes"] <= fp8_bench.SHARED_MEMORY for u in usage.values())
+    assert all(u["shared_bytes"] <= HOPPER_SHARED_MEMORY for u in usage.values())
     spilled = {c: u["stack_bytes"] for c, u in usage.items() if u["stack_bytes"]}
     if name == "experts_k":
         # the experts' weight gradients without TMA (their only candidates before TMA: 07c0008) spill 400 bytes, their
@@ -224,5 +224,5 @@ def test_sweep_candidates_compile_unspilled_within_shared_memory(site_name):
                 site.ours(config)
     usage = compile_launches(recorder.launches)
     assert len(usage) >= 8
-    spilled = {c: u for c, u in usage.items() if u["stack_bytes"] or u["shared_bytes"] > fp8_bench.SHARED_MEMORY}
+    spilled = {c: u for c, u in usage.items() if u["stack_bytes"] or u["shared_bytes"] > HOPPER_SHARED_MEMORY}
     assert not spilled
