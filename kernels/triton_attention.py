@@ -11,9 +11,10 @@ tiles only later rows see, unmasked ones every row sees whole, masked ones at th
 backward's key blocks likewise over query tiles (`_query_tiles`). Tiles no row sees are never visited. Without a
 window or block mask the loops are the plain causal ones, bit for bit. RoPE (ROPE, table `rope_frequencies`): q and
 k tiles are rotated as they load (`_rope_load`, halves interleaved: q.k unchanged; the forward's keys and the dK/dV
-kernel's queries also through descriptors of half rows) and gradients w.r.t. rotated tiles rotated back in fp32
-registers before they are stored (`_rope_store`; the dK/dV kernel's dQ partials are added up rotated and rotated back
-once, `_rope_dq_kernel`); no rotated copy in memory.
+kernel's queries also through descriptors of half rows; cos/sin in fp32, the rotation in the inputs' dtype, as a
+separate rotary does it: `_rope_rotate`) and gradients w.r.t. rotated tiles rotated back in fp32 registers before they
+are stored (`_rope_store`; the dK/dV kernel's dQ partials are added up rotated and rotated back once,
+`_rope_dq_kernel`); no rotated copy in memory.
 
 Backward: without score biases one kernel per key block computes dK, dV and adds its share of dQ into an
 fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients come from dQ-side tiles) or
@@ -251,13 +252,15 @@ def _visible(pos, cols, CAUSAL: tl.constexpr, WINDOW: tl.constexpr, MASK_BLOCK: 
 def _rope_cos_sin(pos, RF, BLOCK_D: tl.constexpr, FAST: tl.constexpr):
     """cos and sin, (rows, BLOCK_D // 2) fp32, of the rotary angles pos * theta^(-2m/D). RF holds each frequency in
     turns per position as hi + lo with hi of 8 significant bits, so pos * hi is exact (|pos| < 2^16) and the angle is
-    reduced to within half a turn before any rounding: accurate at every position, not only small ones."""
+    reduced to within half a turn before any rounding: accurate at every position, not only small ones. The whole
+    turns go by adding and subtracting 1.5 * 2^23 (the nearest integer for |t| < 2^22): two fp32 adds instead of a
+    floor (an FRND in SASS, beside the two MUFU ops)."""
     offs = tl.arange(0, BLOCK_D // 2)
     hi = tl.load(RF + offs)
     lo = tl.load(RF + BLOCK_D // 2 + offs)
     p = pos.to(tl.float32)[:, None]
     t = p * hi[None, :]
-    t = t - tl.floor(t + 0.5)
+    t = t - ((t + 12582912.0) - 12582912.0)
     a = (t + p * lo[None, :]) * 6.283185307179586
     if FAST:
         c = tl.inline_asm_elementwise("cos.approx.f32 $0, $1;", "=f,f", [a], dtype=tl.float32, is_pure=True, pack=1)
@@ -272,7 +275,7 @@ def _rope_cos_sin(pos, RF, BLOCK_D: tl.constexpr, FAST: tl.constexpr):
 def _rope_load(
     X, rows, stride_t, stride_h, h, pos, row_ok, RF, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr
 ):
-    """A (rows, head_dim) tile of head h rotated by its positions (rotate-half RoPE, in fp32, rounded to X's dtype),
+    """A (rows, head_dim) tile of head h rotated by its positions (rotate-half RoPE, in X's dtype: `_rope_rotate`),
     its halves interleaved: column 2m holds rotated column m, column 2m + 1 rotated column m + D/2. q and k get the
     same order, so q.k is that of the rotated vectors; gradients come back through `_rope_store`."""
     c, s = _rope_cos_sin(pos, RF, BLOCK_D, FAST)
@@ -292,11 +295,14 @@ def _rope_load_cs(X, rows, stride_t, stride_h, h, row_ok, c, s, HEAD_DIM: tl.con
 @triton.jit
 def _rope_rotate(x1, x2, c, s):
     """The rotated, interleaved tile (`_rope_load`) of the halves x1, x2 of a tile's rows, whose cos and sin are c, s
-    (fp32), in x1's dtype."""
-    a = x1.to(tl.float32)
-    b = x2.to(tl.float32)
-    r = tl.join(a * c - b * s, a * s + b * c)
-    return tl.reshape(r, (x1.shape[0], 2 * x1.shape[1])).to(x1.dtype)
+    (fp32), computed in x1's dtype as a separate rotary on the tensors is: for bf16, cos and sin rounded to bf16 and
+    packed bf16x2 multiplies and FMAs, without converting every element to fp32 and back (on the H200, window 1024 +
+    RoPE forward -5%, block 64 + RoPE forward -10%); the rotated tile's relative error is ~2.4e-3 instead of ~1.7e-3
+    (torch emulation at positions up to 16k, docs/benchmarks.md)."""
+    cl = c.to(x1.dtype)
+    sl = s.to(x1.dtype)
+    r = tl.join(x1 * cl - x2 * sl, x1 * sl + x2 * cl)
+    return tl.reshape(r, (x1.shape[0], 2 * x1.shape[1]))
 
 
 @triton.jit

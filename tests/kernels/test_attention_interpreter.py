@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from gemrec.kernels import KernelOptions, attention_flops, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels_module
 from hypothesis import HealthCheck, given, settings
@@ -476,6 +478,32 @@ def test_masks_and_rope_with_dq_fused_into_the_key_block_kernel(monkeypatch):
     compare([40, 20], [50, 20], op="silu", seed=36, window=30, block=32, rope_base=1000.0, options=SEPARATE)
     # shared seeds: each sequence's dQ rotated back at its own positions before the sum over sequences
     compare([4], [20, 0, 37], causal=True, seed=37, window=3, rope_base=10.0, options=SEPARATE)
+
+
+@triton.jit
+def _rope_cos_sin_kernel(POS, RF, C, S, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    rows = tl.arange(0, ROWS)
+    c, s = kernels_module._rope_cos_sin(tl.load(POS + rows), RF, BLOCK_D, False)
+    offs = rows[:, None] * (BLOCK_D // 2) + tl.arange(0, BLOCK_D // 2)[None, :]
+    tl.store(C + offs, c)
+    tl.store(S + offs, s)
+
+
+def test_rope_angles_accurate_at_long_positions():
+    """The kernels' cos/sin (`_rope_cos_sin`: whole turns removed exactly, by the 1.5 * 2^23 rounding) against float64
+    at positions up to +-65,535, where an angle rounded to fp32 before the reduction would be off by ~4e-3."""
+    head_dim, base = 128, 10000.0
+    gen = torch.Generator().manual_seed(0)
+    edges = [0, 1, 2, 63, 64, 4095, 4096, 16383, 16384, 32767, 65535, -1, -4097, -65535]
+    pos = torch.cat([torch.tensor(edges), torch.randint(-65535, 65536, (64 - len(edges),), generator=gen)])
+    pos = pos.to(torch.int32)
+    table = kernels_module.rope_frequencies(head_dim, base, head_dim, torch.device("cpu"))
+    c = torch.empty(64, head_dim // 2)
+    s = torch.empty_like(c)
+    _rope_cos_sin_kernel[(1,)](pos, table, c, s, ROWS=64, BLOCK_D=head_dim)
+    angles = pos.double()[:, None] * base ** (-2 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)
+    assert (c.double() - angles.cos()).abs().max() < 2e-5
+    assert (s.double() - angles.sin()).abs().max() < 2e-5
 
 
 def test_block_kernel_with_longer_queries_or_keys_and_fp16():
