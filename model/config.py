@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, Self
 
 from gemrec.config import ConfigError, Section, field_error
@@ -209,6 +209,9 @@ class ModelConfig(Section):
     moe_aux_loss_weight: float = 0.01
     # Task heads.
     head_hidden: int = 128
+    # child label -> parent label: the child's probability is the parent's times a learned conditional (ESMM, Ma et
+    # al. 2018: pCTCVR = pCTR x pCVR), for labels nested in another (love implies like); both models' heads.
+    task_parents: dict[str, str] = field(default_factory=dict)
     # gem: DCN-v2 cross layers (low rank) on the flattened tokens before the heads' trunk: x <- x0 * (U V x + b) + x,
     # explicit multiplicative crosses of every pair of token entries; 0 = none.
     head_cross_layers: int = 0

@@ -18,6 +18,7 @@ dlrm: embeddings + bottom MLP for dense features, pairwise dot interaction, top 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import assert_never, cast
 
 import torch
@@ -76,9 +77,11 @@ class TaskHeads(nn.Module):
     # buffers (registered in __init__)
     logit_offset: torch.Tensor  # (num_tasks,)
 
-    def __init__(self, in_dim: int, hidden: int, num_tasks: int):
+    def __init__(self, in_dim: int, hidden: int, labels: tuple[str, ...], parents: Mapping[str, str] | None = None):
         super().__init__()
+        num_tasks = len(labels)
         self.register_buffer("logit_offset", torch.zeros(num_tasks))
+        self.chain = _task_chain(labels, parents or {})
         self.trunk = nn.Linear(in_dim, hidden)
         tower = max(hidden // 2, 1)
         self.towers = nn.ModuleList(
@@ -87,7 +90,10 @@ class TaskHeads(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.gelu(self.trunk(x))
-        return torch.cat([tower(h) for tower in self.towers], dim=1) + self.logit_offset.to(h.dtype)
+        logits = torch.cat([tower(h) for tower in self.towers], dim=1)
+        if self.chain:
+            logits = _chained_logits(logits.float(), self.chain).to(h.dtype)
+        return logits + self.logit_offset.to(h.dtype)
 
     def flops(self, batch: int) -> tuple[int, int]:
         parts = [linear_flops(batch, self.trunk.in_features, self.trunk.out_features)]
@@ -95,6 +101,47 @@ class TaskHeads(nn.Module):
             linears = [m for m in cast(nn.Sequential, tower) if isinstance(m, nn.Linear)]
             parts += [linear_flops(batch, m.in_features, m.out_features) for m in linears]
         return add(*parts)
+
+
+def _task_chain(labels: tuple[str, ...], parents: Mapping[str, str]) -> list[tuple[int, int | None]]:
+    """(task, parent task or None) of every task, parents before their children; [] when no task has a parent."""
+    if not parents:
+        return []
+    for child, parent in parents.items():
+        for role, name in (("label", child), ("parent", parent)):
+            if name not in labels:
+                raise ValueError(
+                    f"model.task_parents: {role} {name!r} ({child} -> {parent}) is not one of the dataset's labels "
+                    f"({', '.join(labels)})"
+                )
+    order: list[tuple[int, int | None]] = []
+    placed: set[str] = set()
+    while len(order) < len(labels):
+        ready = [n for n in labels if n not in placed and (n not in parents or parents[n] in placed)]
+        if not ready:
+            cycle = ", ".join(f"{c} -> {p}" for c, p in parents.items() if c not in placed)
+            raise ValueError(f"model.task_parents has a cycle: {cycle}")
+        for name in ready:
+            placed.add(name)
+            order.append((labels.index(name), labels.index(parents[name]) if name in parents else None))
+    return order
+
+
+def _chained_logits(raw: torch.Tensor, chain: list[tuple[int, int | None]]) -> torch.Tensor:
+    """Logits of p_task = sigmoid(raw_task) * p_parent along `chain` (fp32 in, fp32 out)."""
+    log_p: list[torch.Tensor | None] = [None] * raw.shape[1]
+    out = list(raw.unbind(1))
+    for task, parent in chain:
+        own = F.logsigmoid(raw[:, task])
+        if parent is None:
+            log_p[task] = own
+            continue
+        parent_log_p = log_p[parent]
+        assert parent_log_p is not None  # _task_chain puts parents first
+        joint = (own + parent_log_p).clamp(max=-1e-7)
+        log_p[task] = joint
+        out[task] = joint - torch.log(-torch.expm1(joint))  # log p - log(1 - p)
+    return torch.stack(out, dim=1)
 
 
 class CrossNetwork(nn.Module):
@@ -337,7 +384,7 @@ class GEMModel(nn.Module):
         self.cross = None
         if config.head_cross_layers:
             self.cross = CrossNetwork(self.num_tokens * d, config.head_cross_layers, config.head_cross_rank)
-        self.heads = TaskHeads(self.num_tokens * d, config.head_hidden, schema.num_tasks)
+        self.heads = TaskHeads(self.num_tokens * d, config.head_hidden, schema.labels, config.task_parents)
         for module in self.modules():
             if isinstance(module, JaggedAttention):
                 module.backend, module.kernel_options = config.attention_backend, kernel_options
@@ -509,7 +556,10 @@ class DLRMModel(nn.Module):
         top_in = n * (n - 1) // 2 + n * emb
         self.top_mlp = _mlp([top_in, *config.dlrm_top_mlp])
         self.heads = TaskHeads(
-            config.dlrm_top_mlp[-1] if config.dlrm_top_mlp else top_in, config.head_hidden, schema.num_tasks
+            config.dlrm_top_mlp[-1] if config.dlrm_top_mlp else top_in,
+            config.head_hidden,
+            schema.labels,
+            config.task_parents,
         )
 
     def forward(self, inp: ModelInput) -> ModelOutput:

@@ -326,3 +326,41 @@ def test_head_cross_layers_start_as_the_plain_head_without_biases_and_train():
     torch.testing.assert_close(crossed(inp).logits, plain(inp).logits)
     loss(crossed(inp), torch.ones(4, 2)).backward()
     assert all(up.weight.grad.abs().sum() > 0 for up in crossed.cross.up)
+
+
+@pytest.mark.parametrize("arch", ["gem", "dlrm"])
+def test_task_parents_make_love_a_conditional_of_like(arch):
+    inp = random_input(SCHEMA, 6, 7, seed=3)
+    plain, chained = build(seed=0, arch=arch), build(seed=0, arch=arch, task_parents={"love": "like"})
+    chained.load_state_dict(plain.state_dict())
+    raw = plain(inp).logits
+    p = torch.sigmoid(chained(inp).logits)
+    torch.testing.assert_close(p[:, 0], torch.sigmoid(raw[:, 0]))
+    torch.testing.assert_close(p[:, 1], torch.sigmoid(raw[:, 0]) * torch.sigmoid(raw[:, 1]))
+    assert (p[:, 1] <= p[:, 0]).all()
+    loss(chained(inp), torch.tensor([[0.0, 0.0]] * 6)).backward()  # love's loss reaches like's tower too
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in chained.heads.towers[0].parameters())
+
+
+def test_task_parents_saturated_logits_stay_finite():
+    model = build(task_parents={"love": "like"})
+    with torch.no_grad():
+        for tower in model.heads.towers:
+            tower[-1].bias.fill_(60.0)
+    out = model(random_input(SCHEMA, 3, 4, seed=4))
+    assert torch.isfinite(out.logits).all()
+    loss(out, torch.ones(3, 2)).backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize(
+    ("parents", "message"),
+    [
+        ({"love": "click"}, "parent 'click' \\(love -> click\\) is not one of the dataset's labels \\(like, love\\)"),
+        ({"watch": "like"}, "label 'watch'"),
+        ({"love": "like", "like": "love"}, "task_parents has a cycle: love -> like, like -> love"),
+    ],
+)
+def test_task_parents_refuse_unknown_labels_and_cycles(parents, message):
+    with pytest.raises(ValueError, match=message):
+        build(task_parents=parents)
