@@ -112,7 +112,7 @@ def _task_chain(labels: tuple[str, ...], parents: Mapping[str, str]) -> list[tup
             if name not in labels:
                 raise ValueError(
                     f"model.task_parents: {role} {name!r} ({child} -> {parent}) is not one of the dataset's labels "
-                    f"({', '.join(labels)})"
+                    f"({', '.join(labels)}); name this dataset's labels or set model.task_parents = {{}}"
                 )
     order: list[tuple[int, int | None]] = []
     placed: set[str] = set()
