@@ -339,7 +339,7 @@ def test_task_parents_make_love_a_conditional_of_like(arch):
     torch.testing.assert_close(p[:, 1], torch.sigmoid(raw[:, 0]) * torch.sigmoid(raw[:, 1]))
     assert (p[:, 1] <= p[:, 0]).all()
     loss(chained(inp), torch.tensor([[0.0, 0.0]] * 6)).backward()  # love's loss reaches like's tower too
-    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in chained.heads.towers[0].parameters())
+    assert all(w.grad is not None and w.grad.abs().sum() > 0 for w in chained.heads.towers[0].parameters())
 
 
 def test_task_parents_saturated_logits_stay_finite():
