@@ -91,8 +91,10 @@ def check_inputs(recipe: str, data: str | None, nproc: int, feature_port: int, d
 
 def new_run_dir(root: Path, recipe: str) -> Path:
     """runs/<UTC time>-<recipe name> (the file name's stem for a recipe given as a .toml path)."""
+    from gemrec.components.trainer.config import recipe_name
+
     stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
-    recipe = re.sub(r"[^\w.-]+", "-", Path(recipe).stem if recipe.endswith(".toml") else recipe)
+    recipe = recipe_name(recipe)
     run_dir = root / f"{stamp}-{recipe}"
     suffix = 1
     while run_dir.exists():

@@ -20,12 +20,17 @@ CHAMPION_ALIAS = "champion"
 
 
 def run_name(recipe: str, commit: str) -> str:
-    return f"{recipe}@{commit[:8]}"
+    from gemrec.components.trainer.config import recipe_name
+
+    return f"{recipe_name(recipe)}@{commit[:8]}"
 
 
 def model_name(recipe: str) -> str:
-    """One registered model per recipe: a `tiny` run never competes with a `movielens` champion."""
-    return f"gemrec-{recipe}"
+    """One registered model per recipe (built-in name or .toml path): a `tiny` run never competes with a
+    `movielens` champion."""
+    from gemrec.components.trainer.config import recipe_name
+
+    return f"gemrec-{recipe_name(recipe)}"
 
 
 def client(tracking_uri: str):

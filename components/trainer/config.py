@@ -10,6 +10,7 @@ unknown keys and bad values are refused naming section, key, value and what is a
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -317,6 +318,12 @@ def recipe_path(name: str) -> Path:
     )
 
 
+def recipe_name(recipe: str) -> str:
+    """What names a recipe's config, runs, run folders and registered model: a built-in's name or a TOML file's stem,
+    anything but letters, digits, `_`, `.` and `-` replaced by `-` (MLflow model names refuse `/` and `:`)."""
+    return re.sub(r"[^\w.-]+", "-", Path(recipe).stem if recipe.endswith(".toml") else recipe)
+
+
 def balance_linear_weight(config: TrainConfig) -> float:
     """The data service's rank-balancing `linear_weight` for this recipe's model: its sequence layers' per-token
     work against their attention (`balance.transformer_linear_weight`); the default for a model without one."""
@@ -338,4 +345,4 @@ def load_recipe(name: str, overrides: Iterable[str] = (), arch: str | None = Non
     raw = apply_overrides(raw, overrides)
     if arch is not None:
         raw.setdefault("model", {})["arch"] = arch
-    return TrainConfig.from_dict(raw, recipe=path.stem)
+    return TrainConfig.from_dict(raw, recipe=recipe_name(str(path)))

@@ -84,3 +84,14 @@ def test_run_without_a_model_cannot_be_registered(store):
     run_id = train_run(store, "no-model", with_model=False)
     with pytest.raises(LookupError, match="has no logged model"):
         tracking.register(store, run_id, "gemrec-x", {"ne": 0.9}, True, "first", CHECKSUM, "x")
+
+
+def test_a_recipe_given_as_a_path_registers_under_its_file_stem(store, tmp_path):
+    recipe = str(tmp_path / "my recipe:v2.toml")
+    name = tracking.model_name(recipe)
+    assert name == "gemrec-my-recipe-v2" and tracking.run_name(recipe, "0123456789") == "my-recipe-v2@01234567"
+    promote, reason = tracking.decide(0.9, tracking.champion(store, name), CHECKSUM)
+    version = tracking.register(
+        store, train_run(store, "gemrec-train"), name, {"ne": 0.9}, promote, reason, CHECKSUM, recipe
+    )
+    assert tracking.champion(store, name).version == version
