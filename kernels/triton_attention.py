@@ -9,12 +9,12 @@ Masks: each query position sees one interval of keys (`_key_range`: causal, WIND
 position, so a block of queries loops over the key tiles some row sees in up to three runs (`_key_tiles`): masked
 tiles only later rows see, unmasked ones every row sees whole, masked ones at the diagonal and the far edge; the
 backward's key blocks likewise over query tiles (`_query_tiles`). Tiles no row sees are never visited. Without a
-window or block mask the loops are the plain causal ones, bit for bit. RoPE (ROPE, table `rope_frequencies`): q and
-k tiles are rotated as they load (`_rope_load`, halves interleaved: q.k unchanged; the forward's keys and the dK/dV
-kernel's queries also through descriptors of half rows; cos/sin in fp32, the rotation in the inputs' dtype, as a
-separate rotary does it: `_rope_rotate`) and gradients w.r.t. rotated tiles rotated back in fp32 registers before they
-are stored (`_rope_store`; the dK/dV kernel's dQ partials are added up rotated and rotated back once,
-`_rope_dq_kernel`); no rotated copy in memory.
+window or block mask the loops are the plain causal ones, bit for bit. RoPE (ROPE, buffer `rope_table`): q and k
+tiles are rotated as they load (`_rope_load`, halves interleaved: q.k unchanged; the forward's keys and the dK/dV
+kernel's queries also through descriptors of half rows), cos/sin read from a table of every position in the inputs'
+dtype, the rotation in that dtype, as a separate rotary does it (`_rope_rotate`); gradients w.r.t. rotated tiles are
+rotated back in fp32 registers by cos/sin computed in fp32 before they are stored (`_rope_store`; the dK/dV kernel's dQ
+partials are added up rotated and rotated back once, `_rope_dq_kernel`); no rotated copy in memory.
 
 Backward: without score biases one kernel per key block computes dK, dV and adds its share of dQ into an
 fp32 buffer with atomics (5 matmuls per tile pair); with biases (whose gradients come from dQ-side tiles) or
@@ -272,13 +272,36 @@ def _rope_cos_sin(pos, RF, BLOCK_D: tl.constexpr, FAST: tl.constexpr):
 
 
 @triton.jit
+def _rope_origin(RF, X, BLOCK_D: tl.constexpr, ROPE: tl.constexpr):
+    """Position 0's row of the cos/sin table in RF (`rope_table`), in X's dtype: BLOCK_D // 2 cos then BLOCK_D // 2
+    sin per position, positions -ROPE to ROPE - 1."""
+    return (RF + BLOCK_D).to(X.dtype, bitcast=True) + ROPE * BLOCK_D
+
+
+@triton.jit
+def _rope_desc(RF, X, first, length, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr):
+    """Tensor descriptor over the cos/sin rows of positions first .. first + length - 1 (`_rope_origin`), in boxes of
+    BLOCK_R rows by half a row: [r, 0] loads cos, [r, BLOCK_D // 2] sin; rows past the end read zeros."""
+    return tl.make_tensor_descriptor(
+        _rope_origin(RF, X, BLOCK_D, ROPE) + first * BLOCK_D,
+        shape=[length, BLOCK_D],
+        strides=[BLOCK_D, 1],
+        block_shape=[BLOCK_R, BLOCK_D // 2],
+    )
+
+
+@triton.jit
 def _rope_load(
-    X, rows, stride_t, stride_h, h, pos, row_ok, RF, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, FAST: tl.constexpr
+    X, rows, stride_t, stride_h, h, pos, row_ok, RF, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr
 ):
     """A (rows, head_dim) tile of head h rotated by its positions (rotate-half RoPE, in X's dtype: `_rope_rotate`),
     its halves interleaved: column 2m holds rotated column m, column 2m + 1 rotated column m + D/2. q and k get the
-    same order, so q.k is that of the rotated vectors; gradients come back through `_rope_store`."""
-    c, s = _rope_cos_sin(pos, RF, BLOCK_D, FAST)
+    same order, so q.k is that of the rotated vectors; gradients come back through `_rope_store`. cos and sin come
+    from RF's table (`_rope_origin`): loads, no per-element angle arithmetic."""
+    offs = tl.arange(0, BLOCK_D // 2)
+    cs = _rope_origin(RF, X, BLOCK_D, ROPE) + pos[:, None] * BLOCK_D + offs[None, :]
+    c = tl.load(cs, mask=row_ok[:, None], other=0.0)
+    s = tl.load(cs + BLOCK_D // 2, mask=row_ok[:, None], other=0.0)
     return _rope_load_cs(X, rows, stride_t, stride_h, h, row_ok, c, s, HEAD_DIM, BLOCK_D)
 
 
@@ -295,10 +318,10 @@ def _rope_load_cs(X, rows, stride_t, stride_h, h, row_ok, c, s, HEAD_DIM: tl.con
 @triton.jit
 def _rope_rotate(x1, x2, c, s):
     """The rotated, interleaved tile (`_rope_load`) of the halves x1, x2 of a tile's rows, whose cos and sin are c, s
-    (fp32), computed in x1's dtype as a separate rotary on the tensors is: for bf16, cos and sin rounded to bf16 and
-    packed bf16x2 multiplies and FMAs, without converting every element to fp32 and back (on the H200, window 1024 +
-    RoPE forward -5%, block 64 + RoPE forward -10%); the rotated tile's relative error is ~2.4e-3 instead of ~1.7e-3
-    (torch emulation at positions up to 16k, docs/benchmarks.md)."""
+    (the table's, or fp32), computed in x1's dtype as a separate rotary on the tensors is: for bf16, cos and sin in
+    bf16 and packed bf16x2 multiplies and FMAs, without converting every element to fp32 and back (on the H200,
+    window 1024 + RoPE forward -5%, block 64 + RoPE forward -10%); the rotated tile's relative error is ~2.4e-3
+    instead of ~1.7e-3 (torch emulation at positions up to 16k, docs/benchmarks.md)."""
     cl = c.to(x1.dtype)
     sl = s.to(x1.dtype)
     r = tl.join(x1 * cl - x2 * sl, x1 * sl + x2 * cl)
@@ -513,18 +536,17 @@ def _load_kv(
     TMA: tl.constexpr,
     RF,
     HEAD_DIM: tl.constexpr,
-    FAST: tl.constexpr,
     ROPE: tl.constexpr,
 ):
     """The K and V tiles of key rows `cols` (from n0); with TMA, K and V are this sequence's descriptors and
     rows past its length read as zeros; with ROPE, K rotated by the key positions (`_rope_load`; with TMA K's
-    descriptor's boxes are half rows)."""
+    descriptor's boxes are half rows, and RF is the keys' cos/sin descriptor, `_rope_desc`)."""
     if ROPE and TMA:
-        c, s = _rope_cos_sin(cols, RF, offs_d.shape[0], FAST)
-        k = _rope_rotate(K.load([n0, 0]), K.load([n0, HEAD_DIM // 2]), c, s)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        k = _rope_rotate(K.load([n0, 0]), K.load([n0, HALF]), RF.load([n0, 0]), RF.load([n0, HALF]))
         v = V.load([n0, 0])
     elif ROPE:
-        k = _rope_load(K, kv_start + cols, stride_kt, stride_kh, h, cols, col_ok, RF, HEAD_DIM, offs_d.shape[0], FAST)
+        k = _rope_load(K, kv_start + cols, stride_kt, stride_kh, h, cols, col_ok, RF, HEAD_DIM, offs_d.shape[0], ROPE)
         v = _load_tile(V, kv_start + cols, stride_vt, stride_vh, h, offs_d, col_ok[:, None] & d_ok[None, :], True)
     elif TMA:
         k = K.load([n0, 0])
@@ -623,7 +645,6 @@ def _fwd_tile(
         TMA,
         RF,
         HEAD_DIM,
-        FAST,
         ROPE,
     )
     return _fwd_scores(
@@ -857,7 +878,7 @@ def _fwd_kernel(
     d_ok = offs_d < HEAD_DIM
     q_rows = q_start + offs_m
     if ROPE:
-        q = _rope_load(Q, q_rows, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+        q = _rope_load(Q, q_rows, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, ROPE)
     else:
         q = tl.load(
             Q + q_rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
@@ -865,7 +886,8 @@ def _fwd_kernel(
             other=0.0,
         )
     if TMA:
-        if ROPE:  # in halves, rotated as they load (`_load_kv`)
+        if ROPE:  # in halves, rotated as they load (`_load_kv`) by the keys' cos/sin rows
+            RF = _rope_desc(RF, Q, 0, kv_len, BLOCK_N, BLOCK_D, ROPE)
             K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D // 2)
         else:
             K = _seq_desc(K, kv_start, kv_len, stride_kt, stride_kh, h, HEAD_DIM, BLOCK_N, BLOCK_D)
@@ -1169,7 +1191,7 @@ def _fwd_kv_resident_kernel(
     d_ok = offs_d < HEAD_DIM
     kv_rows = kv_start + offs_n
     if ROPE:
-        k = _rope_load(K, kv_rows, stride_kt, stride_kh, h, offs_n, col_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+        k = _rope_load(K, kv_rows, stride_kt, stride_kh, h, offs_n, col_ok, RF, HEAD_DIM, BLOCK_D, ROPE)
         v = _load_tile(V, kv_rows, stride_vt, stride_vh, h, offs_d, col_ok[:, None] & d_ok[None, :], True)
     else:
         k, v = _load_pair(
@@ -1194,7 +1216,7 @@ def _fwd_kv_resident_kernel(
         if ROPE:
             tl.static_assert(not TMA, "RoPE loads go through pointers")
             q = _rope_load(
-                Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
+                Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, ROPE
             )
         elif TMA:
             q = Q.load([m0, 0])
@@ -1328,6 +1350,7 @@ def _bwd_kv_tile(
     DELTA_INLINE: tl.constexpr,
     TMA: tl.constexpr,
     RF,
+    CS,
     HEAD_DIM: tl.constexpr,
     WINDOW: tl.constexpr,
     MASK_BLOCK: tl.constexpr,
@@ -1336,19 +1359,19 @@ def _bwd_kv_tile(
     """One query block's contribution to dK, dV (transposed tiles) and its dQ: FUSE_DQ 1 adds its share into an fp32
     buffer (atomics; with ROPE still rotated); FUSE_DQ 2, where this key block holds every key of the sequence, stores
     the block's whole dQ and the score-bias gradients. With TMA, Q, DO (and Out, read for the softmax delta with
-    DELTA_INLINE) are the sequence's tensor descriptors."""
+    DELTA_INLINE) are the sequence's tensor descriptors, and with ROPE CS the queries' cos/sin one (`_rope_desc`)."""
     BLOCK_D: tl.constexpr = offs_d.shape[0]
     offs_m = m0 + offs_m0
     row_ok = offs_m < q_len
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
     if ROPE and TMA:
-        c, s = _rope_cos_sin(offs_m + shift, RF, BLOCK_D, FAST)
-        q = _rope_rotate(Q.load([m0, 0]), Q.load([m0, HEAD_DIM // 2]), c, s)
+        HALF: tl.constexpr = HEAD_DIM // 2
+        q = _rope_rotate(Q.load([m0, 0]), Q.load([m0, HALF]), CS.load([m0, 0]), CS.load([m0, HALF]))
         do = DO.load([m0, 0])
     elif ROPE:
         q = _rope_load(
-            Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
+            Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, ROPE
         )
         do = _load_tile(DO, o_rows, stride_dot, stride_doh, h, offs_d, qmask, True)
     elif TMA:
@@ -1514,11 +1537,11 @@ def _bwd_kv_setup(
     DELTA_INLINE: tl.constexpr,
     TMA: tl.constexpr,
     RF,
-    FAST: tl.constexpr,
     ROPE: tl.constexpr,
 ):
     """A key block's K (with ROPE rotated) and V tiles (from row n0), its index vectors and masks, and with TMA the
-    sequence's Q, DO (and, for the in-kernel softmax delta, Out) descriptors in place of the pointers."""
+    sequence's Q, DO (and, for the in-kernel softmax delta, Out) descriptors in place of the pointers and with ROPE
+    the queries' cos/sin descriptor CS (else CS is RF)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
@@ -1527,19 +1550,21 @@ def _bwd_kv_setup(
     kv_rows = kv_start + offs_n
     kmask = col_ok[:, None] & d_ok[None, :]
     if ROPE:
-        k = _rope_load(K, kv_rows, stride_kt, stride_kh, h, offs_n, col_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+        k = _rope_load(K, kv_rows, stride_kt, stride_kh, h, offs_n, col_ok, RF, HEAD_DIM, BLOCK_D, ROPE)
         v = _load_tile(V, kv_rows, stride_vt, stride_vh, h, offs_d, kmask, True)
     else:
         k, v = _load_pair(K, V, kv_rows, kv_rows, stride_kt, stride_kh, stride_vt, stride_vh, h, offs_d, kmask, True)
+    CS = RF
     if TMA:
-        if ROPE:  # in halves, rotated as they load (`_bwd_kv_tile`)
+        if ROPE:  # in halves, rotated as they load (`_bwd_kv_tile`) by the queries' cos/sin rows
+            CS = _rope_desc(RF, Q, kv_len - q_len, q_len, BLOCK_M, BLOCK_D, ROPE)
             Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D // 2)
         else:
             Q = _seq_desc(Q, q_start, q_len, stride_qt, stride_qh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
         DO = _seq_desc(DO, o_start, q_len, stride_dot, stride_doh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
         if DELTA_INLINE:
             Out = _seq_desc(Out, o_start, q_len, stride_ot, stride_oh, h, HEAD_DIM, BLOCK_M, BLOCK_D)
-    return k, v, Q, DO, Out, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask
+    return k, v, Q, DO, Out, CS, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask
 
 
 @triton.jit
@@ -1630,7 +1655,7 @@ def _bwd_dkdv_kernel(
     shift = kv_len - q_len
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     ns = _norm_scale(kv_len, norm_scale, NORM)
-    k, v, Q, DO, Out, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask = _bwd_kv_setup(
+    k, v, Q, DO, Out, CS, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask = _bwd_kv_setup(
         Q,
         K,
         V,
@@ -1660,7 +1685,6 @@ def _bwd_dkdv_kernel(
         DELTA_INLINE,
         TMA,
         RF,
-        FAST,
         ROPE,
     )
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -1734,6 +1758,7 @@ def _bwd_dkdv_kernel(
             DELTA_INLINE,
             TMA,
             RF,
+            CS,
             HEAD_DIM,
             WINDOW,
             MASK_BLOCK,
@@ -1802,6 +1827,7 @@ def _bwd_dkdv_kernel(
             DELTA_INLINE,
             TMA,
             RF,
+            CS,
             HEAD_DIM,
             WINDOW,
             MASK_BLOCK,
@@ -1870,6 +1896,7 @@ def _bwd_dkdv_kernel(
             DELTA_INLINE,
             TMA,
             RF,
+            CS,
             HEAD_DIM,
             WINDOW,
             MASK_BLOCK,
@@ -1983,7 +2010,6 @@ def _bwd_q_tile(
         TMA,
         RF,
         HEAD_DIM,
-        FAST,
         ROPE,
     )
     qk = tl.dot(q, tl.trans(k))
@@ -2219,7 +2245,7 @@ def _bwd_dq_kernel(
     o_rows = o_start + offs_m
     qmask = row_ok[:, None] & d_ok[None, :]
     if ROPE:
-        q = _rope_load(Q, q_rows, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST)
+        q = _rope_load(Q, q_rows, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, ROPE)
         do = _load_tile(DO, o_rows, stride_dot, stride_doh, h, offs_d, qmask, True)
     else:
         q, do = _load_pair(Q, DO, q_rows, o_rows, stride_qt, stride_qh, stride_dot, stride_doh, h, offs_d, qmask, True)
@@ -2546,7 +2572,7 @@ def _bwd_kv_resident_kernel(
     EVEN_D: tl.constexpr = BLOCK_D == HEAD_DIM
     DELTA_INLINE: tl.constexpr = MODE == 0
     ns = _norm_scale(kv_len, norm_scale, NORM)
-    k, v, Q, DO, Out, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask = _bwd_kv_setup(
+    k, v, Q, DO, Out, CS, offs_n, offs_m0, offs_d, col_ok, d_ok, kmask = _bwd_kv_setup(
         Q,
         K,
         V,
@@ -2576,7 +2602,6 @@ def _bwd_kv_resident_kernel(
         DELTA_INLINE,
         TMA,
         RF,
-        FAST,
         ROPE,
     )
     dk = tl.zeros((BLOCK_N, BLOCK_D), dtype=tl.float32)
@@ -2644,6 +2669,7 @@ def _bwd_kv_resident_kernel(
             DELTA_INLINE,
             TMA,
             RF,
+            CS,
             HEAD_DIM,
             WINDOW,
             MASK_BLOCK,
@@ -2774,7 +2800,7 @@ def _bwd_q_resident_kernel(
     qmask = row_ok[:, None] & d_ok[None, :]
     if ROPE:
         q = _rope_load(
-            Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, FAST
+            Q, q_start + offs_m, stride_qt, stride_qh, h, offs_m + shift, row_ok, RF, HEAD_DIM, BLOCK_D, ROPE
         )
         do = _load_tile(DO, o_rows, stride_dot, stride_doh, h, offs_d, qmask, True)
     else:
@@ -3363,20 +3389,22 @@ GLUON_CONFIGS = {"fwd": [_gcfg(128, 3), _gcfg(64, 3)]}
 
 def shared_estimate(kind: str, config: dict, consts: dict, itemsize: int) -> int:
     """A tile's shared memory (bytes) as its matrix products' operands take it: the resident tiles once, the streamed
-    ones once per pipeline stage, the backward's transposed score tiles (exact for the forward, within a few percent
-    or above for the rest on sm_90). A pre-filter: fp32 doubles every tile (A's 128x128 forward tile needs 459,776
-    bytes), and what passes is still compiled and checked against the device (`first_fitting`, the tuner)."""
+    ones (with RoPE also the rotated side's cos/sin rows) once per pipeline stage, the backward's transposed score
+    tiles (exact for the forward, within a few percent or above for the rest on sm_90). A pre-filter: fp32 doubles
+    every tile (A's 128x128 forward tile needs 459,776 bytes), and what passes is still compiled and checked against
+    the device (`first_fitting`, the tuner)."""
     bd = consts.get("BLOCK_D", consts["HEAD_DIM"])
     bm, bn = config.get("BLOCK_M", consts.get("BLOCK_M", 0)), config.get("BLOCK_N", consts.get("BLOCK_N", 0))
     stages, block, sub = config.get("num_stages", 1), consts.get("MASK_BLOCK", 0), config.get("SUB_M", 0)
+    rope = 1 if consts.get("ROPE") else 0
     tiles = {
-        "fwd": bm * bd + 2 * stages * bn * bd,
-        "dkdv": 2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm,
-        "bwd1": 2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm,
-        "dq": 2 * bm * bd + 2 * stages * bn * bd + 2 * bn * bm,
-        "fwd_rkv": 2 * bn * bd + stages * bm * bd,
-        "bwd_rkv": 2 * bn * bd + 2 * stages * bm * bd + 2 * bn * bm,
-        "bwd_rq": 2 * bm * bd + 2 * stages * bn * bd + 2 * bn * bm,
+        "fwd": bm * bd + (2 + rope) * stages * bn * bd,
+        "dkdv": 2 * bn * bd + (2 + rope) * stages * bm * bd + 2 * bn * bm,
+        "bwd1": 2 * bn * bd + (2 + rope) * stages * bm * bd + 2 * bn * bm,
+        "dq": 2 * bm * bd + (2 + rope) * stages * bn * bd + 2 * bn * bm,
+        "fwd_rkv": 2 * bn * bd + (1 + rope) * stages * bm * bd,
+        "bwd_rkv": 2 * bn * bd + (2 + rope) * stages * bm * bd + 2 * bn * bm,
+        "bwd_rq": 2 * bm * bd + (2 + rope) * stages * bn * bd + 2 * bn * bm,
         "block_fwd": 2 * block * bd + sub * bd,
         "block_bwd": 2 * block * bd + 2 * sub * bd + 2 * block * sub,
     }.get(kind, 0)
@@ -3747,8 +3775,23 @@ ROPE_HI_BITS = 8  # significant bits of a frequency's high part: pos * hi is exa
 
 
 @functools.cache
+def rope_table(head_dim: int, base: float, block_d: int, dtype, length: int, device) -> torch.Tensor:
+    """The kernels' RoPE buffer, fp32: `rope_frequencies` (for `_rope_cos_sin`, the gradients' rotation in fp32), then
+    the table of `_rope_load` (`_rope_origin`): positions -length to length - 1, each block_d // 2 cos then
+    block_d // 2 sin in `dtype` (zero past head_dim // 2), from float64 angles as `reference.rope_cos_sin`'s. Built on
+    the host and copied, as `rope_frequencies`: never half-built inside a CUDA graph capture."""
+    pos = torch.arange(-length, length, dtype=torch.float64)
+    angles = pos[:, None] * base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    table = torch.zeros(2 * length, 2, block_d // 2, dtype=dtype)
+    table[:, 0, : head_dim // 2] = angles.cos()
+    table[:, 1, : head_dim // 2] = angles.sin()
+    freqs = rope_frequencies(head_dim, base, block_d, torch.device("cpu"))
+    return torch.cat([freqs.flatten(), table.flatten().view(torch.float32)]).to(device)
+
+
+@functools.cache
 def rope_frequencies(head_dim: int, base: float, block_d: int, device) -> torch.Tensor:
-    """The kernels' RoPE table (`_rope_cos_sin`), (2, block_d // 2) fp32: frequency m = base^(-2m/D) / (2 pi) in turns
+    """The RoPE frequencies of `_rope_cos_sin`, (2, block_d // 2) fp32: frequency m = base^(-2m/D) / (2 pi) in turns
     per position, split into a high part of ROPE_HI_BITS significant bits (row 0) and the float64 rest (row 1)."""
     table = torch.zeros(2, block_d // 2, dtype=torch.float64)
     for m in range(head_dim // 2):
@@ -3833,11 +3876,16 @@ class Problem:
             "FAST": not INTERPRET,
             "WINDOW": int(window or 0),
             "MASK_BLOCK": int(block or 0),
-            "ROPE": bool(rope_base),
+            # the RoPE table's positions either side of 0 (`rope_table`): queries sit at -max_q_len or later
+            "ROPE": _pow2_at_least(max(max_q_len, max_kv_len, 16)) if rope_base else 0,
         }
         self.block_d = max(16, _pow2_at_least(self.head_dim))
         self.window, self.mask_block, self.rope_base = int(window or 0), int(block or 0), float(rope_base or 0.0)
-        self.rope = rope_frequencies(self.head_dim, self.rope_base, self.block_d, q.device) if rope_base else q_offsets
+        self.rope = (
+            rope_table(self.head_dim, self.rope_base, self.block_d, q.dtype, self.consts["ROPE"], q.device)
+            if rope_base
+            else q_offsets
+        )
         # what every launch passes unchanged (`kernel_args`); absent timestamps get a dummy tensor
         self.timestamps = (
             q_timestamps if q_timestamps is not None else q_offsets,

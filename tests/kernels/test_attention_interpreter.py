@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from gemrec.kernels import KernelOptions, attention_flops, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels_module
+from gemrec.kernels.reference import rope_cos_sin
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from kernel_harness import GRADIENTS, make_case, max_error, offsets_of, run
@@ -478,6 +479,8 @@ def test_masks_and_rope_with_dq_fused_into_the_key_block_kernel(monkeypatch):
     compare([40, 20], [50, 20], op="silu", seed=36, window=30, block=32, rope_base=1000.0, options=SEPARATE)
     # shared seeds: each sequence's dQ rotated back at its own positions before the sum over sequences
     compare([4], [20, 0, 37], causal=True, seed=37, window=3, rope_base=10.0, options=SEPARATE)
+    # queries longer than their keys: rows at negative positions, whose cos/sin rows lie below the table's position 0
+    compare([50, 9], [20, 3], seed=45, window=40, rope_base=100.0, options=SEPARATE)
 
 
 @triton.jit
@@ -504,6 +507,21 @@ def test_rope_angles_accurate_at_long_positions():
     angles = pos.double()[:, None] * base ** (-2 * torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)
     assert (c.double() - angles.cos()).abs().max() < 2e-5
     assert (s.double() - angles.sin()).abs().max() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_rope_table_holds_every_position_in_the_inputs_dtype(dtype):
+    """`rope_table`: the fp32 frequencies of `_rope_cos_sin` first, then per position -8..7 cos and sin in the inputs'
+    dtype, rounded from float64 angles (`reference.rope_cos_sin`), zero past head_dim // 2."""
+    head_dim, block_d, base = 12, 16, 100.0
+    buf = kernels_module.rope_table(head_dim, base, block_d, dtype, 8, torch.device("cpu"))
+    freqs = kernels_module.rope_frequencies(head_dim, base, block_d, torch.device("cpu"))
+    assert buf.dtype == torch.float32 and torch.equal(buf[:block_d], freqs.flatten())
+    table = buf[block_d:].view(dtype).view(16, 2, block_d // 2)
+    cos, sin = rope_cos_sin(torch.arange(-8, 8), head_dim, base)
+    assert torch.equal(table[:, 0, : head_dim // 2], cos.to(dtype))
+    assert torch.equal(table[:, 1, : head_dim // 2], sin.to(dtype))
+    assert not table[:, :, head_dim // 2 :].any()
 
 
 def test_block_kernel_with_longer_queries_or_keys_and_fp16():
