@@ -54,14 +54,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def configure_logging(verbose: bool, label: str = "") -> None:
+    """Our own loggers speak at INFO; libraries (fbgemm, torchrec, kfp) only from WARNING unless `verbose`. `label`
+    starts every line (an ensemble member's process: "member 1")."""
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format=f"%(asctime)s %(levelname)s {label + ' ' if label else ''}%(name)s: %(message)s",
+    )
+    logging.getLogger("gemrec").setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    # Our own loggers speak at INFO; libraries (fbgemm, torchrec, kfp) only from WARNING unless --verbose.
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    logging.getLogger("gemrec").setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    configure_logging(args.verbose)
     try:
         return int(args.func(args) or 0)
     except CLIError as err:

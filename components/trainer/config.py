@@ -105,8 +105,13 @@ class LoopConfig(Section):
     local_mfu: bool = True  # measure per-layer local MFU (each layer alone) at the end
     local_mfu_repeats: int = 3
     task_weights: dict[str, float] = field(default_factory=dict)  # label -> loss weight (default 1.0)
+    # Members: models trained independently (seeds seed, seed + 1, ...) as concurrent processes that share the
+    # machine's cores (`threads` split among them); the prediction is the mean of their logits plus one offset
+    # fitted on the valid split (components/trainer/ensemble.py). 1 = one model.
+    ensemble: int = 1
 
     def check(self) -> None:
+        self.require(self.ensemble >= 1, "ensemble", "must be >= 1 (1 = one model)")
         self.require(self.steps >= 0, "steps", "must be >= 0 (0 = derive from train.epochs)")
         self.require(self.steps > 0 or self.epochs > 0, "epochs", "must be > 0 when train.steps is 0")
         for key in ("threads", "eval_every", "untimed_steps"):

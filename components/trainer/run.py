@@ -116,9 +116,12 @@ def run_training(
     progress: bool = True,
     log_model: bool = True,
     tracking: bool = True,
+    member_out: Path | None = None,
 ) -> dict:
     """Train, evaluate and log; returns the summary (the --metrics-out content) on rank 0, {} elsewhere.
-    `tracking=False`: no MLflow (the GPU machine has none); the summary still goes to `metrics_out`."""
+    `tracking=False`: no MLflow (the GPU machine has none); the summary still goes to `metrics_out`.
+    `train.ensemble` > 1: the members train as processes of their own (`ensemble.run_ensemble`); `member_out`: this
+    run is one of them (`RunOptions.member_out`)."""
     from gemrec.components.data_service.client import DataServiceTimeout
     from gemrec.components.data_service.errors import DataError
     from gemrec.components.trainer.trainer import RunOptions, Trainer, TrainingError
@@ -139,6 +142,22 @@ def run_training(
             )
         except (DataError, ValueError) as err:
             raise CLIError(f"{dataset}: {err}") from err
+    if config.train.ensemble > 1:
+        from gemrec.components.trainer.ensemble import run_ensemble
+
+        return run_ensemble(
+            config,
+            dataset=dataset,
+            data_addr=data_addr,
+            run_dir=Path(run_dir),
+            tracking_uri=resolve_tracking_uri(tracking_uri),
+            experiment=experiment,
+            metrics_out=metrics_out,
+            resume=resume,
+            device=device,
+            log_model=log_model and tracking,
+            tracking=tracking,
+        )
     if device == "cuda":
         import torch
 
@@ -168,6 +187,7 @@ def run_training(
             progress=progress,
             log_model=log_model and tracking,
             tracking=tracking,
+            member_out=member_out,
         )
         try:
             trainer = Trainer(config, ctx, options, stream, eval_batches, schema, info, valid_batches)

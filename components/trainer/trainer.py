@@ -60,6 +60,9 @@ class RunOptions:
     progress: bool = True
     log_model: bool = True
     tracking: bool = True  # log to MLflow (rank 0); False: the summary goes to `metrics_out` only
+    # An ensemble member's hand-over to its coordinator (`ensemble.py`): the evaluated weights, the training curves
+    # and the training label rates, in one `torch.save` file.
+    member_out: Path | None = None
 
 
 def total_steps_for(config: TrainConfig, batches_per_epoch: int) -> int:
@@ -669,7 +672,15 @@ class Trainer:
                 cfg.train.local_mfu_repeats,
                 compile=cfg.train.compile,
             )
-        exported = self.export_model() if self.options.log_model else None
+        exported = self.export_model() if self.options.log_model or self.options.member_out else None
+        if self.options.member_out is not None and exported is not None:
+            handover = {
+                "model": exported.state_dict(),
+                "history": self.tracker.history,
+                "eval_history": self.tracker.eval_history,
+                "train_rates": self.dataset_info.get("train_base_rates") or self.observed_train_rates(),
+            }
+            torch.save(handover, self.options.member_out)
         if not ctx.is_main or final_eval is None:
             return {}
         layer_rows = [{"name": r.name, "flops": r.flops, "seconds": r.seconds, "mfu": r.mfu} for r in layers]
@@ -696,7 +707,8 @@ class Trainer:
             dataset={"name": self.dataset_info.get("name"), "checksum": self.dataset_info.get("checksum")},
         )
         seen = np.concatenate(self.seen_lengths) if self.seen_lengths else None
-        self.tracker.log_final(summary, layer_rows, peak.as_dict(), seen, cfg.data.max_seq_len, exported)
+        logged = exported if self.options.log_model else None
+        self.tracker.log_final(summary, layer_rows, peak.as_dict(), seen, cfg.data.max_seq_len, logged)
         if self.options.metrics_out:
             write_summary(Path(self.options.metrics_out), summary)
         return summary
