@@ -101,3 +101,38 @@ def test_a_failing_member_is_named(movielens_dataset, tmp_path, train_tiny):
     (run_dir / "member1").write_text("a file where member 1's run folder goes")
     with pytest.raises(CLIError, match=r"ensemble member 1 \(train.seed = 1\) failed: .*member1"):
         train_tiny(movielens_dataset, run_dir, None, "train.ensemble=2")
+
+
+def test_ensemble_from_the_data_service_resumes(movielens_dataset, tmp_path):
+    from gemrec.components.common.grpc_server import Server, ServerOptions
+    from gemrec.components.data_service.dataset import Dataset
+    from gemrec.components.data_service.service import DataLoaderCore, register
+    from gemrec.components.trainer.run import run_training
+
+    server = Server(ServerOptions(port=0), register(DataLoaderCore(Dataset.open(movielens_dataset))))
+    config = load_recipe(
+        "tiny", ["train.steps=6", "checkpoint.every=3", "data.eval_max_examples=256", "train.ensemble=2"]
+    )
+
+    def train(resume: bool) -> dict:
+        return run_training(
+            config,
+            dataset=None,
+            data_addr=f"127.0.0.1:{server.port}",
+            run_dir=tmp_path / "run",
+            tracking_uri=None,
+            experiment="remote",
+            metrics_out=tmp_path / "summary.json",
+            resume=resume,
+            progress=False,
+            tracking=False,
+        )
+
+    try:
+        summary = train(resume=False)
+        assert summary["steps"] == 6 and summary["data"]["source"] == "remote"
+        assert summary["ensemble"]["members"] == 2 and summary["eval_examples"] >= 256
+        resumed = train(resume=True)  # every member resumes from its own step-6 checkpoint: nothing left to train
+        assert resumed["ne"] == summary["ne"] and resumed["ensemble"]["member_ne"] == summary["ensemble"]["member_ne"]
+    finally:
+        server.stop(0)
