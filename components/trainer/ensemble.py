@@ -2,11 +2,12 @@
 
 The members are ordinary training runs (`run_training`, seeds `train.seed + i`, `train.threads` split among them) in
 processes of their own, all at once, each in `run_dir/member<i>` with its own checkpoints (`--resume` resumes each),
-its data stream and its validation, best weights and offsets. When all are done the coordinator loads their
-evaluated weights into one `Ensemble` (the mean of their logits), fits one logit offset per task on the valid split
-of that mean (never on eval), evaluates it on eval and logs one MLflow run: the ensemble's numbers, every member's
-curves and final numbers as `member<i>/*`, the exported `Ensemble`. A member that fails stops the others; the error
-names it and its log lines carry `member <i>`."""
+its data stream and its validation, best weights and offsets. Each hands over its evaluated model and the logits it
+predicted for the valid and eval splits (`Trainer.handover`); the coordinator averages those logits (no second pass
+over the data), fits one logit offset per task on the valid split of that mean (never on eval), computes the eval
+metrics and logs one MLflow run: the ensemble's numbers, every member's curves and final numbers as `member<i>/*`,
+the exported `Ensemble` of the members' models. A member that fails stops the others; the error names it and its log
+lines carry `member <i>`."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ import torch
 from gemrec.cli import CLIError
 from gemrec.components.trainer import metrics as qm
 from gemrec.components.trainer.config import TrainConfig, split_valid_metric
-from gemrec.components.trainer.distributed import DistContext
+from gemrec.components.trainer.evaluate import split_metrics
 from gemrec.components.trainer.tracking import Tracker, run_summary, write_summary
 from gemrec.provenance import git_commit
 
@@ -116,12 +117,7 @@ def run_ensemble(
     tracking: bool,
 ) -> dict:
     """Train `train.ensemble` members, then evaluate and log their ensemble; returns its summary."""
-    from gemrec.components.data_service.errors import DataError
-    from gemrec.components.trainer.data import to_model_input
-    from gemrec.components.trainer.evaluate import Evaluator
-    from gemrec.components.trainer.run import dataset_source, remote_source
-    from gemrec.components.trainer.training import autocast_for
-    from gemrec.model import Ensemble, FeatureSchema, build_model
+    from gemrec.model import Ensemble
 
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise CLIError(
@@ -157,53 +153,31 @@ def run_ensemble(
     summaries = train_members(configs, kwargs)
     train_wall = time.perf_counter() - start
 
-    try:
-        if dataset is not None:
-            _, eval_batches, valid_batches, manifest, info = dataset_source(config, Path(dataset), 0, 1)
-        else:
-            assert data_addr is not None
-            _, eval_batches, valid_batches, manifest, info = remote_source(config, data_addr, 0, 1)
-    except (DataError, ValueError, ConnectionError) as err:
-        raise CLIError(f"{dataset or data_addr}: {err}") from err
-    schema = FeatureSchema.from_manifest(manifest)
-    labels = list(schema.labels)
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    dev = torch.device("cuda:0" if use_cuda else "cpu")
-    if dev.type == "cpu":
-        torch.set_num_threads(config.train.threads or os.cpu_count() or 1)
     handed = [torch.load(path, map_location="cpu", weights_only=False) for path in handovers]
-    members = []
-    for state in handed:
-        member = build_model(config.model, schema, config.kernels)
-        member.load_state_dict(state["model"])
-        members.append(member)
-    model = Ensemble(members, len(labels)).to(dev).eval()
-    ctx = DistContext(device=dev)
-    _, autocast = autocast_for(config.train.precision, dev)
-
-    def to_input(batch):
-        return to_model_input(batch).to(dev, non_blocking=True)
-
+    info = handed[0]["dataset"]
+    labels = list(summaries[0]["ne"])
+    rates = handed[0]["train_rates"]
     valid_result, offsets = None, None
-    if valid_batches is not None and config.train.eval_every > 0:
-        validator = Evaluator(valid_batches, labels, to_input, autocast, ctx, split="valid")
+    if all(h["valid"] is not None for h in handed) and config.train.eval_every > 0:
+        valid_labels, valid_logits = mean_logits([h["valid"] for h in handed], "valid")
         if config.train.calibrate:
-            predicted = validator.predict(model)
-            assert predicted is not None  # one process: rank 0
-            offsets = qm.logit_offsets(*predicted)
-            with torch.no_grad():
-                model.logit_offset += torch.as_tensor(offsets, dtype=model.logit_offset.dtype, device=dev)
-        valid_result = validator.evaluate(model, lambda: handed[0]["train_rates"])
-    evaluator = Evaluator(eval_batches, labels, to_input, autocast, ctx)
-    final_eval = evaluator.evaluate(model, lambda: handed[0]["train_rates"])
-    assert final_eval is not None
+            offsets = qm.logit_offsets(valid_labels, valid_logits)
+            valid_logits = valid_logits + offsets.astype(valid_logits.dtype)
+        valid_result = split_metrics(valid_labels, valid_logits, labels, rates)
+    eval_labels, eval_logits = mean_logits([h["eval"] for h in handed], "eval")
+    if offsets is not None:
+        eval_logits = eval_logits + offsets.astype(eval_logits.dtype)
+    final_eval = split_metrics(eval_labels, eval_logits, labels, rates)
 
+    model = Ensemble([h["model"] for h in handed], len(labels))
+    if offsets is not None:
+        model.logit_offset += torch.as_tensor(offsets, dtype=model.logit_offset.dtype)
     tracker = Tracker(tracking, tracking_uri, experiment, run_name=f"{config.recipe}-{config.model.arch}")
     try:
         summary = _log_ensemble(tracker, config, configs, summaries, handed, final_eval, valid_result, offsets, info)
         summary["mlflow"] = {"tracking_uri": tracking_uri, "experiment": experiment, "run_id": tracker.run_id}
         summary["ensemble"]["train_wall_seconds"] = train_wall
-        exported = model.cpu() if log_model else None
+        exported = model.eval() if log_model else None
         tracker.log_final(summary, [], member_peak(summaries), None, config.data.max_seq_len, exported)
     except BaseException:
         tracker.finish("FAILED")
@@ -212,6 +186,15 @@ def run_ensemble(
     if metrics_out:
         write_summary(Path(metrics_out), summary)
     return summary
+
+
+def mean_logits(predictions: list[tuple[np.ndarray, np.ndarray]], split: str) -> tuple[np.ndarray, np.ndarray]:
+    """(labels, the members' mean logits) of a split; the members must have predicted the same examples."""
+    labels = predictions[0][0]
+    for i, (other, _) in enumerate(predictions[1:], start=1):
+        if other.shape != labels.shape or not np.array_equal(other, labels):
+            raise CLIError(f"ensemble member {i} predicted other {split} examples than member 0: cannot average them")
+    return labels, np.mean([logits for _, logits in predictions], axis=0)
 
 
 def member_peak(summaries: list[dict]) -> dict:

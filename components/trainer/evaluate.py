@@ -79,15 +79,22 @@ class Evaluator:
         if predictions is None:
             self.seconds = time.perf_counter() - start
             return None
-        all_labels, all_logits = predictions
-        result = qm.task_metrics(all_labels, all_logits, self.task_names)
-        for name in self.task_names:
-            rate = rates.get(name)
-            if rate is not None:  # NE of the constant prediction "training base rate", for reference
-                y = all_labels[:, self.task_names.index(name)]
-                result[name]["ne_train_base_rate_predictor"] = qm.normalized_entropy(y, np.full(len(y), rate))
+        result = split_metrics(*predictions, self.task_names, rates)
         self.seconds = time.perf_counter() - start
-        return {"tasks": result, "examples": int(len(all_labels))}
+        return result
+
+
+def split_metrics(labels: np.ndarray, logits: np.ndarray, task_names: Sequence[str], rates: dict[str, float]) -> dict:
+    """An evaluation's result from a split's (N, num_tasks) labels and logits: NE, AUC and calibration per task, and
+    the NE of always predicting the training split's positive rate (`rates`, per label) for reference."""
+    names = list(task_names)
+    result = qm.task_metrics(labels, logits, names)
+    for name in names:
+        rate = rates.get(name)
+        if rate is not None:
+            y = labels[:, names.index(name)]
+            result[name]["ne_train_base_rate_predictor"] = qm.normalized_entropy(y, np.full(len(y), rate))
+    return {"tasks": result, "examples": int(len(labels))}
 
 
 @dataclass

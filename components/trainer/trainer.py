@@ -373,6 +373,10 @@ class Trainer:
         ]
         with torch.no_grad():
             offset += torch.tensor(offsets, dtype=offset.dtype, device=offset.device)
+        if predictions is not None:  # the validator's predictions stay those of the model as it now is
+            labels, logits = predictions
+            self.validator.predictions = (labels, logits + np.asarray(offsets, dtype=logits.dtype))
+        self.validated_step = weights_step
         added = dict(zip(self.task_names, offsets))
         self.tracker.log_metrics(
             {f"valid/logit_offset_{name}": value for name, value in added.items()}, step=weights_step
@@ -399,6 +403,24 @@ class Trainer:
         model = build_model(self.config.model, self.schema, self.config.kernels)
         model.load_state_dict(state)
         return model.eval()
+
+    def handover(self, exported: torch.nn.Module, weights_step: int) -> dict:
+        """What an ensemble member (one process) gives its coordinator: the evaluated weights, their (labels, logits)
+        on the valid split (None without one) and on eval, the training label rates, the curves and the dataset."""
+        valid = None
+        if self.validator is not None:
+            if self.validated_step != weights_step:
+                self.validator.predict(self.training.model)
+            valid = self.validator.predictions
+        return {
+            "model": exported,
+            "valid": valid,
+            "eval": self.evaluator.predictions,
+            "train_rates": self.dataset_info.get("train_base_rates") or self.observed_train_rates(),
+            "history": self.tracker.history,
+            "eval_history": self.tracker.eval_history,
+            "dataset": {key: self.dataset_info.get(key) for key in ("name", "checksum", "train_seq_lengths")},
+        }
 
     def observed_train_rates(self) -> dict[str, float]:
         """Positive rate per label over the training batches this run consumed (all ranks)."""
@@ -462,7 +484,7 @@ class Trainer:
             self.tracker.log_eval(weights_step, final_eval)  # at the step of the weights it evaluated
             if self.unconfirmed is not None and final_eval and all(map(math.isfinite, _losses(final_eval))):
                 self.checkpoints.mark_healthy(self.unconfirmed)  # the last one: no next step, the eval vouches
-            result = self._finish(final_eval, totals, last_input)
+            result = self._finish(final_eval, totals, last_input, weights_step)
         except BaseException:
             self.tracker.finish("FAILED")
             raise
@@ -651,7 +673,7 @@ class Trainer:
                 100 * record["data_wait_share"],
             )
 
-    def _finish(self, final_eval: dict | None, totals: dict[str, float], last_input) -> dict:
+    def _finish(self, final_eval: dict | None, totals: dict[str, float], last_input, weights_step: int) -> dict:
         """Local MFU, the exported model and the report (all ranks take part; the summary on rank 0)."""
         from gemrec.model import build_model, model_flops
 
@@ -674,13 +696,7 @@ class Trainer:
             )
         exported = self.export_model() if self.options.log_model or self.options.member_out else None
         if self.options.member_out is not None and exported is not None:
-            handover = {
-                "model": exported.state_dict(),
-                "history": self.tracker.history,
-                "eval_history": self.tracker.eval_history,
-                "train_rates": self.dataset_info.get("train_base_rates") or self.observed_train_rates(),
-            }
-            torch.save(handover, self.options.member_out)
+            torch.save(self.handover(exported, weights_step), self.options.member_out)
         if not ctx.is_main or final_eval is None:
             return {}
         layer_rows = [{"name": r.name, "flops": r.flops, "seconds": r.seconds, "mfu": r.mfu} for r in layers]

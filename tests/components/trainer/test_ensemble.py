@@ -9,6 +9,7 @@ from gemrec.cli import CLIError
 from gemrec.components.trainer import metrics as qm
 from gemrec.components.trainer.config import load_recipe
 from gemrec.components.trainer.data import to_model_input
+from gemrec.components.trainer.ensemble import mean_logits
 from gemrec.components.trainer.run import dataset_source
 from gemrec.config import ConfigError
 from gemrec.model import Ensemble, FeatureSchema, ModelOutput, build_model
@@ -31,6 +32,13 @@ def test_ensemble_module_averages_logits_and_adds_its_offset():
     assert float(out.aux_loss) == pytest.approx((-1.0 + 3.0) / 2)
     with pytest.raises(ValueError, match="at least one member"):
         Ensemble([], num_tasks=2)
+
+
+def test_members_must_have_predicted_the_same_examples():
+    labels, logits = np.array([[1.0], [0.0]]), np.array([[0.5], [-1.0]])
+    assert np.array_equal(mean_logits([(labels, logits), (labels, 3 * logits)], "eval")[1], 2 * logits)
+    with pytest.raises(CLIError, match="ensemble member 1 predicted other valid examples than member 0"):
+        mean_logits([(labels, logits), (labels[:1], logits[:1])], "valid")
 
 
 def test_ensemble_settings_are_checked(monkeypatch, movielens_dataset, tmp_path, train_tiny):
@@ -67,11 +75,8 @@ def test_ensemble_of_two_members(movielens_dataset, tmp_path, train_tiny):
     config = load_recipe("tiny", ["data.eval_max_examples=256"])
     _, eval_batches, valid_batches, manifest, _ = dataset_source(config, movielens_dataset, 0, 1)
     schema = FeatureSchema.from_manifest(manifest)
-    members = []
-    for i in range(2):
-        member = build_model(config.model, schema)
-        member.load_state_dict(torch.load(run_dir / f"member{i}" / "member.pt", weights_only=False)["model"])
-        members.append(member.eval())
+    members = [torch.load(run_dir / f"member{i}" / "member.pt", weights_only=False)["model"] for i in range(2)]
+    assert all(type(m) is type(build_model(config.model, schema)) for m in members)
     offsets = qm.logit_offsets(*_predict(members, valid_batches))
     eval_labels, eval_logits = _predict(members, eval_batches)
     expected = qm.task_metrics(eval_labels, eval_logits + offsets, list(schema.labels))
