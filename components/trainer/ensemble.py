@@ -220,14 +220,15 @@ def _log_ensemble(
     info: dict,
 ) -> dict:
     """Log the ensemble's run (its config, the members' curves and numbers, valid and eval) and return its summary:
-    training totals are the members' (examples, tokens and FLOPs summed over them, seconds the longest member's),
+    training totals are the members' (examples, tokens and FLOPs summed over them, seconds the longest member's;
+    E2E MFU against the members' peaks summed, each having measured its own share of the machine, as ranks do),
     data-path numbers the worst member's, validation the ensemble's at the members' last step."""
     labels = list(final_eval["tasks"])
     peak = member_peak(summaries)
     steps = max(int(s["steps"]) for s in summaries)
     tracker.log_start(
         config.to_dict(),
-        {**config.flat(), "world_size": 1, "ensemble_seeds": [c.train.seed for c in configs]},
+        {**config.flat(), "world_size": len(configs), "ensemble_seeds": [c.train.seed for c in configs]},
         {
             "git_commit": git_commit(),
             "dataset_checksum": info.get("checksum"),
@@ -273,7 +274,7 @@ def _log_ensemble(
         recipe=config.recipe,
         arch=config.model.arch,
         steps=steps,
-        world_size=1,
+        world_size=len(configs),
         final_eval=final_eval,
         totals=totals,
         data_waits=[],

@@ -68,6 +68,7 @@ def test_ensemble_of_two_members(movielens_dataset, tmp_path, train_tiny):
     single = train_tiny(movielens_dataset, tmp_path / "single", None)
     ensemble = summary["ensemble"]
     assert ensemble["members"] == 2 and ensemble["seeds"] == [0, 1] and ensemble["threads_per_member"] == 1
+    assert summary["world_size"] == 2  # E2E MFU against both members' shares of the machine
     assert ensemble["member_ne"][0] == single["ne"]  # member 0 is the ordinary run of seed 0
     assert ensemble["member_ne"][0] != ensemble["member_ne"][1]
 
