@@ -27,6 +27,7 @@ from gemrec.components.trainer import metrics as qm
 from gemrec.components.trainer.config import TrainConfig, split_valid_metric
 from gemrec.components.trainer.evaluate import split_metrics
 from gemrec.components.trainer.tracking import Tracker, run_summary, write_summary
+from gemrec.components.trainer.trainer import RunOptions
 from gemrec.provenance import git_commit
 
 log = logging.getLogger(__name__)
@@ -103,18 +104,7 @@ def train_members(configs: list[TrainConfig], member_kwargs: list[dict[str, Any]
 
 
 def run_ensemble(
-    config: TrainConfig,
-    *,
-    dataset: Path | None,
-    data_addr: str | None,
-    run_dir: Path,
-    tracking_uri: str,
-    experiment: str,
-    metrics_out: Path | None,
-    resume: bool,
-    device: str,
-    log_model: bool,
-    tracking: bool,
+    config: TrainConfig, options: RunOptions, *, dataset: Path | None, data_addr: str | None, device: str
 ) -> dict:
     """Train `train.ensemble` members, then evaluate and log their ensemble; returns its summary."""
     from gemrec.model import Ensemble
@@ -125,16 +115,16 @@ def run_ensemble(
             "one process (WORLD_SIZE=1), not under a multi-rank torchrun"
         )
     configs = member_configs(config)
-    member_dirs = [run_dir / f"member{i}" for i in range(len(configs))]
+    member_dirs = [options.run_dir / f"member{i}" for i in range(len(configs))]
     handovers = [d / "member.pt" for d in member_dirs]
-    common = dict(dataset=dataset, data_addr=data_addr, tracking_uri=tracking_uri, experiment=experiment)
+    common = dict(dataset=dataset, data_addr=data_addr, tracking_uri=options.tracking_uri, device=device)
     kwargs = [
         dict(
             common,
+            experiment=options.experiment,
             run_dir=d,
             metrics_out=d / "summary.json",
-            resume=resume,
-            device=device,
+            resume=options.resume,
             progress=False,
             log_model=False,
             tracking=False,
@@ -147,7 +137,7 @@ def run_ensemble(
         len(configs),
         [c.train.seed for c in configs],
         configs[0].train.threads,
-        run_dir,
+        options.run_dir,
     )
     start = time.perf_counter()
     summaries = train_members(configs, kwargs)
@@ -172,19 +162,24 @@ def run_ensemble(
     model = Ensemble([h["model"] for h in handed], len(labels))
     if offsets is not None:
         model.logit_offset += torch.as_tensor(offsets, dtype=model.logit_offset.dtype)
-    tracker = Tracker(tracking, tracking_uri, experiment, run_name=f"{config.recipe}-{config.model.arch}")
+    run_name = f"{config.recipe}-{config.model.arch}"
+    tracker = Tracker(options.tracking, options.tracking_uri, options.experiment, run_name=run_name)
     try:
         summary = _log_ensemble(tracker, config, configs, summaries, handed, final_eval, valid_result, offsets, info)
-        summary["mlflow"] = {"tracking_uri": tracking_uri, "experiment": experiment, "run_id": tracker.run_id}
+        summary["mlflow"] = {
+            "tracking_uri": options.tracking_uri,
+            "experiment": options.experiment,
+            "run_id": tracker.run_id,
+        }
         summary["ensemble"]["train_wall_seconds"] = train_wall
-        exported = model.eval() if log_model else None
+        exported = model.eval() if options.log_model else None
         tracker.log_final(summary, [], member_peak(summaries), None, config.data.max_seq_len, exported)
     except BaseException:
         tracker.finish("FAILED")
         raise
     tracker.finish()
-    if metrics_out:
-        write_summary(Path(metrics_out), summary)
+    if options.metrics_out:
+        write_summary(Path(options.metrics_out), summary)
     return summary
 
 

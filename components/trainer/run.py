@@ -142,22 +142,21 @@ def run_training(
             )
         except (DataError, ValueError) as err:
             raise CLIError(f"{dataset}: {err}") from err
+    options = RunOptions(
+        run_dir=Path(run_dir),
+        tracking_uri=resolve_tracking_uri(tracking_uri),
+        experiment=experiment,
+        metrics_out=metrics_out,
+        resume=resume,
+        progress=progress,
+        log_model=log_model and tracking,
+        tracking=tracking,
+        member_out=member_out,
+    )
     if config.train.ensemble > 1:
         from gemrec.components.trainer.ensemble import run_ensemble
 
-        return run_ensemble(
-            config,
-            dataset=dataset,
-            data_addr=data_addr,
-            run_dir=Path(run_dir),
-            tracking_uri=resolve_tracking_uri(tracking_uri),
-            experiment=experiment,
-            metrics_out=metrics_out,
-            resume=resume,
-            device=device,
-            log_model=log_model and tracking,
-            tracking=tracking,
-        )
+        return run_ensemble(config, options, dataset=dataset, data_addr=data_addr, device=device)
     if device == "cuda":
         import torch
 
@@ -178,17 +177,6 @@ def run_training(
             schema = FeatureSchema.from_manifest(manifest)
         except (DataError, ValueError, ConnectionError) as err:
             raise CLIError(f"{dataset or data_addr}: {err}") from err
-        options = RunOptions(
-            run_dir=Path(run_dir),
-            tracking_uri=resolve_tracking_uri(tracking_uri),
-            experiment=experiment,
-            metrics_out=metrics_out,
-            resume=resume,
-            progress=progress,
-            log_model=log_model and tracking,
-            tracking=tracking,
-            member_out=member_out,
-        )
         try:
             trainer = Trainer(config, ctx, options, stream, eval_batches, schema, info, valid_batches)
         except (ValueError, TrainingError) as err:  # the model or the trainer rejects the config
