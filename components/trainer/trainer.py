@@ -60,8 +60,7 @@ class RunOptions:
     progress: bool = True
     log_model: bool = True
     tracking: bool = True  # log to MLflow (rank 0); False: the summary goes to `metrics_out` only
-    # An ensemble member's hand-over to its coordinator (`ensemble.py`): the evaluated weights, the training curves
-    # and the training label rates, in one `torch.save` file.
+    # Where an ensemble member writes what its coordinator (`ensemble.py`) reads back: `Trainer.handover`.
     member_out: Path | None = None
 
 
