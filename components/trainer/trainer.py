@@ -405,7 +405,8 @@ class Trainer:
 
     def handover(self, exported: torch.nn.Module, weights_step: int) -> dict:
         """What an ensemble member (one process) gives its coordinator: the evaluated weights, their (labels, logits)
-        on the valid split (None without one) and on eval, the training label rates, the curves and the dataset."""
+        on the valid split (None without one) and on eval, the training label rates, the training windows and the
+        dataset."""
         valid = None
         if self.validator is not None:
             if self.validated_step != weights_step:
@@ -417,7 +418,6 @@ class Trainer:
             "eval": self.evaluator.predictions,
             "train_rates": self.dataset_info.get("train_base_rates") or self.observed_train_rates(),
             "history": self.tracker.history,
-            "eval_history": self.tracker.eval_history,
             "dataset": {key: self.dataset_info.get(key) for key in ("name", "checksum", "train_seq_lengths")},
         }
 
