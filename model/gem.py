@@ -415,7 +415,7 @@ class GEMModel(nn.Module):
         out_offsets = F.pad(torch.cumsum(lengths, 0), (1, 0))
         total = int(out_offsets[-1])
         shift = torch.repeat_interleave(offsets[:-1][index] - out_offsets[:-1], lengths, output_size=total)
-        return seq[shift + torch.arange(total, device=seq.device)], out_offsets
+        return seq.index_select(0, shift + torch.arange(total, device=seq.device)), out_offsets
 
     def _sequence(self, inp: ModelInput, token_emb, token_example, target_emb) -> torch.Tensor:
         """The sequence tower's output per history token, (T, d_model)."""
@@ -464,11 +464,11 @@ class GEMModel(nn.Module):
         token_example = self._token_example(inp)
         target_emb = None
         if self.seq_input.target_proj is not None:
-            target_emb = example_emb.index_select(1, self.embeddings.token_columns)[token_example]
+            target_emb = example_emb.index_select(1, self.embeddings.token_columns).index_select(0, token_example)
         seq = self._sequence(inp, token_emb, token_example, target_emb)
         summaries = self.pma(seq, offsets, max_len, inp.num_histories)
         if inp.history_index is not None:  # towers ran once per history: each candidate reads its history's tokens
-            summaries = summaries[inp.history_index]
+            summaries = summaries.index_select(0, inp.history_index)
             seq, offsets = self._per_example(seq, offsets, inp.history_index)
         x = self.feature_input(example_emb, inp.dense_features)
         for layer in self.nonseq_tower:

@@ -137,7 +137,7 @@ class MoEFeedForward(nn.Module):
         tokens_per_expert = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat)
         )
-        return x[order // self.top_k], tokens_per_expert, order
+        return x.index_select(0, order // self.top_k), tokens_per_expert, order
 
     def combine(self, y_sorted: torch.Tensor, order: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n = weights.shape[0]
