@@ -129,8 +129,10 @@ class JaggedAttention(nn.Module):
             weight = torch.cat([self.wq.weight, self.wkv.weight])
             bias = torch.cat([self.wq.bias, self.wkv.bias])
             qkv = F.linear(xq, weight, bias).view(xq.shape[0], 3, h, hd)
-            qk = qkv[:, :2] if rope is None else rotate_half(qkv[:, :2], *(t[:, None] for t in rope))
-            (q, k), v = qk.unbind(1), qkv[:, 2]
+            qk, v = qkv.split([2, 1], dim=1)  # backward: one cat (a slice and a select each fill a zero tensor)
+            if rope is not None:
+                qk = rotate_half(qk, *(t[:, None] for t in rope))
+            (q, k), v = qk.unbind(1), v.squeeze(1)
         else:
             if rope is not None:
                 raise ValueError("rotary positions apply to self-attention only")
