@@ -12,6 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 from gemrec.kernels.triton_attention import ACTIVATIONS
+from torch.utils.flop_counter import flop_registry, register_flop_formula, sdpa_flop_count
 
 # A group admits a sequence whose query and key lengths are within this fraction of the group's longest; 0 groups
 # equal lengths only, so the matmuls do exactly the jagged work.
@@ -103,6 +104,28 @@ def _padded_rows(starts: torch.Tensor, lengths: torch.Tensor, padded: torch.Tens
     return torch.where(valid, starts[which] + pos, 0), valid, pos
 
 
+# torch's FlopCounterMode has no formula for the CPU SDPA kernel. Counted as the model counts attention: the matmuls
+# of QK^T and PV forward and their four gradients backward (torch's CUDA formulas add the backward's recompute).
+if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu not in flop_registry:
+
+    @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu)
+    def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    @register_flop_formula(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward)
+    def _cpu_sdpa_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs):
+        return 2 * sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _masked_sdpa(q, k, v, allowed, scale):
+    """Softmax attention through torch's fused CPU/CUDA kernels (no score tensor kept for backward); `allowed`
+    broadcasts to (b, H, lq, lkv). Rows without a visible key attend to every key and are then zeroed."""
+    if allowed is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    any_key = allowed.any(-1, keepdim=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=allowed | ~any_key, scale=scale) * any_key
+
+
 def attention_reference(
     q,
     k,
@@ -167,7 +190,6 @@ def attention_reference(
             cos, sin = rope_cos_sin(q_at, head_dim, rope_base)
             qg = rotate_half(qg, *((cos, sin) if lens_kv is None else (cos[:, None], sin[:, None])))
             kg = rotate_half(kg, *rope_cos_sin(kv_pos, head_dim, rope_base))
-        scores = (torch.matmul(qg, kg.transpose(-1, -2)) * scale).to(compute)  # (b, H, lq, lkv); fp32 under autocast
         allowed = None if lens_kv is None else (kv_pos < lens_kv[:, None])[:, None, None, :]
         rel = q_at[..., :, None] - kv_pos if causal or window or pos_table is not None else None  # ([b,] lq, lkv)
         visible = None
@@ -181,6 +203,9 @@ def attention_reference(
         if visible is not None:
             visible = visible if visible.dim() == 2 else visible[:, None]
             allowed = visible if allowed is None else allowed & visible
+        if activation == "softmax" and ab is None and pos_table is None and time_table is None and not fp8 and lkv:
+            return _masked_sdpa(qg, kg, vg, allowed, scale).transpose(1, 2).reshape(b * lq, heads, -1)
+        scores = (torch.matmul(qg, kg.transpose(-1, -2)) * scale).to(compute)  # (b, H, lq, lkv); fp32 under autocast
         if ab is not None:
             scores = scores + ab.to(compute).transpose(1, 2)
         if pos_table is not None:
@@ -214,7 +239,8 @@ def attention_reference(
         """(num_seqs, length, ...) rows of equal-length sequences: a view, the shared sequence expanded."""
         if shared:
             return x[start : start + length].unsqueeze(0).expand(num_seqs, length, *x.shape[1:])
-        return x[start : start + num_seqs * length].view(num_seqs, length, *x.shape[1:])
+        rows = x if start == 0 and x.shape[0] == num_seqs * length else x[start : start + num_seqs * length]
+        return rows.view(num_seqs, length, *x.shape[1:])  # a slice's backward fills a zero tensor: only if needed
 
     groups = _length_groups(q_len, kv_len, heads, MAX_PADDING if max_padding is None else max_padding)
     if len(groups) == 1 and len(groups[0]) == num_seqs and len(set(q_len)) == len(set(kv_len)) == 1:
@@ -253,9 +279,9 @@ def attention_reference(
     q_split, kv_split = [b * lq for b, lq, _ in sizes], [b * lkv for b, _, lkv in sizes]
     kv_index, out_index = kv_rows.to(device), out_rows.to(device)
     per_group = [
-        q[q_rows.to(device)].split(q_split),
-        k[kv_index].split(kv_split),
-        v[kv_index].split(kv_split),
+        q.index_select(0, q_rows.to(device)).split(q_split),
+        k.index_select(0, kv_index).split(kv_split),
+        v.index_select(0, kv_index).split(kv_split),
         q_lens[members].to(device).split(batches),
         kv_lens[members].to(device).split(batches),
         out_index.split(q_split),
@@ -263,10 +289,10 @@ def attention_reference(
     ]
     outs = [torch.cat([q[:0], k[:0], v[:0]]).to(compute)]  # keeps the result in the graph when no group exists
     for (b, lq, lkv), qg, kg, vg, lens_q, lens_kv, rows, keys in zip(sizes, *per_group):
-        ab = None if attn_bias is None else attn_bias[rows][:, :, :lkv].view(b, lq, heads, lkv)
+        ab = None if attn_bias is None else attn_bias.index_select(0, rows)[:, :, :lkv].view(b, lq, heads, lkv)
         q_ts = None if time_table is None else q_timestamps[rows].view(b, lq)
         kv_ts = None if time_table is None else kv_timestamps[keys].view(b, lkv)
         shape = (b, -1, heads, head_dim)
         outs.append(attend(qg.view(shape), kg.view(shape), vg.view(shape), lens_q, lens_kv, ab, q_ts, kv_ts))
     outs.append(q.new_zeros(1, heads, v.shape[2], dtype=compute))
-    return torch.cat(outs).to(out_dtype)[source_of_row.to(device)]
+    return torch.cat(outs).to(out_dtype).index_select(0, source_of_row.to(device))

@@ -3,6 +3,7 @@ count, and input validation."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gemrec.kernels import RelativeBias, attention_flops, attention_pairs, gdpa, jagged_attention
 from gemrec.kernels import triton_attention as kernels_module
 from gemrec.kernels.reference import attention_reference, pos_bucket, time_bucket
@@ -157,14 +158,13 @@ def test_empty_and_length_one_sequences():
 def test_no_score_tensor_spans_the_whole_batch(monkeypatch):
     # One long sequence among many short ones: the score tensors stay far below B x max_len^2.
     sizes = []
-    matmul = torch.matmul
+    sdpa = F.scaled_dot_product_attention
 
-    def spy(a, b):
-        out = matmul(a, b)
-        sizes.append(out.numel())
-        return out
+    def spy(q, k, v, **kwargs):
+        sizes.append(q.shape[0] * q.shape[1] * q.shape[2] * k.shape[2])  # the scores this call's softmax spans
+        return sdpa(q, k, v, **kwargs)
 
-    monkeypatch.setattr(torch, "matmul", spy)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     lengths = [256] + [2] * 63
     q, k, v = _leaves(lengths, lengths, heads=1, dim=4)
     jagged_attention(q, k, v, offsets_of(lengths), offsets_of(lengths), 256, 256)
