@@ -54,12 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def configure_logging(verbose: bool, label: str = "") -> None:
+def configure_logging(verbose: bool, label: str = "", replace: bool = False) -> None:
     """Our own loggers speak at INFO; libraries (fbgemm, torchrec, kfp) only from WARNING unless `verbose`. `label`
-    starts every line (an ensemble member's process: "member 1")."""
+    starts every line (an ensemble member's process: "member 1"). `replace`: drop the root handlers already there (a
+    fresh process whose imports logged before this call: fbgemm's `logging.info` installs a default one)."""
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING,
         format=f"%(asctime)s %(levelname)s {label + ' ' if label else ''}%(name)s: %(message)s",
+        force=replace,
     )
     logging.getLogger("gemrec").setLevel(logging.DEBUG if verbose else logging.INFO)
 

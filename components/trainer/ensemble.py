@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
 from dataclasses import replace
 from multiprocessing.connection import Connection, wait
@@ -49,12 +50,24 @@ def member_configs(config: TrainConfig) -> list[TrainConfig]:
     ]
 
 
-def _member(index: int, config: TrainConfig, kwargs: dict[str, Any], verbose: bool, conn: Connection) -> None:
+def _exit_with(coordinator: int, poll_seconds: float = 1.0) -> None:
+    """Ends this member's process once the coordinator is gone (killed, so it could not stop its members): no
+    orphan keeps training. Its checkpoints stay for `--resume`."""
+    while os.getppid() == coordinator:
+        time.sleep(poll_seconds)
+    logging.getLogger(__name__).error("the ensemble's coordinator (pid %d) is gone: this member stops", coordinator)
+    os._exit(1)
+
+
+def _member(
+    index: int, config: TrainConfig, kwargs: dict[str, Any], verbose: bool, conn: Connection, coordinator: int
+) -> None:
     """A member's process: train, then send ("ok", summary) or ("error", message) to the coordinator."""
     from gemrec.cli import configure_logging
     from gemrec.components.trainer.run import run_training
 
-    configure_logging(verbose, label=f"member {index}")
+    configure_logging(verbose, label=f"member {index}", replace=True)
+    threading.Thread(target=_exit_with, args=(coordinator,), name="coordinator-watch", daemon=True).start()
     try:
         conn.send(("ok", run_training(config, **kwargs)))
     except CLIError as err:
@@ -74,7 +87,9 @@ def train_members(configs: list[TrainConfig], member_kwargs: list[dict[str, Any]
     processes, conns = [], []
     for index, (config, kwargs) in enumerate(zip(configs, member_kwargs)):
         receive, send = spawn.Pipe(duplex=False)
-        process = spawn.Process(target=_member, args=(index, config, kwargs, verbose, send), name=f"member{index}")
+        process = spawn.Process(
+            target=_member, args=(index, config, kwargs, verbose, send, os.getpid()), name=f"member{index}"
+        )
         process.start()
         send.close()
         processes.append(process)

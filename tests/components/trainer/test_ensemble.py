@@ -2,6 +2,11 @@
 ensemble predicts the mean of their logits plus an offset fitted on valid, is evaluated, logged and exported as one
 model; a failing member is named; bad settings are refused."""
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -142,3 +147,48 @@ def test_ensemble_from_the_data_service_resumes(movielens_dataset, tmp_path):
         assert resumed["ne"] == summary["ne"] and resumed["ensemble"]["member_ne"] == summary["ensemble"]["member_ne"]
     finally:
         server.stop(0)
+
+
+def _children(pid: int, marker: str) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (stat.parent / "cmdline").read_bytes().decode(errors="replace")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == pid and marker in cmdline:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads processes from /proc")
+def test_members_stop_when_the_coordinator_is_killed(movielens_dataset, tmp_path):
+    command = [sys.executable, "-m", "gemrec", "train", "--dataset", str(movielens_dataset), "--recipe", "tiny"]
+    command += ["--set", "train.ensemble=2", "--set", "train.steps=1000000", "--set", "train.local_mfu=false"]
+    log = tmp_path / "train.log"
+    with log.open("w") as stderr:
+        coordinator = subprocess.Popen([*command, "--no-tracking", "--run-dir", str(tmp_path / "run")], stderr=stderr)
+    try:
+        deadline = time.monotonic() + 120
+        while len(members := _children(coordinator.pid, "spawn_main")) < 2 or not all(
+            f" INFO member {i} gemrec.components.trainer." in log.read_text() for i in (0, 1)
+        ):  # both training, their lines labelled
+            assert coordinator.poll() is None and time.monotonic() < deadline, "the members never started"
+            time.sleep(0.2)
+    finally:
+        coordinator.kill()
+        coordinator.wait()
+    deadline = time.monotonic() + 30
+    while any(_alive(pid) for pid in members):
+        assert time.monotonic() < deadline, f"members {members} still run after their coordinator was killed"
+        time.sleep(0.2)
+    assert "member 1 gemrec.components.trainer.ensemble: the ensemble's coordinator" in log.read_text()
