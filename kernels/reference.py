@@ -118,7 +118,7 @@ if torch.ops.aten._scaled_dot_product_flash_attention_for_cpu not in flop_regist
 
 
 def _masked_sdpa(q, k, v, allowed, scale):
-    """Softmax attention through torch's fused CPU/CUDA kernels (no score tensor kept for backward); `allowed`
+    """Softmax attention through torch's SDPA (its fused kernels keep no score tensor for backward); `allowed`
     broadcasts to (b, H, lq, lkv). Rows without a visible key attend to every key and are then zeroed."""
     if allowed is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
