@@ -27,7 +27,17 @@ from gemrec.kernels import KernelOptions
 from gemrec.model.config import FeatureSchema, ModelConfig
 from gemrec.model.embeddings import SparseEmbeddings
 from gemrec.model.inputs import ModelInput, ModelOutput
-from gemrec.model.layers import PMA, Jagged, JaggedAttention, Rotary, SeqLayer, TokenLayer, add, linear_flops
+from gemrec.model.layers import (
+    PMA,
+    FewRowsEmbedding,
+    Jagged,
+    JaggedAttention,
+    Rotary,
+    SeqLayer,
+    TokenLayer,
+    add,
+    linear_flops,
+)
 from gemrec.model.moe import MoEFeedForward
 from torch import nn
 
@@ -180,7 +190,7 @@ class TimeEncoding(nn.Module):
         self.kind = kind
         if kind == "log_bucket":
             self.buckets = buckets
-            self.table = nn.Embedding(buckets, dim)
+            self.table = FewRowsEmbedding(buckets, dim)
             nn.init.normal_(self.table.weight, std=0.02)
         else:
             self.register_buffer("freqs", torch.exp(torch.linspace(0.0, math.log(64.0), dim // 2)), persistent=False)
@@ -197,7 +207,7 @@ class TimeEncoding(nn.Module):
 
     def flops(self, tokens: int) -> tuple[int, int]:
         if self.kind == "log_bucket":
-            return 0, 0
+            return self.table.flops(tokens)
         return linear_flops(tokens, self.proj.in_features, self.proj.out_features, input_grad=False)
 
 
@@ -225,7 +235,7 @@ class SeqInput(nn.Module):
         self.target_proj = nn.Linear(width, config.d_model, bias=False) if config.target_aware else None
         self.action_proj = nn.Linear(schema.num_actions, config.d_model, bias=False) if schema.num_actions else None
         self.time = TimeEncoding(config.time_encoding, config.d_model, config.num_time_buckets)
-        self.recency = nn.Embedding(config.recency_buckets, config.d_model) if config.recency_buckets else None
+        self.recency = FewRowsEmbedding(config.recency_buckets, config.d_model) if config.recency_buckets else None
         if self.recency is not None:
             nn.init.normal_(self.recency.weight, std=0.02)
 
@@ -246,6 +256,8 @@ class SeqInput(nn.Module):
             linear_flops(tokens, self.token_proj.in_features, self.token_proj.out_features),
             self.time.flops(tokens),
         ]
+        if self.recency is not None:
+            parts.append(self.recency.flops(tokens))
         if self.target_proj is not None:
             parts.append(linear_flops(tokens, self.target_proj.in_features, self.target_proj.out_features))
         if self.action_proj is not None:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 from gemrec.kernels.reference import rotate_half
-from gemrec.model.layers import Rotary
+from gemrec.model.layers import FewRowsEmbedding, Rotary
 
 
 def test_rotary_is_a_rotation_that_keeps_only_relative_position():
@@ -45,3 +45,17 @@ def test_rotary_tables_match_the_angles_and_refuse_longer_sequences():
     torch.testing.assert_close(sin[:, 0].double(), angles.sin(), rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="65 tokens is longer than the 64 positions"):
         rotary(positions, 65)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_few_rows_embedding_has_the_gradient_of_an_embedding(compiled):
+    torch.manual_seed(0)
+    ours, plain = FewRowsEmbedding(7, 5), torch.nn.Embedding(7, 5)
+    plain.weight.data.copy_(ours.weight.data)
+    indices = torch.randint(0, 6, (300,))  # row 6 never looked up
+    upstream = torch.randn(300, 5)
+    lookup = torch.compile(ours) if compiled else ours
+    (lookup(indices) * upstream).sum().backward()
+    (plain(indices) * upstream).sum().backward()
+    torch.testing.assert_close(ours.weight.grad, plain.weight.grad)
+    assert ours.weight.grad[6].abs().sum() == 0 and ours.weight.grad[:6].abs().sum() > 0
