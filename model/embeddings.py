@@ -31,19 +31,8 @@ def _check_keys(features, expected: list[str], what: str) -> None:
         raise ValueError(f"{what}: keys {keys} must be exactly the schema's {expected}")
 
 
-@torch.compiler.disable  # inductor cannot emit a sparse gradient: the lookup runs eagerly between compiled graphs
-def _row_sparse_bag(ids, weight, offsets, per_sample_weights):
-    return F.embedding_bag(
-        ids, weight, offsets, mode="sum", per_sample_weights=per_sample_weights, include_last_offset=True, sparse=True
-    )
-
-
 class TorchTables(nn.Module):
-    """All tables as one `(sum of rows, dim)` weight; one fused `embedding_bag` per forward, no host sync.
-
-    `sparse_grad` (set by the trainer when gemrec's row-wise Adagrad updates the weight in backward): the weight's
-    gradient is a sparse tensor of the looked-up rows, so neither a table-sized gradient nor an update of untouched
-    rows is ever made."""
+    """All tables as one `(sum of rows, dim)` weight; one fused `embedding_bag` per forward, no host sync."""
 
     # buffers (registered in __init__)
     row_starts: torch.Tensor
@@ -61,7 +50,6 @@ class TorchTables(nn.Module):
         self.num_features, self.dim = len(sizes), dim
         self.sizes = sizes
         self.names = schema.feature_names
-        self.sparse_grad = False
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -88,12 +76,9 @@ class TorchTables(nn.Module):
             self.mean_pooled[key_of_value], 1.0 / lengths_per_value.clamp(min=1).to(self.weight.dtype), 1.0
         ).to(self.weight.dtype)
         offsets = F.pad(torch.cumsum(lengths, 0), (1, 0))
-        if self.sparse_grad:
-            pooled = _row_sparse_bag(ids, self.weight, offsets, weights)
-        else:
-            pooled = F.embedding_bag(
-                ids, self.weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
-            )
+        pooled = F.embedding_bag(
+            ids, self.weight, offsets, mode="sum", per_sample_weights=weights, include_last_offset=True
+        )
         sizes = [features.numel() * rows for features, rows in blocks]
         return [
             part.view(features.numel(), rows, self.dim).transpose(0, 1)

@@ -17,7 +17,6 @@ import math
 import torch
 from gemrec.components.trainer.config import OptimConfig
 from gemrec.components.trainer.parallel.grads import clip_grad_norm_, total_grad_norm
-from gemrec.model.embeddings import TorchTables
 from torch import nn
 from torch.distributed.optim import _apply_optimizer_in_backward
 from torch.distributed.tensor import DTensor
@@ -27,10 +26,7 @@ log = logging.getLogger(__name__)
 
 class RowWiseAdagrad(torch.optim.Optimizer):
     """Adagrad with one accumulator per table row (FBGEMM's EXACT_ROWWISE_ADAGRAD, torchrec's RowWiseAdagrad
-    without weight or lr decay): sum_r += mean_j g_rj^2, then w_r -= lr * g_r / (sqrt(sum_r) + eps).
-
-    A sparse gradient (the torch tables' `sparse_grad`) updates only its rows, as FBGEMM does; rows without a
-    gradient are left exactly as the dense update leaves them (a zero gradient changes neither sum nor weight)."""
+    without weight or lr decay): sum_r += mean_j g_rj^2, then w_r -= lr * g_r / (sqrt(sum_r) + eps)."""
 
     def __init__(self, params, lr: float = 0.01, eps: float = 1e-10):
         if lr <= 0 or eps < 0:
@@ -44,39 +40,15 @@ class RowWiseAdagrad(torch.optim.Optimizer):
                 grad = param.grad
                 if grad is None:
                     continue
-                if param.ndim != 2:
-                    raise RuntimeError("RowWiseAdagrad updates 2-D table weights (rows x dim)")
+                if grad.is_sparse or param.ndim != 2:
+                    raise RuntimeError("RowWiseAdagrad updates dense 2-D table weights (rows x dim)")
                 state = self.state[param]
                 if "sum" not in state:
                     state["sum"] = torch.zeros(param.shape[0], 1, device=param.device, dtype=torch.float32)
-                if grad.is_sparse:
-                    self._sparse_step(param, grad, state["sum"], group["lr"], group["eps"])
-                    continue
                 row_sq = torch.linalg.vector_norm(grad, dim=1, keepdim=True, dtype=torch.float32).square_()
                 state["sum"].add_(row_sq, alpha=1.0 / param.shape[1])
                 param.addcdiv_(grad, state["sum"].sqrt().add_(group["eps"]), value=-group["lr"])
         return None
-
-    @staticmethod
-    def _sparse_step(param: torch.Tensor, grad: torch.Tensor, row_sum: torch.Tensor, lr: float, eps: float) -> None:
-        """Row-wise Adagrad on an uncoalesced sparse gradient without a host sync (`coalesce` reads its row count on
-        the host): rows sorted, repeats summed into one slot per distinct row; the slots left over hold spread rows with
-        a zero gradient and a zero step, which change neither sums nor weights."""
-        rows, values = grad._indices()[0], grad._values()
-        if rows.numel() == 0:
-            return
-        sorted_rows, order = torch.sort(rows, stable=True)  # repeats summed in one order whatever the threads
-        starts = torch.ones_like(sorted_rows, dtype=torch.bool)
-        starts[1:] = sorted_rows[1:] != sorted_rows[:-1]
-        slot = starts.cumsum(0).sub_(1)
-        summed = torch.zeros_like(values).index_add_(0, slot, values.index_select(0, order))
-        positions = torch.arange(len(slot), device=slot.device)
-        slot_rows = positions.remainder(param.shape[0]).scatter_(0, slot, sorted_rows)  # leftovers: spread, no piling
-        row_sq = torch.linalg.vector_norm(summed, dim=1, keepdim=True, dtype=torch.float32).square_()
-        row_sum.index_add_(0, slot_rows, row_sq, alpha=1.0 / param.shape[1])
-        scale = row_sum.index_select(0, slot_rows).sqrt_().add_(eps).reciprocal_().mul_(-lr)
-        scale.masked_fill_((positions > slot[-1]).unsqueeze(1), 0.0)  # a zero step even where eps = 0
-        param.index_add_(0, slot_rows, summed * scale.to(summed.dtype))
 
 
 def sparse_optimizer_class() -> tuple[type[torch.optim.Optimizer], str]:
@@ -103,22 +75,12 @@ def embedding_parameter_names(model: nn.Module) -> list[str]:
 
 
 def apply_sparse_optimizer(model: nn.Module, config: OptimConfig) -> str:
-    """Attach row-wise Adagrad to every embedding table, run in backward; call before parallelizing. The torch
-    tables get gemrec's `RowWiseAdagrad` and emit row-sparse gradients for it (torchrec's takes dense ones only)."""
+    """Attach row-wise Adagrad to every embedding table, run in backward; call before parallelizing."""
     params = dict(model.named_parameters())
     tables = [params[n] for n in embedding_parameter_names(model) if params[n].requires_grad]
-    torch_tables = [m for m in model.modules() if isinstance(m, TorchTables) and m.weight.requires_grad]
-    row_sparse = {id(m.weight) for m in torch_tables}
     sparse_cls, kind = sparse_optimizer_class()
-    hyper = {"lr": config.sparse_lr, "eps": config.sparse_eps}
-    others = [p for p in tables if id(p) not in row_sparse]
-    if others:
-        _apply_optimizer_in_backward(sparse_cls, others, hyper)
-    if torch_tables:
-        _apply_optimizer_in_backward(RowWiseAdagrad, [m.weight for m in torch_tables], hyper)
-        for module in torch_tables:
-            module.sparse_grad = True
-        return "gemrec RowWiseAdagrad, row-sparse" + (f"; {kind}" if others else "")
+    if tables:
+        _apply_optimizer_in_backward(sparse_cls, tables, {"lr": config.sparse_lr, "eps": config.sparse_eps})
     return kind
 
 

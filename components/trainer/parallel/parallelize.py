@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 from gemrec.components.trainer.parallel.dims import ParallelConfig, ParallelConfigError, ParallelDims
 from gemrec.components.trainer.parallel.expert_parallel import apply_expert_parallel, find_moe_layers
-from gemrec.model.embeddings import TorchTables
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
@@ -185,9 +184,6 @@ def parallelize(
     for param in replicated:
         dist.broadcast(param.data, src=0)
         _average_grad_before_optimizer(param)
-    for module in root.modules():
-        if isinstance(module, TorchTables) and any(module.weight is p for p in replicated):
-            module.sparse_grad = False  # all-reduce averages dense gradients
     table_params |= set(replicated)
     if replicated:
         skip |= {id(m) for m in root.modules() if any(p in table_params for p in m.parameters(recurse=False))}

@@ -231,29 +231,6 @@ def test_rowwise_adagrad_without_torchrec_matches_torchrec():
         RowWiseAdagrad([ours], lr=0.0)
 
 
-def test_rowwise_adagrad_sparse_gradient_updates_only_its_rows_as_the_dense_one():
-    from gemrec.components.trainer.optim import RowWiseAdagrad
-    from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
-
-    gen = torch.Generator().manual_seed(1)
-    start = torch.randn(50, 8, generator=gen)
-    ours, theirs = torch.nn.Parameter(start.clone()), torch.nn.Parameter(start.clone())
-    opt_ours, opt_theirs = RowWiseAdagrad([ours], lr=0.1, eps=1e-8), TorchrecRowWiseAdagrad([theirs], lr=0.1, eps=1e-8)
-    touched = []
-    for _ in range(4):
-        rows = torch.randint(0, 50, (30,), generator=gen)  # repeated rows, uncoalesced as embedding_bag emits them
-        values = torch.randn(30, 8, generator=gen)
-        touched.append(rows)
-        ours.grad = torch.sparse_coo_tensor(rows[None], values, (50, 8), check_invariants=True)
-        theirs.grad = torch.zeros(50, 8).index_add_(0, rows, values)
-        opt_ours.step()
-        opt_theirs.step()
-    torch.testing.assert_close(ours.detach(), theirs.detach())
-    never = torch.ones(50, dtype=torch.bool)
-    never[torch.cat(touched)] = False
-    assert never.any() and torch.equal(ours.detach()[never], start[never])
-
-
 @pytest.mark.parametrize("max_norm", [0.05, 100.0])
 def test_clip_folded_into_fused_adamw_matches_clip_then_step(max_norm):
     overrides = [f"optim.grad_clip={max_norm}", "optim.warmup_steps=0", 'optim.decay="constant"']
@@ -285,80 +262,6 @@ def test_clip_folded_into_fused_adamw_matches_clip_then_step(max_norm):
     assert (norm > max_norm) == (max_norm < 1)  # the small limit clips, the large one does not
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
-
-
-def _toy_schema():
-    from gemrec.model import FeatureSchema
-
-    return FeatureSchema.from_manifest(
-        {
-            "labels": ["like"],
-            "actions": ["like"],
-            "seq_item_features": ["genres"],
-            "dense_features": [],
-            "sparse_features": [
-                {"name": "user_id", "num_embeddings": 10},
-                {"name": "item_id", "source": "item", "num_embeddings": 20},
-                {"name": "genres", "source": "item", "num_embeddings": 5, "multi_valued": True},
-            ],
-        }
-    )
-
-
-def test_torch_tables_row_sparse_update_matches_the_dense_update():
-    from gemrec.model import build_model, train_step
-    from gemrec.model.synthetic import random_input
-
-    schema, config = _toy_schema(), load_recipe("tiny").optim
-    runs = []
-    for sparse in (False, True):
-        torch.manual_seed(0)
-        model = build_model(ModelConfig(embedding_backend="torch", d_model=16, embedding_dim=8), schema)
-        assert apply_sparse_optimizer(model, config).startswith("gemrec RowWiseAdagrad, row-sparse")
-        model.embeddings.tables.sparse_grad = sparse
-        opts = Optimizers(model, config, total_steps=3)
-        gen = torch.Generator().manual_seed(3)
-        for _ in range(3):
-            train_step(
-                model, random_input(schema, 4, 6, generator=gen), torch.ones(4, 1), optimizer_step=opts.clip_and_step
-            )
-        runs.append(model.state_dict())
-    for name, dense in runs[0].items():
-        # Attention key biases get a rounding-noise gradient (softmax is shift-invariant) that AdamW normalises.
-        atol = 1e-4 if name.endswith("wkv.bias") else 1e-6
-        torch.testing.assert_close(runs[1][name], dense, msg=name, rtol=1e-5, atol=atol)
-
-
-def test_torch_tables_row_sparse_gradient_through_inductor():
-    """Inductor cannot emit a sparse gradient: the lookup runs between compiled graphs, and the update is the eager one."""
-    from gemrec.model.embeddings import SparseEmbeddings
-    from gemrec.model.synthetic import random_input
-
-    schema, config = _toy_schema(), load_recipe("tiny").optim
-    tables = []
-    for compiled in (False, True):
-        torch.manual_seed(0)
-        model = torch.nn.ModuleDict(
-            {
-                "emb": SparseEmbeddings(schema, ModelConfig(embedding_backend="torch", embedding_dim=8)),
-                "head": torch.nn.Linear(8, 1),
-            }
-        )
-        apply_sparse_optimizer(model, config)
-        before = model["emb"].tables.weight.detach().clone()
-
-        def loss(inp):
-            example, tokens = model["emb"](inp.sparse_features, inp.seq_item_ids, inp.seq_item_features)
-            return model["head"](torch.cat([example.flatten(0, 1), tokens.flatten(0, 1)])).square().mean()
-
-        run = torch.compile(loss) if compiled else loss
-        gen = torch.Generator().manual_seed(3)
-        for _ in range(2):
-            run(random_input(schema, 4, 6, generator=gen)).backward()
-        weight = model["emb"].tables.weight
-        assert weight.grad is None and 0 < int((weight.detach() != before).any(1).sum()) < weight.shape[0]
-        tables.append(weight.detach().clone())
-    torch.testing.assert_close(tables[1], tables[0], rtol=1e-5, atol=1e-6)
 
 
 def test_weight_average_follows_the_weights_and_is_applied_only_inside_its_block():
