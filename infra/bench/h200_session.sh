@@ -61,7 +61,8 @@ want() { [[ $parts == *",$1,"* ]]; }
 if want tests; then
   run gpu_tests python3 -m pytest -q -p no:cacheprovider -n 8 -m gpu tests/kernels/test_attention_gpu.py \
     tests/kernels/test_fp8_gpu.py tests/kernels/test_fp8_attention_gpu.py tests/model/test_model_attention.py \
-    tests/model/test_model_masks.py tests/model/test_model_step.py tests/components/trainer/test_memory_plan.py
+    tests/model/test_model_masks.py tests/model/test_model_step.py tests/model/test_model_layers.py \
+    tests/components/trainer/test_memory_plan.py
 fi
 if want kernels; then
   kernel_extras() {
