@@ -132,9 +132,11 @@ TUNED_FITS = {  # launch -> how many of `fp8.GEMM_TUNED` it may take
 }
 
 
-def test_every_tuned_gemm_config_is_the_default_launch_bit_for_bit():
+def test_every_tuned_gemm_config_is_the_default_launch():
     """Each autotuner candidate (`fp8.GEMM_TUNED`, as `fp8._config_fits` prunes them) at each kind of launch gives the
-    interpreter's own launch (128x128 tiles) bit for bit: whichever the autotuner picks on the GPU, the same values."""
+    interpreter's own launch (128x128 tiles) to fp32 rounding: whichever the autotuner picks on the GPU, the same
+    values. (Not bit for bit here: the interpreter's numpy matmul may sum a tile's dot products in an order that
+    depends on the tile's shape, ~5e-9 apart on an AMD EPYC host.)"""
     assert len(fp8.GEMM_TUNED) == 5
     for name, (args, kw, (grouped_m, tile_b)) in _tuned_launches().items():
         default = fp8.gemm(*args, **kw)
@@ -142,7 +144,7 @@ def test_every_tuned_gemm_config_is_the_default_launch_bit_for_bit():
         fits = [c for c in fp8.GEMM_TUNED if fp8._config_fits(c, grouped_m=grouped_m, tile_b=tile_b, tma_ok=tma_ok)]
         assert len(fits) == TUNED_FITS[name], name
         for config in fits:
-            assert torch.equal(fp8.gemm(*args, **kw, config=config), default), (name, config)
+            assert _rel(fp8.gemm(*args, **kw, config=config), default) < 1e-7, (name, config)
 
 
 def test_mlp_op_forward_and_backward_match_reference():
@@ -244,7 +246,7 @@ def test_gemm_sweep_variants_match_the_default_launch_and_the_fastest_wins():
     for site in sites:
         ours = [r for r in result["rows"] if r["site"] == site.name and r["variant"] == "ours"]
         assert [r["config"] for r in ours] == configs[site.kind]
-        assert all(r["err"] == 0.0 for r in ours), [(r["config"], r["err"]) for r in ours]
+        assert all(r["err"] < 1e-7 for r in ours), [(r["config"], r["err"]) for r in ours]  # fp32 rounding
         assert result["best"][site.name]["config"] == configs[site.kind][-1]
         assert result["best"][site.name]["tflops"] == pytest.approx(site.flops / ours[-1]["ms"] / 1e9)
 
