@@ -144,7 +144,7 @@ class Optimizers:
             # The fused kernel divides each gradient by `grad_scale` as it reads it (the AMP unscaling hook): the
             # clip costs no pass of its own over the gradients.
             norm = total_grad_norm(grads)
-            self.dense.grad_scale = torch.clamp((norm + 1e-6) / clip, min=1.0).float()  # type: ignore[attr-defined]
+            self.dense.grad_scale = torch.clamp((norm + 1e-6) / clip, min=1.0)  # type: ignore[attr-defined]
         elif clip > 0 and grads:
             # Mesh-aware: under expert parallelism the gradients are DTensors on different meshes.
             norm = clip_grad_norm_(grads, clip)
